@@ -1,0 +1,72 @@
+"""kvspec: describe, plan and manage the KV cache of LLM inference engines.
+
+Public API (stable, typed)::
+
+    from kvspec_core import load_plugins, SizingContext, FullAttentionSpec
+    manager = load_plugins()            # core families + installed plugins
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidFieldError,
+    KVSpecError,
+    MergeError,
+    MissingFamilyError,
+    PluginError,
+)
+from kvspec_core.kv_dtypes import KVCacheDtype, KVQuantMode
+from kvspec_core.models.layer import AttentionShape, LayerConfig, PlanOptions
+from kvspec_core.plugins import CONTRACT_VERSION, PluginManager, hookimpl
+from kvspec_core.specs import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVSpec,
+    SinkFullAttentionSpec,
+    UniformTypeSpecs,
+)
+
+__version__ = "0.1.0"
+
+
+def load_plugins(environ: Mapping[str, str] | None = None) -> PluginManager:
+    """A fresh :class:`PluginManager` with the core families and installed plugins loaded."""
+    manager = PluginManager()
+    manager.load_entry_points(dict(environ) if environ is not None else None)
+    return manager
+
+
+__all__ = [
+    "CONTRACT_VERSION",
+    "AttentionShape",
+    "AttentionSpec",
+    "CapacityError",
+    "ConfigError",
+    "CrossAttentionSpec",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "InvalidFieldError",
+    "KVCacheDtype",
+    "KVQuantMode",
+    "KVSpec",
+    "KVSpecError",
+    "LayerConfig",
+    "MergeError",
+    "MissingFamilyError",
+    "PlanOptions",
+    "PluginError",
+    "PluginManager",
+    "SinkFullAttentionSpec",
+    "SizingContext",
+    "UniformTypeSpecs",
+    "__version__",
+    "hookimpl",
+    "load_plugins",
+]

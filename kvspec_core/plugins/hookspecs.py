@@ -1,0 +1,91 @@
+"""The hooks a kvspec plugin may implement (contract version 1).
+
+Registration hooks follow the "register callback" style: the core calls each plugin's
+implementation on its own with a ``register`` function bound to that plugin, validates
+everything handed to it, and applies a plugin's registrations all together or not at all.
+None of these hooks is ``firstresult`` or ``historic``: the core calls every implementation
+itself, one plugin at a time, so one plugin raising never aborts another's call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvspec_core.plugins.contract import hookspec
+
+if TYPE_CHECKING:
+    from kvspec_core.kv_dtypes import KVCacheDtype
+    from kvspec_core.models.layer import LayerConfig
+    from kvspec_core.specs.base import KVSpec
+
+
+class RegisterSpecKind(Protocol):
+    """``register(spec_class, uniform_base=None)``: add a spec kind owned by the caller."""
+
+    def __call__(self, spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None) -> None:
+        ...
+
+
+class RegisterKVDtype(Protocol):
+    """``register(kv_dtype)``: add a KV-cache dtype name owned by the caller."""
+
+    def __call__(self, kv_dtype: KVCacheDtype) -> None:
+        ...
+
+
+class RegisterRuntimeRules(Protocol):
+    """``register(kind, rules)``: runtime rules for a kind the caller registered."""
+
+    def __call__(self, kind: str, rules: Any) -> None:
+        ...
+
+
+@hookspec
+def kvspec_register_spec_kinds(register: RegisterSpecKind) -> None:
+    """Register the spec classes this plugin provides (since contract 1).
+
+    Call ``register(SpecClass)`` once per class. ``SpecClass`` is a frozen attrs subclass of
+    :class:`kvspec_core.KVSpec` with a unique ``kind`` class variable. ``uniform_base`` names
+    the class whose instances may share a uniform-type group with it (default: the nearest
+    registered ancestor's base, else the class itself). A kind registered by another plugin
+    is refused naming both plugins. Not firstresult; return value ignored.
+    """
+
+
+@hookspec
+def kvspec_register_kv_dtypes(register: RegisterKVDtype) -> None:
+    """Register KV-cache dtypes (name, storage dtype, quant mode) (since contract 1).
+
+    Call ``register(KVCacheDtype(...))``; the name becomes valid for ``--kv-cache-dtype``.
+    A name another plugin registered differently is refused. Not firstresult.
+    """
+
+
+@hookspec
+def kvspec_layer_spec(layer: LayerConfig) -> KVSpec | None:
+    """Return the spec of ``layer`` if this plugin's family owns it, else ``None`` (since 1).
+
+    Called once per plugin per layer. Exactly one plugin must claim each layer: none is
+    refused naming the layer, its type and the distribution that provides it; two are
+    refused naming both plugins. Raise :class:`kvspec_core.errors.ConfigError` naming the
+    config field when the layer is yours but its fields are invalid. Not firstresult.
+    """
+
+
+@hookspec
+def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
+    """Register runtime allocator rules for kinds this plugin registered (since contract 1).
+
+    ``rules`` implements :class:`kvspec_core.runtime.rules.FamilyRules` (tokens that can be
+    dropped, longest resumable cache hit, blocks to allocate). Kinds without rules use full
+    attention's. Not firstresult.
+    """
+
+
+#: Every hook name, in the order the core calls them.
+HOOK_NAMES = (
+    "kvspec_register_spec_kinds",
+    "kvspec_register_kv_dtypes",
+    "kvspec_register_runtime_rules",
+    "kvspec_layer_spec",
+)

@@ -1,0 +1,32 @@
+"""Which distribution provides each family, so a missing one is named in errors."""
+
+from __future__ import annotations
+
+#: Spec kind name -> distribution that registers it.
+KIND_DISTRIBUTIONS: dict[str, str] = {
+    "mla_attention": "kvspec-mla",
+    "sliding_window_mla": "kvspec-mla",
+    "hidden_state_cache": "kvspec-mla",
+    "circular_buffer": "kvspec-mla",
+    "mamba": "kvspec-mamba",
+    "sliding_window": "kvspec-sliding-window",
+    "reference_sliding_window": "kvspec-sliding-window",
+    "kpool_tail": "kvspec-sliding-window",
+    "chunked_local_attention": "kvspec-chunked-local",
+    "hisparse_hot": "kvspec-hisparse",
+    "hisparse_resident": "kvspec-hisparse",
+}
+
+#: Normalised layer type (see ``LayerConfig.layer_type``) -> distribution that claims it.
+LAYER_TYPE_DISTRIBUTIONS: dict[str, str] = {
+    "mla_attention": "kvspec-mla",
+    "sliding_mla_attention": "kvspec-mla",
+    "mamba": "kvspec-mamba",
+    "linear_attention": "kvspec-mamba",
+    "sliding_attention": "kvspec-sliding-window",
+    "chunked_attention": "kvspec-chunked-local",
+}
+
+
+def install_hint(distribution: str) -> str:
+    return f"pip install {distribution}"

@@ -1,0 +1,102 @@
+"""Finding plugins through entry points, with the allow-list and strict mode."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import importlib_metadata
+
+from kvspec_core.errors import PluginError
+from kvspec_core.plugins.contract import ENTRY_POINT_GROUP
+from kvspec_core.plugins.manager import PluginFailure
+
+if TYPE_CHECKING:
+    from kvspec_core.plugins.manager import PluginManager
+
+#: Comma-separated entry-point names to load; unset loads all, empty loads none.
+ALLOW_LIST_VAR = "KVSPEC_PLUGINS"
+#: ``1`` makes any plugin that fails to load an error.
+STRICT_VAR = "KVSPEC_STRICT_PLUGINS"
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin failed to load; the others keep working."""
+
+
+def allowed_names(environ: Mapping[str, str]) -> set[str] | None:
+    """The allow-list from ``KVSPEC_PLUGINS``: ``None`` for all, empty set for none."""
+    raw = environ.get(ALLOW_LIST_VAR)
+    if raw is None:
+        return None
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def is_strict(environ: Mapping[str, str]) -> bool:
+    return environ.get(STRICT_VAR, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _dist_of(entry_point: importlib_metadata.EntryPoint) -> tuple[str | None, str | None]:
+    dist = entry_point.dist
+    if dist is None:
+        return None, None
+    return dist.name, dist.version
+
+
+def load_entry_points(manager: PluginManager, environ: Mapping[str, str] | None = None) -> None:
+    """Load every allowed ``kvspec.plugins`` entry point into ``manager``.
+
+    A plugin that fails (import error, raising hook, wrong contract version, a kind another
+    plugin owns, an entry-point name two distributions share) is recorded in
+    ``manager.failures`` and warned about; with ``KVSPEC_STRICT_PLUGINS=1`` it raises.
+    """
+    env = os.environ if environ is None else environ
+    allow = allowed_names(env)
+    strict = is_strict(env)
+    by_name: dict[str, list[importlib_metadata.EntryPoint]] = {}
+    for entry_point in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        by_name.setdefault(entry_point.name, []).append(entry_point)
+
+    def fail(name: str, distribution: str | None, version: str | None, error: str) -> None:
+        failure = PluginFailure(name=name, distribution=distribution, version=version, error=error)
+        if failure not in manager.failures:
+            manager.failures.append(failure)
+        message = f"kvspec plugin {name!r}" + (
+            f" from distribution {distribution} {version}" if distribution else ""
+        ) + f" failed to load: {error}"
+        if strict:
+            raise PluginError(message + f" ({STRICT_VAR}=1)")
+        warnings.warn(message, PluginLoadWarning, stacklevel=3)
+
+    if allow is not None:
+        for unknown in sorted(allow - set(by_name)):
+            fail(unknown, None, None,
+                 f"{ALLOW_LIST_VAR} names {unknown!r} but no installed distribution provides an "
+                 f"entry point of that name in group {ENTRY_POINT_GROUP!r}")
+
+    for name in sorted(by_name):
+        if allow is not None and name not in allow:
+            continue
+        if manager.is_loaded(name):
+            continue
+        entry_points = by_name[name]
+        distributions = sorted({str(_dist_of(ep)[0]) for ep in entry_points})
+        if len(distributions) > 1:
+            fail(name, ", ".join(distributions), None,
+                 f"entry point name {name!r} is provided by several distributions "
+                 f"({', '.join(distributions)}); uninstall all but one")
+            continue
+        entry_point = entry_points[0]
+        distribution, version = _dist_of(entry_point)
+        try:
+            plugin = entry_point.load()
+        except Exception as error:  # an import failure of any kind must not take others down
+            fail(name, distribution, version,
+                 f"importing {entry_point.value} raised {type(error).__name__}: {error}")
+            continue
+        try:
+            manager.register(plugin, name, distribution=distribution, version=version)
+        except PluginError as error:
+            fail(name, distribution, version, str(error))

@@ -1,0 +1,234 @@
+"""The typed plugin-manager facade: the only code that talks to pluggy.
+
+Every hook is called through a method here, one plugin at a time, so failures are
+attributed to the plugin that caused them and never abort another plugin's call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import pluggy
+
+from kvspec_core.errors import KVSpecError, PluginError
+from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
+from kvspec_core.models.layer import LayerConfig
+from kvspec_core.plugins import hookspecs
+from kvspec_core.plugins.contract import CONTRACT_VERSION, PROJECT_NAME
+from kvspec_core.plugins.registry import SpecRegistry
+from kvspec_core.specs.base import KVSpec
+
+#: Name the core's own families are registered under.
+CORE_PLUGIN_NAME = "core"
+
+
+@attrs.frozen(kw_only=True)
+class PluginInfo:
+    """A loaded plugin, as ``kvspec plugins`` reports it."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    spec_kinds: tuple[str, ...]
+    hooks: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class PluginFailure:
+    """A plugin that did not load, and why."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    error: str
+
+
+class PluginManager:
+    """Plugins, spec kinds, KV dtypes and runtime rules of one kvspec session.
+
+    Create one per engine (or per test); nothing is global. ``PluginManager()`` holds the
+    core's own families; call :meth:`load_entry_points` (or :func:`kvspec_core.load_plugins`)
+    to add installed plugins.
+    """
+
+    def __init__(self, *, include_core: bool = True) -> None:
+        self._pm = pluggy.PluginManager(PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self.spec_kinds = SpecRegistry()
+        self.kv_dtypes = KVDtypeRegistry()
+        self._runtime_rules: dict[str, tuple[str, Any]] = {}
+        self._infos: dict[str, PluginInfo] = {}
+        self.failures: list[PluginFailure] = []
+        if include_core:
+            from kvspec_core.plugins import builtin
+
+            from kvspec_core import __version__
+
+            self.register(builtin, CORE_PLUGIN_NAME, distribution="kvspec-core", version=__version__)
+
+    # ----------------------------------------------------------------- registration
+    @property
+    def plugins(self) -> list[PluginInfo]:
+        """Loaded plugins in registration order."""
+        return list(self._infos.values())
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._infos
+
+    def register(
+        self,
+        plugin: object,
+        name: str,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+    ) -> PluginInfo:
+        """Register ``plugin`` (a module or object with hook implementations).
+
+        It must declare ``kvspec_contract_version == CONTRACT_VERSION``. Its registration
+        hooks run at once; if any of them fails, nothing it registered is kept and
+        :class:`PluginError` names the plugin, its distribution and the cause.
+        """
+        label = f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "")
+        if name in self._infos:
+            raise PluginError(f"{label}: a plugin named {name!r} is already registered")
+        declared = getattr(plugin, "kvspec_contract_version", None)
+        if declared is None:
+            raise PluginError(
+                f"{label} does not declare kvspec_contract_version; this core implements "
+                f"contract {CONTRACT_VERSION}"
+            )
+        if declared != CONTRACT_VERSION:
+            raise PluginError(
+                f"{label} targets hook contract version {declared!r}, but this kvspec-core "
+                f"implements version {CONTRACT_VERSION}; install a {name} release built for "
+                f"contract {CONTRACT_VERSION}"
+            )
+        try:
+            self._pm.register(plugin, name=name)
+            self._pm.check_pending()
+        except (ValueError, pluggy.PluginValidationError) as error:
+            if self._pm.is_registered(plugin):
+                self._pm.unregister(plugin)
+            raise PluginError(f"{label} has invalid hook implementations: {error}") from error
+        try:
+            self._run_registration_hooks(plugin, name)
+        except Exception as error:
+            self._rollback(plugin, name)
+            if isinstance(error, PluginError):
+                raise PluginError(f"{label}: {error}") from error
+            raise PluginError(
+                f"{label} raised {type(error).__name__} while registering: {error}"
+            ) from error
+        hooks = tuple(
+            hook for hook in hookspecs.HOOK_NAMES if self._impls_of(hook, plugin)
+        )
+        info = PluginInfo(
+            name=name,
+            distribution=distribution,
+            version=version,
+            spec_kinds=tuple(self.spec_kinds.kinds(owner=name)),
+            hooks=hooks,
+        )
+        self._infos[name] = info
+        return info
+
+    def unregister(self, name: str) -> None:
+        """Remove a plugin and everything it registered."""
+        plugin = self._pm.get_plugin(name)
+        if plugin is None:
+            raise PluginError(f"no plugin named {name!r} is registered")
+        self._rollback(plugin, name)
+        del self._infos[name]
+
+    def _rollback(self, plugin: object, name: str) -> None:
+        self.spec_kinds.remove_owner(name)
+        self.kv_dtypes.remove_owner(name)
+        for kind in [k for k, (owner, _) in self._runtime_rules.items() if owner == name]:
+            del self._runtime_rules[kind]
+        if self._pm.is_registered(plugin):
+            self._pm.unregister(plugin)
+
+    def _impls_of(self, hook_name: str, plugin: object) -> list[Any]:
+        caller = getattr(self._pm.hook, hook_name)
+        return [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
+
+    def _call_impl(self, impl: Any, **kwargs: Any) -> Any:
+        # pluggy passes only the arguments an implementation names; do the same.
+        return impl.function(*(kwargs[arg] for arg in impl.argnames))
+
+    def _run_registration_hooks(self, plugin: object, name: str) -> None:
+        def register_kind(spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None) -> None:
+            self.spec_kinds.add(self.spec_kinds.check(spec_class, name, uniform_base))
+
+        def register_kv_dtype(kv_dtype: KVCacheDtype) -> None:
+            self.kv_dtypes.register(kv_dtype, name)
+
+        def register_rules(kind: str, rules: Any) -> None:
+            owner = self.spec_kinds.owner_of(kind)
+            if owner != name:
+                raise PluginError(
+                    f"runtime rules for kind {kind!r}, which plugin {owner!r} owns"
+                )
+            self._runtime_rules[kind] = (name, rules)
+
+        registrations: list[tuple[str, Callable[..., None]]] = [
+            ("kvspec_register_spec_kinds", register_kind),
+            ("kvspec_register_kv_dtypes", register_kv_dtype),
+            ("kvspec_register_runtime_rules", register_rules),
+        ]
+        for hook_name, register in registrations:
+            for impl in self._impls_of(hook_name, plugin):
+                self._call_impl(impl, register=register)
+
+    # ----------------------------------------------------------------- loading
+    def load_entry_points(self, environ: dict[str, str] | None = None) -> None:
+        """Load installed plugins from the ``kvspec.plugins`` entry-point group.
+
+        Honors ``KVSPEC_PLUGINS`` and ``KVSPEC_STRICT_PLUGINS`` from ``environ`` (default:
+        ``os.environ``). Idempotent: plugins already loaded are skipped.
+        """
+        from kvspec_core.plugins.loading import load_entry_points
+
+        load_entry_points(self, environ)
+
+    # ----------------------------------------------------------------- typed hook calls
+    def layer_specs(self, layer: LayerConfig) -> list[tuple[str, KVSpec]]:
+        """Every (plugin name, spec) claim for ``layer``, in registration order."""
+        claims: list[tuple[str, KVSpec]] = []
+        for plugin_name, impl in self._impls_in_order("kvspec_layer_spec"):
+            try:
+                spec = self._call_impl(impl, layer=layer)
+            except KVSpecError:
+                raise
+            except Exception as error:
+                raise PluginError(
+                    f"plugin {plugin_name!r} raised {type(error).__name__} in kvspec_layer_spec "
+                    f"for layer {layer.name} ({layer.layer_type}): {error}"
+                ) from error
+            if spec is None:
+                continue
+            if not isinstance(spec, KVSpec):
+                raise PluginError(
+                    f"plugin {plugin_name!r} returned {spec!r} for layer {layer.name}; "
+                    "kvspec_layer_spec must return a KVSpec or None"
+                )
+            self.spec_kinds.entry_of(spec)
+            claims.append((plugin_name, spec))
+        return claims
+
+    def runtime_rules(self, kind: str) -> Any | None:
+        """Rules a plugin registered for ``kind``, or ``None`` (full attention's apply)."""
+        entry = self._runtime_rules.get(kind)
+        return entry[1] if entry is not None else None
+
+    def _impls_in_order(self, hook_name: str) -> Iterator[tuple[str, Any]]:
+        caller = getattr(self._pm.hook, hook_name)
+        impls = {id(impl.plugin): impl for impl in caller.get_hookimpls()}
+        for name in self._infos:
+            plugin = self._pm.get_plugin(name)
+            impl = impls.get(id(plugin))
+            if impl is not None:
+                yield name, impl

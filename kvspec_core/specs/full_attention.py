@@ -1,0 +1,59 @@
+"""Full attention and sink full attention: every token of the request stays cached."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import attrs
+
+from kvspec_core._math import cdiv
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import MergeError
+from kvspec_core.specs.attention import AttentionSpec
+from kvspec_core.specs.base import SpecT
+from kvspec_core.validation import is_bool, non_negative_int, optional, positive_int
+
+
+@attrs.frozen(kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Attention over the whole request.
+
+    When no hybrid planner is used, sliding-window or chunked layers may be planned as full
+    attention (blocks for every token) while computed locally; ``sliding_window`` /
+    ``attention_chunk_size`` record that for kernels, and ``non_causal`` marks prefix-LM layers.
+    """
+
+    kind: ClassVar[str] = "full_attention"
+    merge_any_fields: ClassVar[frozenset[str]] = frozenset({"non_causal"})
+    merge_optional_fields: ClassVar[frozenset[str]] = frozenset(
+        {"sliding_window", "attention_chunk_size"}
+    )
+
+    sliding_window: int | None = attrs.field(default=None, validator=optional(positive_int))
+    attention_chunk_size: int | None = attrs.field(default=None, validator=optional(positive_int))
+    non_causal: bool = attrs.field(default=False, validator=is_bool)
+
+    def max_blocks_per_request(self, ctx: SizingContext) -> int:
+        return cdiv(self.tokens_held_per_rank(ctx, ctx.max_model_len), self.block_size)
+
+    @classmethod
+    def merge(cls: type[SpecT], specs: Sequence[SpecT], layer_names: Sequence[str] = ()) -> SpecT:
+        merged = super().merge(specs, layer_names)  # type: ignore[misc]
+        if merged.sliding_window is not None and merged.attention_chunk_size is not None:
+            raise MergeError(
+                "layers cannot share one full-attention group: some record sliding_window="
+                f"{merged.sliding_window} and others attention_chunk_size="
+                f"{merged.attention_chunk_size}; one recorded local pattern per group. Install "
+                "kvspec-sliding-window and kvspec-chunked-local to plan them as their own groups"
+            )
+        return merged
+
+
+@attrs.frozen(kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """Full attention whose first ``sink_len`` tokens are attention sinks kept for kernels."""
+
+    kind: ClassVar[str] = "sink_full_attention"
+
+    sink_len: int | None = attrs.field(default=None, validator=optional(non_negative_int))

@@ -1,0 +1,1 @@
+"""kvspec plugin for the chunked_local KV-cache family."""

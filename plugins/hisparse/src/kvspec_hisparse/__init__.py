@@ -1,0 +1,1 @@
+"""kvspec plugin for the hisparse KV-cache family."""

@@ -1,0 +1,1 @@
+"""kvspec plugin for the mamba KV-cache family."""

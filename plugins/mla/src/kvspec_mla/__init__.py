@@ -1,0 +1,1 @@
+"""kvspec plugin for the mla KV-cache family."""

@@ -1,0 +1,1 @@
+"""kvspec plugin for the sliding_window KV-cache family."""
