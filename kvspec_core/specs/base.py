@@ -105,6 +105,23 @@ class KVSpec:
         """Token multiple the block table rows are padded to; ``None`` for no padding."""
         return 128
 
+    # ----------------------------------------------------------------- placement
+    @property
+    def host_resident(self) -> bool:
+        """Whether this layer's group lives in a host (CPU) pool rather than the device pool."""
+        return False
+
+    @property
+    def group_role(self) -> str:
+        """Role of this layer's group: ``default``, or a plugin's (``hisparse_source``...)."""
+        return "default"
+
+    @property
+    def transferable(self) -> bool:
+        """Whether the group is part of the KV state a connector transfers between engines;
+        ephemeral replicas rebuilt from a source group are not."""
+        return True
+
     # ----------------------------------------------------------------- prefix caching
     @property
     def prefix_cacheable(self) -> bool:

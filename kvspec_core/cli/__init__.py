@@ -1,0 +1,1 @@
+"""The ``kvspec`` command line: one module per subcommand, dispatched by ``main``."""
