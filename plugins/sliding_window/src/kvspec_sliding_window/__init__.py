@@ -1,1 +1,10 @@
-"""kvspec plugin for the sliding_window KV-cache family."""
+"""kvspec plugin for the sliding-window families: ``sliding_window``, ``kpool_tail`` and
+``reference_sliding_window`` (R-SWA)."""
+
+from kvspec_sliding_window.specs import (
+    KpoolTailSpec,
+    ReferenceSlidingWindowSpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["KpoolTailSpec", "ReferenceSlidingWindowSpec", "SlidingWindowSpec"]
