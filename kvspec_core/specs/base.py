@@ -164,7 +164,12 @@ class KVSpec:
         """Whether all ``specs`` can share one uniform-type group with this one: by default,
         all are instances of this kind's registered uniform-type base."""
         base = registry.uniform_base_of(self)
-        return all(isinstance(spec, base) for spec in specs.values())
+        # A subclass registered with its own uniform base (R-SWA under full attention) opted
+        # out of its parent's groups; honouring that keeps the decision order-independent.
+        return all(
+            isinstance(spec, base) and registry.uniform_base_of(spec) is base
+            for spec in specs.values()
+        )
 
     def describe(self) -> dict[str, Any]:
         """Plain-data description (kind plus fields) for JSON and error messages."""

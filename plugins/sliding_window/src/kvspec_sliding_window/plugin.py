@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from kvspec_core.models.layer import LayerConfig
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterSpecKind
+from kvspec_core.specs.base import KVSpec
 
+from kvspec_sliding_window.layers import sliding_window_spec
 from kvspec_sliding_window.specs import (
     KpoolTailSpec,
     ReferenceSlidingWindowSpec,
@@ -22,3 +25,8 @@ def kvspec_register_spec_kinds(register: RegisterSpecKind) -> None:
     # never free blocks like a plain window (or full attention) does.
     register(KpoolTailSpec, uniform_base=KpoolTailSpec)
     register(ReferenceSlidingWindowSpec, uniform_base=ReferenceSlidingWindowSpec)
+
+
+@hookimpl
+def kvspec_layer_spec(layer: LayerConfig) -> KVSpec | None:
+    return sliding_window_spec(layer)
