@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from kvspec_core.cli.table import render_table
-from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.plugins.contract import CONTRACT_VERSION
+from kvspec_core.plugins.manager import CORE_PLUGIN_NAME, PluginManager
 
 
 def add_parser(subparsers: Any) -> None:
@@ -19,8 +20,17 @@ def add_parser(subparsers: Any) -> None:
 
 
 def plugins_report(manager: PluginManager) -> dict[str, Any]:
-    """The ``--json`` document: ``plugins`` (loaded) and ``failed`` (with their error)."""
+    """The ``--json`` document: ``core`` (the core's own families), ``plugins`` (loaded
+    entry-point plugins) and ``failed`` (plugins that did not load, with their error)."""
+    core = next(info for info in manager.plugins if info.name == CORE_PLUGIN_NAME)
     return {
+        "core": {
+            "distribution": core.distribution,
+            "version": core.version,
+            "contract_version": CONTRACT_VERSION,
+            "spec_kinds": list(core.spec_kinds),
+            "kv_cache_dtypes": manager.kv_dtypes.names(),
+        },
         "plugins": [
             {
                 "name": info.name,
@@ -30,6 +40,7 @@ def plugins_report(manager: PluginManager) -> dict[str, Any]:
                 "hooks": list(info.hooks),
             }
             for info in manager.plugins
+            if info.name != CORE_PLUGIN_NAME
         ],
         "failed": [
             {
@@ -48,11 +59,14 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    rows = [
+    core = report["core"]
+    rows = [["(core)", core["distribution"], core["version"], ", ".join(core["spec_kinds"])]]
+    rows += [
         [p["name"], p["distribution"] or "-", p["version"] or "-", ", ".join(p["spec_kinds"]) or "-"]
         for p in report["plugins"]
     ]
     print(render_table(["plugin", "distribution", "version", "spec kinds"], rows))
+    print(f"hook contract version {CONTRACT_VERSION}")
     for failure in report["failed"]:
         print(f"FAILED {failure['name']} ({failure['distribution'] or '?'}): {failure['error']}")
     return 0

@@ -34,7 +34,8 @@ class SpecRegistry:
             raise PluginError(
                 f"plugin {owner!r} registered {spec_class!r}, which is not a KVSpec subclass"
             )
-        if not attrs.has(spec_class):
+        # attrs.has() is true for a plain subclass too, whose own fields attrs never saw.
+        if "__attrs_attrs__" not in spec_class.__dict__:
             raise PluginError(
                 f"plugin {owner!r} registered {spec_class.__name__}, which is not an attrs class; "
                 "decorate it with @attrs.frozen(kw_only=True)"

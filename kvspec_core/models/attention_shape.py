@@ -1,0 +1,117 @@
+"""Resolving a layer's attention geometry on one tensor-parallel rank.
+
+Head size comes from ``head_dim`` (or ``attention_head_dim``), else ``hidden_size //
+num_attention_heads``; KV heads from ``num_key_value_heads``, else ``num_attention_heads``
+(no grouped-query attention). MLA layers (``kv_lora_rank``) cache one latent of
+``kv_lora_rank + qk_rope_head_dim`` values per token, shared by every head: the shape is one
+KV head of that width (``head_size == head_size_v``; the MLA plugin decides how the latent is
+stored) and, having a single head, it is replicated across TP ranks.
+
+Tensor parallelism: each rank holds ``total // tp`` KV heads. When ``tp`` exceeds the KV
+heads, each rank holds one head and ranks share replicas (``replicated``), as engines do;
+that needs ``tp`` to be a multiple of the heads. Any other split is refused naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvspec_core.errors import ConfigError
+from kvspec_core.kv_dtypes import KVCacheDtype
+from kvspec_core.models.fields import first_present, int_field, require_int
+from kvspec_core.models.head_fields import HeadFields
+from kvspec_core.models.layer import AttentionShape
+from kvspec_core.models.layer_typing import MLA_ATTENTION, SLIDING_MLA_ATTENTION
+
+
+def _head_size(config: Mapping[str, Any], fields: HeadFields, where: str) -> int:
+    if first_present(config, *fields.head_dim) is not None:
+        return require_int(config, *fields.head_dim, needed_for=where)
+    heads = require_int(config, *fields.heads, needed_for=where)
+    hidden = require_int(config, *fields.hidden, needed_for=where)
+    if hidden % heads:
+        raise ConfigError(
+            f"config field {fields.hidden[0]!r}={hidden} is not a multiple of "
+            f"{fields.heads[0]!r}={heads} ({where}), so the head size is unknown; add "
+            f"{fields.head_dim[0]!r} to the model config"
+        )
+    return hidden // heads
+
+
+def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -> tuple[str, int]:
+    found = first_present(config, *fields.kv_heads)
+    if found is not None:
+        field, value = found
+        return field, int_field(config, field, value, needed_for=where)
+    found = first_present(config, *fields.heads)
+    if found is None:
+        names = " or ".join(repr(f) for f in (*fields.kv_heads, *fields.heads))
+        raise ConfigError(
+            f"config field {names} is missing (needed for {where}); add the number of KV heads "
+            "to the model config"
+        )
+    field, value = found
+    return field, int_field(config, field, value, needed_for=where)
+
+
+def kv_heads_per_rank(total: int, tp: int, field: str, where: str) -> tuple[int, bool]:
+    """(KV heads one rank holds, whether ranks hold replicas) for ``total`` heads at ``tp``."""
+    if tp <= total:
+        if total % tp:
+            divisors = [d for d in range(1, total + 1) if total % d == 0]
+            raise ConfigError(
+                f"config field {field!r}={total} ({where}) cannot be split evenly across "
+                f"tensor parallel size {tp}; use a --tp that divides {total} "
+                f"({', '.join(map(str, divisors))}) or a multiple of it"
+            )
+        return total // tp, False
+    if tp % total:
+        raise ConfigError(
+            f"tensor parallel size {tp} exceeds config field {field!r}={total} ({where}) and is "
+            f"not a multiple of it, so KV heads cannot be replicated evenly; use a --tp that is "
+            f"a multiple of {total} or at most {total}"
+        )
+    return 1, True
+
+
+def _mla_latent_width(config: Mapping[str, Any], where: str) -> int:
+    rank = require_int(config, "kv_lora_rank", needed_for=where)
+    rope = require_int(config, "qk_rope_head_dim", needed_for=where, minimum=0)
+    return rank + rope
+
+
+def resolve_attention_shape(
+    config: Mapping[str, Any],
+    layer_type: str,
+    *,
+    fields: HeadFields,
+    tensor_parallel_size: int,
+    kv_dtype: KVCacheDtype,
+    kv_cache_dtype: str,
+    model_dtype: torch.dtype,
+    where: str,
+) -> AttentionShape:
+    """The :class:`AttentionShape` one TP rank holds for a layer of ``layer_type``.
+
+    ``where`` names the layer for error messages (``layer model.layers.3 (full_attention)``).
+    """
+    if layer_type in (MLA_ATTENTION, SLIDING_MLA_ATTENTION):
+        kv_field, total = "kv_lora_rank", 1
+        head_size = head_size_v = _mla_latent_width(config, where)
+    else:
+        kv_field, total = _total_kv_heads(config, fields, where)
+        head_size = head_size_v = _head_size(config, fields, where)
+    per_rank, replicated = kv_heads_per_rank(total, tensor_parallel_size, kv_field, where)
+    return AttentionShape(
+        num_kv_heads=per_rank,
+        total_kv_heads=total,
+        head_size=head_size,
+        head_size_v=head_size_v,
+        dtype=kv_dtype.resolve_storage(model_dtype),
+        kv_quant_mode=kv_dtype.quant_mode,
+        kv_cache_dtype=kv_cache_dtype,
+        replicated=replicated,
+    )

@@ -1,0 +1,254 @@
+"""Which kind of cache each layer of a decoder-only model needs: the core's layer typing.
+
+The core only *normalises* a config into one layer type per layer; the plugin that claims a
+type reads its own fields (``sliding_window``, ``attention_chunk_size``, ``kv_lora_rank``,
+Mamba state fields...). Sources, in priority order:
+
+1. ``layer_types`` (newer configs): each value normalised (``attention`` -> ``full_attention``);
+   values the core does not know pass through unchanged for third-party plugins.
+2. Hybrid patterns deciding attention vs. state layers:
+   ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba, ``*`` attention, ``-``/``E``
+   MLP or MoE only: no cache, no layer), ``attn_type_list`` (MiniMax: 0 linear, 1 full),
+   ``attn_layer_period`` + ``attn_layer_offset`` (Jamba: the rest are Mamba),
+   ``full_attention_interval`` (Qwen3-Next: the rest are linear attention).
+3. For attention layers not typed by ``layer_types``: ``attention_chunk_size`` (chunked,
+   except the global NoPE layers given by ``no_rope_layers`` or ``no_rope_layer_interval``);
+   ``sliding_window`` unless ``use_sliding_window`` is false, on layers chosen by
+   ``sliding_window_pattern`` (layer i slides when ``(i + 1) % pattern``: Gemma-2/3, Cohere2),
+   by ``max_window_layers`` when ``use_sliding_window`` is true (Qwen2: layers from there
+   on slide), else on every layer (Mistral, Phi-3).
+4. ``kv_lora_rank`` makes attention layers MLA (``mla_attention``, or
+   ``sliding_mla_attention`` for sliding ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvspec_core.errors import ConfigError
+from kvspec_core.models.defaults import DEFAULT_NO_ROPE_LAYER_INTERVAL
+from kvspec_core.models.fields import MAX_LAYERS, int_field, optional_int, require_int
+from kvspec_core.models.head_fields import DECODER_ONLY_FIELDS, HeadFields
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"
+MLA_ATTENTION = "mla_attention"
+SLIDING_MLA_ATTENTION = "sliding_mla_attention"
+LINEAR_ATTENTION = "linear_attention"
+MAMBA = "mamba"
+CROSS_ATTENTION = "cross_attention"
+ENCODER_ONLY = "encoder_only"
+
+#: Every layer type the core normalises to.
+NORMALISED_LAYER_TYPES = (
+    FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MLA_ATTENTION, SLIDING_MLA_ATTENTION,
+    LINEAR_ATTENTION, MAMBA, CROSS_ATTENTION, ENCODER_ONLY,
+)
+#: Layer types whose cache is a fixed-size recurrent state rather than per-token K/V.
+STATE_LAYER_TYPES = frozenset({MAMBA, LINEAR_ATTENTION})
+#: Layer types whose geometry is attention heads (the core resolves an AttentionShape).
+ATTENTION_LAYER_TYPES = frozenset({
+    FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MLA_ATTENTION, SLIDING_MLA_ATTENTION,
+    CROSS_ATTENTION, ENCODER_ONLY,
+})
+
+#: ``layer_types`` spellings published configs use for the normalised types.
+LAYER_TYPE_ALIASES: Mapping[str, str] = {
+    "attention": FULL_ATTENTION,  # Granite-4.0-H
+    "global_attention": FULL_ATTENTION,
+    "sliding_window_attention": SLIDING_ATTENTION,
+    "mamba2": MAMBA,
+}
+
+#: Nemotron-H ``hybrid_override_pattern`` characters; ``None`` = no cache (no layer).
+HYBRID_PATTERN_CHARS: Mapping[str, str | None] = {
+    "M": MAMBA, "*": "attention", "-": None, "E": None,
+}
+
+# Intermediate marker for "an attention layer whose variant the pattern fields decide".
+_ATTENTION = "attention"
+
+
+@attrs.frozen(kw_only=True)
+class LayerSlot:
+    """One cache-holding layer: its index in the model, plan name, normalised type, and
+    the config fields holding its head geometry."""
+
+    index: int
+    name: str
+    layer_type: str
+    head_fields: HeadFields = DECODER_ONLY_FIELDS
+
+
+def num_layers(config: Mapping[str, Any]) -> int:
+    """Decoder layer count: ``num_hidden_layers`` (or ``n_layer``/``num_layers``), else the
+    length of ``layer_types``; bounded by :data:`MAX_LAYERS`."""
+    declared = optional_int(
+        config, "num_hidden_layers", "n_layer", "num_layers",
+        needed_for="the number of layers", maximum=MAX_LAYERS,
+    )
+    if declared is not None:
+        return declared
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        return int_field(config, "layer_types", len(layer_types), maximum=MAX_LAYERS)
+    raise ConfigError(
+        "config field 'num_hidden_layers' is missing (needed for the number of layers); add it "
+        "to the model config"
+    )
+
+
+def _per_layer_list(config: Mapping[str, Any], field: str, count: int) -> Sequence[Any]:
+    values = config[field]
+    if not isinstance(values, (list, str)) or len(values) != count:
+        length = len(values) if isinstance(values, (list, str)) else "not a list"
+        raise ConfigError(
+            f"config field {field!r} must give one entry per layer: num_hidden_layers is "
+            f"{count} but {field!r} has {length}; fix {field!r} or 'num_hidden_layers'"
+        )
+    return values
+
+
+def _from_layer_types(config: Mapping[str, Any], count: int) -> list[str | None]:
+    types: list[str | None] = []
+    for index, value in enumerate(_per_layer_list(config, "layer_types", count)):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(
+                f"config field 'layer_types'[{index}] is {value!r}; each entry must be a layer "
+                f"type name such as {FULL_ATTENTION!r}"
+            )
+        types.append(LAYER_TYPE_ALIASES.get(value, value))
+    return types
+
+
+def _from_hybrid_pattern(config: Mapping[str, Any], count: int) -> list[str | None]:
+    pattern = _per_layer_list(config, "hybrid_override_pattern", count)
+    types: list[str | None] = []
+    for index, char in enumerate(pattern):
+        if char not in HYBRID_PATTERN_CHARS:
+            raise ConfigError(
+                f"config field 'hybrid_override_pattern' has {char!r} at layer {index}; known "
+                f"characters: {', '.join(repr(c) for c in HYBRID_PATTERN_CHARS)}"
+            )
+        types.append(HYBRID_PATTERN_CHARS[char])
+    return types
+
+
+def _from_attn_type_list(config: Mapping[str, Any], count: int) -> list[str | None]:
+    kinds = {0: LINEAR_ATTENTION, 1: _ATTENTION}
+    types: list[str | None] = []
+    for index, value in enumerate(_per_layer_list(config, "attn_type_list", count)):
+        if isinstance(value, bool) or value not in kinds:
+            raise ConfigError(
+                f"config field 'attn_type_list'[{index}] is {value!r}; it must be 0 (linear "
+                "attention) or 1 (full attention)"
+            )
+        types.append(kinds[value])
+    return types
+
+
+def _from_period(config: Mapping[str, Any], count: int) -> list[str | None]:
+    period = require_int(config, "attn_layer_period", needed_for="Jamba-style layer typing")
+    offset = require_int(
+        config, "attn_layer_offset", needed_for="Jamba-style layer typing", minimum=0,
+        maximum=period - 1,
+    )
+    return [_ATTENTION if i % period == offset else MAMBA for i in range(count)]
+
+
+def _from_full_interval(config: Mapping[str, Any], count: int) -> list[str | None]:
+    interval = require_int(
+        config, "full_attention_interval", needed_for="Qwen3-Next-style layer typing"
+    )
+    return [_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(count)]
+
+
+def _mixers(config: Mapping[str, Any], count: int) -> list[str | None]:
+    """Per layer: a final type, ``_ATTENTION`` (variant still open) or ``None`` (no cache)."""
+    if config.get("layer_types") is not None:
+        return _from_layer_types(config, count)
+    if config.get("hybrid_override_pattern") is not None:
+        return _from_hybrid_pattern(config, count)
+    if config.get("attn_type_list") is not None:
+        return _from_attn_type_list(config, count)
+    if config.get("attn_layer_period") is not None:
+        return _from_period(config, count)
+    if config.get("full_attention_interval") is not None:
+        return _from_full_interval(config, count)
+    return [_ATTENTION] * count
+
+
+def _global_chunk_layers(config: Mapping[str, Any], count: int) -> set[int]:
+    """Layers of a chunked-attention model that attend globally (Llama-4's NoPE layers)."""
+    if config.get("no_rope_layers") is not None:
+        flags = _per_layer_list(config, "no_rope_layers", count)
+        if any(flag not in (0, 1) or isinstance(flag, bool) for flag in flags):
+            raise ConfigError(
+                "config field 'no_rope_layers' must hold 0 (global NoPE layer) or 1 (chunked "
+                "RoPE layer) per layer"
+            )
+        return {i for i, flag in enumerate(flags) if flag == 0}
+    interval = optional_int(
+        config, "no_rope_layer_interval", needed_for="the global layers of chunked attention"
+    )
+    interval = interval or DEFAULT_NO_ROPE_LAYER_INTERVAL
+    return {i for i in range(count) if (i + 1) % interval == 0}
+
+
+def _sliding_layers(config: Mapping[str, Any], count: int) -> set[int]:
+    """Layers that slide, from the pattern fields (no ``layer_types``)."""
+    if config.get("sliding_window") is None or config.get("use_sliding_window") is False:
+        return set()
+    pattern = optional_int(
+        config, "sliding_window_pattern", "_sliding_window_pattern",
+        needed_for="which layers slide",
+    )
+    if pattern is not None:
+        return {i for i in range(count) if (i + 1) % pattern}
+    if config.get("use_sliding_window") is True and config.get("max_window_layers") is not None:
+        first = require_int(
+            config, "max_window_layers", needed_for="which layers slide", minimum=0,
+            maximum=MAX_LAYERS,
+        )
+        return set(range(first, count))
+    return set(range(count))
+
+
+def _attention_variants(config: Mapping[str, Any], count: int) -> list[str]:
+    """Full / sliding / chunked for every layer index, from the pattern fields."""
+    if config.get("attention_chunk_size") is not None:
+        global_layers = _global_chunk_layers(config, count)
+        return [FULL_ATTENTION if i in global_layers else CHUNKED_ATTENTION for i in range(count)]
+    sliding = _sliding_layers(config, count)
+    return [SLIDING_ATTENTION if i in sliding else FULL_ATTENTION for i in range(count)]
+
+
+def _with_mla(layer_type: str) -> str:
+    return {FULL_ATTENTION: MLA_ATTENTION, SLIDING_ATTENTION: SLIDING_MLA_ATTENTION}.get(
+        layer_type, layer_type
+    )
+
+
+def decoder_layer_types(config: Mapping[str, Any]) -> list[str | None]:
+    """Normalised type of every decoder layer; ``None`` for layers that hold no cache."""
+    count = num_layers(config)
+    mixers = _mixers(config, count)
+    if _ATTENTION in mixers:
+        variants = _attention_variants(config, count)
+        mixers = [variants[i] if kind == _ATTENTION else kind for i, kind in enumerate(mixers)]
+    if config.get("kv_lora_rank") is not None:
+        mixers = [_with_mla(kind) if kind is not None else None for kind in mixers]
+    return mixers
+
+
+def decoder_layer_slots(config: Mapping[str, Any]) -> list[LayerSlot]:
+    """One :class:`LayerSlot` per cache-holding decoder layer (``model.layers.<i>``)."""
+    return [
+        LayerSlot(index=i, name=f"model.layers.{i}", layer_type=kind)
+        for i, kind in enumerate(decoder_layer_types(config))
+        if kind is not None
+    ]
