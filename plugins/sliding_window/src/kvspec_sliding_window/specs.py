@@ -6,11 +6,15 @@ for multi-module speculative decoding, and the tokens in flight (frees happen on
 tokens are processed), never more than ``max_model_len``; one more block covers a window
 that does not start on a block boundary.
 
-Unlike the reference engine, decode context parallelism (DCP) is supported: token positions
-are interleaved one by one across the ``dcp_size`` ranks, so of any contiguous range of
-``n`` positions each rank stores at most ``cdiv(n, dcp_size)``, and those are consecutive in
-the rank's local numbering. The per-rank admission cap is therefore
-``cdiv(cdiv(n, dcp_size), block_size) + 1``.
+Unlike the reference engine, decode context parallelism (DCP) is supported. DCP spreads
+token positions over the ``dcp_size`` ranks in runs of ``interleave`` tokens (``interleave``
+divides ``block_size``), so rank-local block ``j`` of every rank holds positions from the one
+global range ``[j * block_size * dcp_size, (j + 1) * block_size * dcp_size)``. A contiguous
+range of ``n`` positions therefore touches, on any rank, at most the
+``cdiv(n, block_size * dcp_size) + 1`` global ranges it overlaps, and
+``cdiv(n, block_size * dcp_size) == cdiv(cdiv(n, dcp_size), block_size)``: the per-rank cap
+is ``cdiv(cdiv(n, dcp_size), block_size) + 1``. (With one-token interleave each rank also
+holds at most ``cdiv(n, dcp_size)`` of the range's tokens.)
 """
 
 from __future__ import annotations
