@@ -1,0 +1,252 @@
+"""Model config -> one :class:`LayerConfig` per layer -> one spec per layer, via the plugins.
+
+Public API::
+
+    model = model_layers(config_dict, PlanOptions(...), manager, name="llama-3.1-8b")
+    specs = layer_specs(model, manager)          # {layer name: KVSpec}, in layer order
+    ctx = default_sizing_context(model)          # SizingContext with the config's defaults
+
+The core types every layer (:mod:`kvspec_core.models.layer_typing`) and resolves its attention
+geometry on one TP rank (:mod:`kvspec_core.models.attention_shape`); each plugin's
+``kvspec_layer_spec`` hook then claims the layers of its family. Exactly one claim per layer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import ConfigError, MissingFamilyError, PluginError
+from kvspec_core.kv_dtypes import KVCacheDtype
+from kvspec_core.models.attention_shape import resolve_attention_shape
+from kvspec_core.models.defaults import with_published_defaults
+from kvspec_core.models.encoder_decoder import (
+    decoder_max_len,
+    encoder_decoder_slots,
+    encoder_max_len,
+    is_encoder_decoder,
+)
+from kvspec_core.models.fields import model_dtype, optional_int
+from kvspec_core.models.layer import AttentionShape, LayerConfig, PlanOptions
+from kvspec_core.models.layer_typing import (
+    ATTENTION_LAYER_TYPES,
+    NORMALISED_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    LayerSlot,
+    decoder_layer_slots,
+)
+from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS, install_hint
+
+if TYPE_CHECKING:
+    from kvspec_core.plugins.manager import PluginManager
+    from kvspec_core.specs.base import KVSpec
+
+#: In-flight token budget when the caller gives none (an engine's default batched tokens).
+DEFAULT_MAX_IN_FLIGHT_TOKENS = 16384
+#: Where multimodal configs nest their language model.
+TEXT_CONFIG_FIELD = "text_config"
+#: Layer types served by the core itself (no plugin needed).
+CORE_LAYER_TYPES = frozenset({"full_attention", "cross_attention", "encoder_only"})
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ModelLayers:
+    """A model config typed into layers, ready for the plugins.
+
+    Attributes:
+        name: the model's name in reports (preset name or config path).
+        config: the effective (language-model) config plugins read, published defaults filled.
+        layers: one :class:`LayerConfig` per cache-holding layer, in model order.
+        default_max_model_len: the config's longest sequence (``max_position_embeddings``;
+            Whisper: ``max_target_positions``), or ``None`` when it declares none.
+        max_encoder_tokens: encoder tokens cross-attention layers hold (0 without encoder).
+        options: the planning options the layers were resolved with.
+    """
+
+    name: str
+    config: Mapping[str, Any]
+    layers: tuple[LayerConfig, ...]
+    default_max_model_len: int | None
+    max_encoder_tokens: int
+    options: PlanOptions
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Distinct layer types, in first-seen order."""
+        return tuple(dict.fromkeys(layer.layer_type for layer in self.layers))
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether any layer keeps a recurrent state (Mamba / linear attention)."""
+        return any(layer.layer_type in STATE_LAYER_TYPES for layer in self.layers)
+
+
+def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config: ``text_config`` when nested (multimodal models), with the
+    outer dtype inherited when the inner one names none, and published defaults filled in."""
+    inner = config.get(TEXT_CONFIG_FIELD)
+    if inner is None:
+        return with_published_defaults(config)
+    if not isinstance(inner, dict):
+        raise ConfigError(
+            f"config field {TEXT_CONFIG_FIELD!r} is a {type(inner).__name__}; it must be an object "
+            "holding the language model's config"
+        )
+    merged = dict(inner)
+    for field in ("torch_dtype", "dtype"):
+        if merged.get(field) is None and config.get(field) is not None:
+            merged[field] = config[field]
+    return with_published_defaults(merged)
+
+
+def _layer_slots(config: Mapping[str, Any]) -> list[LayerSlot]:
+    if is_encoder_decoder(config):
+        return encoder_decoder_slots(config)
+    return decoder_layer_slots(config)
+
+
+def _attention_shape(
+    slot: LayerSlot,
+    config: Mapping[str, Any],
+    options: PlanOptions,
+    kv_dtype: KVCacheDtype,
+    dtype: torch.dtype,
+) -> AttentionShape | None:
+    known = slot.layer_type in NORMALISED_LAYER_TYPES
+    if known and slot.layer_type not in ATTENTION_LAYER_TYPES:
+        return None  # Mamba / linear attention: their plugin reads the state fields.
+    try:
+        return resolve_attention_shape(
+            config,
+            slot.layer_type,
+            fields=slot.head_fields,
+            tensor_parallel_size=options.tensor_parallel_size,
+            kv_dtype=kv_dtype,
+            kv_cache_dtype=options.kv_cache_dtype,
+            model_dtype=dtype,
+            where=f"layer {slot.name} ({slot.layer_type})",
+        )
+    except ConfigError:
+        if known:
+            raise
+        # A third-party type may not be attention at all; its plugin reads its own fields.
+        return None
+
+
+def model_layers(
+    config: Mapping[str, Any],
+    options: PlanOptions,
+    manager: PluginManager,
+    *,
+    name: str = "model",
+) -> ModelLayers:
+    """Type every layer of ``config`` (a parsed ``config.json``) and resolve its geometry
+    under ``options``; refuses bad fields naming them, and an unknown KV dtype listing the
+    known ones (from ``manager.kv_dtypes``)."""
+    kv_dtype = manager.kv_dtypes.get(options.kv_cache_dtype)
+    text = language_config(config)
+    frozen = MappingProxyType(text)
+    dtype = model_dtype(text, fallback=config)
+    layers = tuple(
+        LayerConfig(
+            index=slot.index,
+            name=slot.name,
+            layer_type=slot.layer_type,
+            config=frozen,
+            options=options,
+            model_dtype=dtype,
+            attention=_attention_shape(slot, text, options, kv_dtype, dtype),
+        )
+        for slot in _layer_slots(text)
+    )
+    if not layers:
+        raise ConfigError(
+            f"model {name} has no layer that holds a KV cache (every layer of its pattern is "
+            "MLP-only); check 'num_hidden_layers' and the layer pattern fields"
+        )
+    encoder_decoder = is_encoder_decoder(text)
+    max_len = decoder_max_len(text) if encoder_decoder else optional_int(
+        text, "max_position_embeddings", "n_positions", "max_sequence_length",
+        needed_for="the default max model length",
+    )
+    return ModelLayers(
+        name=name,
+        config=frozen,
+        layers=layers,
+        default_max_model_len=max_len,
+        max_encoder_tokens=(encoder_max_len(text) or 0) if encoder_decoder else 0,
+        options=options,
+    )
+
+
+def _missing_family(layer: LayerConfig, unclaimed: Counter[str]) -> MissingFamilyError:
+    more = unclaimed[layer.layer_type] - 1
+    others = f" (and {more} more layers of that type)" if more else ""
+    distribution = LAYER_TYPE_DISTRIBUTIONS.get(layer.layer_type)
+    if distribution is not None:
+        fix = (
+            f"it is provided by {distribution}: {install_hint(distribution)} (if it is "
+            "installed, `kvspec plugins` shows whether it failed to load or KVSPEC_PLUGINS "
+            "excludes it)"
+        )
+    else:
+        fix = "install the plugin that provides this layer type (`kvspec plugins` lists loaded ones)"
+    return MissingFamilyError(
+        f"layer {layer.name}{others} has layer type {layer.layer_type!r}, which no loaded "
+        f"plugin claims; {fix}"
+    )
+
+
+def layer_specs(model: ModelLayers, manager: PluginManager) -> dict[str, KVSpec]:
+    """One spec per layer, in layer order, each claimed by exactly one plugin."""
+    specs: dict[str, KVSpec] = {}
+    unclaimed: list[LayerConfig] = []
+    for layer in model.layers:
+        claims = manager.layer_specs(layer)
+        if len(claims) > 1:
+            owners = ", ".join(f"{plugin!r} ({spec.kind})" for plugin, spec in claims)
+            raise PluginError(
+                f"layer {layer.name} ({layer.layer_type}) is claimed by several plugins: "
+                f"{owners}; exactly one may claim a layer. Uninstall one of them, or restrict "
+                "loading with KVSPEC_PLUGINS"
+            )
+        if not claims:
+            unclaimed.append(layer)
+            continue
+        specs[layer.name] = claims[0][1]
+    if unclaimed:
+        raise _missing_family(unclaimed[0], Counter(layer.layer_type for layer in unclaimed))
+    return specs
+
+
+def default_sizing_context(
+    model: ModelLayers,
+    *,
+    max_model_len: int | None = None,
+    max_in_flight_tokens: int = DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    prefix_caching: bool = True,
+) -> SizingContext:
+    """The :class:`SizingContext` a plan of ``model`` uses: ``max_model_len`` defaults to the
+    config's; Mamba cache mode ``align`` (checkpoints kept for prefix caching) when the model
+    has Mamba / linear-attention layers and prefix caching is on; DCP from the options."""
+    length = max_model_len if max_model_len is not None else model.default_max_model_len
+    if length is None:
+        raise ConfigError(
+            f"model {model.name} declares no 'max_position_embeddings'; pass the max model "
+            "length explicitly (--max-model-len)"
+        )
+    mode = "align" if model.has_state_layers and prefix_caching else "none"
+    return SizingContext(
+        max_model_len=length,
+        max_in_flight_tokens=max_in_flight_tokens,
+        dcp_size=model.options.decode_context_parallel_size,
+        mamba_cache_mode=mode,
+        max_encoder_tokens=model.max_encoder_tokens,
+        prefix_caching=prefix_caching,
+    )
