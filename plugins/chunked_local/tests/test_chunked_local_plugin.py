@@ -1,0 +1,99 @@
+"""The plugin as the core sees it: registration, layer claims from a real config, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvspec_core import PluginManager, SizingContext
+from kvspec_core.errors import ConfigError, MissingFamilyError
+
+import kvspec_chunked_local.plugin as chunked_local_plugin
+from chunked_local_testkit import layer_from_config, llama4_text_config, manager_with_plugin
+from kvspec_chunked_local import ChunkedLocalAttentionSpec
+
+PLUGIN_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_registering_into_a_fresh_manager_lists_the_kind() -> None:
+    manager = PluginManager()
+    info = manager.register(chunked_local_plugin, "chunked_local")
+    assert info.spec_kinds == ("chunked_local_attention",)
+    assert {"kvspec_register_spec_kinds", "kvspec_layer_spec"} <= set(info.hooks)
+    assert manager.spec_kinds.class_of("chunked_local_attention") is ChunkedLocalAttentionSpec
+
+
+def test_another_family_is_missing_and_named_with_its_install_line() -> None:
+    manager = manager_with_plugin()
+    with pytest.raises(MissingFamilyError, match="pip install kvspec-mla"):
+        manager.spec_kinds.class_of("mla_attention")
+    with pytest.raises(MissingFamilyError, match="pip install kvspec-sliding-window"):
+        manager.spec_kinds.class_of("sliding_window")
+
+
+def test_plugins_json_cli_lists_the_kind() -> None:
+    env = dict(os.environ, KVSPEC_PLUGINS="chunked_local")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvspec_core", "plugins", "--json"],
+        capture_output=True, text=True, env=env, check=True, timeout=60,
+    )
+    entries = {entry["name"]: entry for entry in json.loads(result.stdout)["plugins"]}
+    assert entries["chunked_local"]["distribution"] == "kvspec-chunked-local"
+    assert entries["chunked_local"]["spec_kinds"] == ["chunked_local_attention"]
+    assert "kvspec_layer_spec" in entries["chunked_local"]["hooks"]
+
+
+def test_no_source_or_test_imports_another_family_plugin() -> None:
+    others = re.compile(r"^\s*(from|import)\s+kvspec_(mla|mamba|sliding_window|hisparse)\b", re.M)
+    for path in PLUGIN_ROOT.rglob("*.py"):
+        if "build" in path.parts:
+            continue
+        assert not others.search(path.read_text()), f"{path} imports another family plugin"
+
+
+def test_llama4_scout_chunked_layer() -> None:
+    layer = layer_from_config(llama4_text_config(), 0, "chunked_attention")
+    (plugin, spec), = manager_with_plugin().layer_specs(layer)
+    assert plugin == "chunked_local" and type(spec) is ChunkedLocalAttentionSpec
+    assert (spec.attention_chunk_size, spec.num_kv_heads, spec.head_size, spec.block_size) == (
+        8192, 8, 128, 16)
+    assert spec.max_tp_shards == 8
+    ctx = SizingContext(max_model_len=262144, max_in_flight_tokens=16384)
+    assert spec.max_blocks_per_request(ctx) == 1536
+    assert spec.max_memory_usage_bytes(ctx) == 1536 * 65536
+
+
+def test_llama4_scout_at_tp4_block_64() -> None:
+    layer = layer_from_config(llama4_text_config(), 1, "chunked_attention", block_size=64, tp=4)
+    spec = chunked_local_plugin.kvspec_layer_spec(layer)
+    assert (spec.num_kv_heads, spec.max_tp_shards, spec.block_size) == (2, 8, 64)
+    assert spec.page_size_bytes == 64 * 2 * 256 * 2
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention", "mamba"])
+def test_other_layer_types_are_left_to_other_families(layer_type: str) -> None:
+    layer = layer_from_config(llama4_text_config(), 3, layer_type)
+    assert chunked_local_plugin.kvspec_layer_spec(layer) is None
+
+
+@pytest.mark.parametrize("chunk", [None, 0, -1, "8192", 8192.0, False])
+def test_missing_or_invalid_chunk_names_field_and_layer(chunk: object) -> None:
+    config = dict(llama4_text_config(), attention_chunk_size=chunk)
+    with pytest.raises(ConfigError) as caught:
+        manager_with_plugin().layer_specs(layer_from_config(config, 5, "chunked_attention"))
+    assert "'attention_chunk_size'" in str(caught.value)
+    assert "language_model.model.layers.5" in str(caught.value)
+
+
+def test_chunked_layer_without_attention_geometry_is_refused() -> None:
+    layer = attrs.evolve(layer_from_config(llama4_text_config(), 2, "chunked_attention"),
+                         attention=None)
+    with pytest.raises(ConfigError, match="layers.2 is a chunked_attention layer"):
+        chunked_local_plugin.kvspec_layer_spec(layer)
