@@ -1,0 +1,156 @@
+"""Layers -> KV-cache groups, by the registry's merge and uniformity rules.
+
+* Every layer mergeable into one spec: one group of all layers.
+* Otherwise, if the registry deems all layers of one type (same blocks per token, different
+  shapes): one :class:`UniformTypeSpecs` group.
+* Otherwise (hybrid): layers are bucketed by merge compatibility; buckets whose pages share
+  a slot shape (they will share a pool) are split, in model order, into consecutive runs of
+  one group size, so the groups of a pool have equally many layers (as vLLM does: the
+  smallest bucket's layer count, or the largest when within 25 %). Buckets alone in their
+  pool stay one group. Block sizes are never changed.
+
+Layers whose spec needs no blocks per request (encoder-only attention) get no group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import InvalidFieldTypeError, MergeError, PlanError
+from kvspec_core.planner.geometry import SlotShape, cell_shape, slot_shape
+from kvspec_core.planner.layouts import KVCacheLayout
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
+
+#: vLLM's rule: buckets within this ratio of each other are padded to the largest.
+_PAD_TO_LARGEST_RATIO = 1.25
+
+
+@attrs.frozen
+class GroupDraft:
+    """A group before pools exist: layers in model order and the group's spec."""
+
+    layers: tuple[str, ...]
+    spec: KVSpec
+
+    @property
+    def layer_specs(self) -> tuple[KVSpec, ...]:
+        if isinstance(self.spec, UniformTypeSpecs):
+            return iter_layer_specs(self.spec)
+        return (self.spec,) * len(self.layers)
+
+
+def pool_key(draft: GroupDraft, layout: KVCacheLayout) -> tuple[object, ...]:
+    """Groups with equal keys share a pool: same slot shapes, same residency."""
+    signature = tuple(
+        slot_shape(cell_shape(spec, layer), layout)
+        for layer, spec in zip(draft.layers, draft.layer_specs)
+    )
+    host = draft.spec.host_resident
+    if len(set(signature)) == 1:
+        return ("single", signature[0], host)
+    return ("signature", signature, host)
+
+
+def slot_signature(draft: GroupDraft, layout: KVCacheLayout) -> tuple[SlotShape, ...]:
+    return tuple(
+        slot_shape(cell_shape(spec, layer), layout)
+        for layer, spec in zip(draft.layers, draft.layer_specs)
+    )
+
+
+def validate_layer_specs(layer_specs: Mapping[str, KVSpec], manager: PluginManager) -> None:
+    """Refuse anything but a non-empty mapping of layer name -> registered spec."""
+    if not isinstance(layer_specs, Mapping):
+        raise InvalidFieldTypeError(
+            "plan_kv_cache", "layer_specs", type(layer_specs).__name__,
+            "expected a mapping of layer name -> KVSpec",
+        )
+    if not layer_specs:
+        raise PlanError("plan_kv_cache needs at least one layer spec; layer_specs is empty")
+    for name, spec in layer_specs.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidFieldTypeError(
+                "plan_kv_cache", "layer_specs", name, "layer names must be non-empty strings"
+            )
+        if not isinstance(spec, KVSpec):
+            raise InvalidFieldTypeError(
+                "plan_kv_cache", f"layer_specs[{name!r}]", spec, "expected a KVSpec"
+            )
+        manager.spec_kinds.entry_of(spec)
+
+
+def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str], KVSpec]]:
+    """Bucket layers by spec equality, then combine buckets whose specs merge."""
+    by_spec: dict[KVSpec, list[str]] = {}
+    for name, spec in zip(names, specs):
+        by_spec.setdefault(spec, []).append(name)
+    # (distinct specs, one layer naming each, all layers, merged spec)
+    buckets: list[tuple[list[KVSpec], list[str], list[str], KVSpec]] = []
+    for spec, layers in by_spec.items():
+        for index, (members, member_names, bucket_layers, _) in enumerate(buckets):
+            if type(members[0]) is not type(spec):
+                continue
+            try:
+                merged = type(spec).merge([*members, spec], [*member_names, layers[0]])
+            except MergeError:
+                continue
+            buckets[index] = ([*members, spec], [*member_names, layers[0]],
+                              bucket_layers + layers, merged)
+            break
+        else:
+            buckets.append(([spec], [layers[0]], list(layers), spec))
+    order = {name: index for index, name in enumerate(names)}
+    result = []
+    for members, member_names, layers, merged in buckets:
+        if len(members) == 1:
+            merged = type(members[0]).merge(members, member_names)
+        result.append((sorted(layers, key=order.__getitem__), merged))
+    return result
+
+
+def _group_size(counts: list[int]) -> int:
+    smallest, largest = min(counts), max(counts)
+    if largest < smallest * _PAD_TO_LARGEST_RATIO:
+        return largest
+    return smallest
+
+
+def group_layers(
+    layer_specs: Mapping[str, KVSpec], manager: PluginManager, ctx: SizingContext,
+    layout: KVCacheLayout,
+) -> tuple[list[GroupDraft], list[str]]:
+    """The groups of ``layer_specs`` and the layers that need no memory."""
+    validate_layer_specs(layer_specs, manager)
+    memoryless = [name for name, spec in layer_specs.items()
+                  if spec.max_blocks_per_request(ctx) == 0]
+    live = {name: spec for name, spec in layer_specs.items()
+            if spec.max_blocks_per_request(ctx) != 0}
+    if not live:
+        return [], memoryless
+    buckets = _merge_buckets(list(live), list(live.values()))
+    if len(buckets) == 1:
+        layers, spec = buckets[0]
+        return [GroupDraft(tuple(layers), spec)], memoryless
+    uniform = UniformTypeSpecs.from_specs(live, manager.spec_kinds)
+    if uniform is not None:
+        return [GroupDraft(tuple(live), uniform)], memoryless
+    drafts_by_bucket = [GroupDraft(tuple(layers), spec) for layers, spec in buckets]
+    classes: dict[tuple[object, ...], list[int]] = {}
+    for index, draft in enumerate(drafts_by_bucket):
+        classes.setdefault(pool_key(draft, layout), []).append(index)
+    size_of_bucket: dict[int, int] = {}
+    for members in classes.values():
+        size = _group_size([len(drafts_by_bucket[i].layers) for i in members])
+        for index in members:
+            size_of_bucket[index] = size
+    groups: list[GroupDraft] = []
+    for index, draft in enumerate(drafts_by_bucket):
+        size = size_of_bucket[index]
+        for start in range(0, len(draft.layers), size):
+            groups.append(GroupDraft(draft.layers[start:start + size], draft.spec))
+    return groups, memoryless

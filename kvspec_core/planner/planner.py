@@ -1,0 +1,365 @@
+"""``plan_kv_cache``: layer specs + byte budget -> groups, pools, tensors.
+
+See ``kvspec_core/planner/README.md`` for the design and why it beats block inflation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import CapacityError, InvalidFieldError, InvalidFieldTypeError, PlanError
+from kvspec_core.planner.budget import bytes_for_one_request, concurrency_of, split_budget
+from kvspec_core.planner.geometry import (
+    cell_shape,
+    lcm_alignment,
+    place_segments,
+    segments_of,
+    tensor_strides,
+    view_extent,
+)
+from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slot_signature
+from kvspec_core.planner.layouts import DIM_B, DIM_L, KVCacheLayout, get_layout
+from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor, PlannedGroup, Pool
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs
+from kvspec_core.validation import MAX_FIELD_VALUE
+
+#: Largest budget accepted (bytes): far above any machine, far below overflow of int64 views.
+MAX_BUDGET_BYTES = 1 << 60
+
+
+def _check_budget(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidFieldTypeError("plan_kv_cache", name, value, "expected an int of bytes")
+    if not 0 <= value <= MAX_BUDGET_BYTES:
+        raise InvalidFieldError(
+            "plan_kv_cache", name, value, f"must be an int of bytes in [0, {MAX_BUDGET_BYTES}]"
+        )
+    return value
+
+
+def _check_context(ctx: object) -> SizingContext:
+    if not isinstance(ctx, SizingContext):
+        raise InvalidFieldTypeError("plan_kv_cache", "ctx", ctx, "expected a SizingContext")
+    return ctx
+
+
+@attrs.frozen
+class _PoolDraft:
+    """A pool before its size is known."""
+
+    group_ids: tuple[int, ...]
+    host_resident: bool
+    alignment: int
+    segments: tuple
+    block_bytes: int
+    slot_bytes: tuple[int, ...]
+
+
+@attrs.frozen
+class _Skeleton:
+    """Everything about a plan except block counts (they depend on the budget only)."""
+
+    drafts: tuple[GroupDraft, ...]
+    memoryless: tuple[str, ...]
+    pools: tuple[_PoolDraft, ...]
+    pool_of_group: tuple[int, ...]
+    layout: KVCacheLayout
+
+
+def _kind_of(spec: KVSpec, manager: PluginManager) -> str:
+    if isinstance(spec, UniformTypeSpecs):
+        return manager.spec_kinds.kind_of(spec.first_spec)
+    return manager.spec_kinds.kind_of(spec)
+
+
+def _build_pools(drafts: Sequence[GroupDraft], layout: KVCacheLayout) -> tuple[
+    tuple[_PoolDraft, ...], tuple[int, ...]
+]:
+    keys: dict[tuple[object, ...], list[int]] = {}
+    for index, draft in enumerate(drafts):
+        keys.setdefault(pool_key(draft, layout), []).append(index)
+    pools = []
+    pool_of_group = [0] * len(drafts)
+    for pool_id, (key, members) in enumerate(keys.items()):
+        segments = tuple(segments_of([slot_signature(drafts[i], layout) for i in members]))
+        alignment = lcm_alignment([
+            spec.block_stride_alignment
+            for i in members
+            for spec in (drafts[i].spec, *drafts[i].layer_specs)
+        ])
+        block_bytes, placements = place_segments(segments, layout, alignment, 1)
+        slot_bytes = []
+        for segment, placement in zip(segments, placements):
+            if layout.layer_outer:
+                per_slot = placement.strides[DIM_L]
+            else:
+                # Block-outer: a slot's share of the block is its segment's extent per layer.
+                per_slot = place_segments((segment,), layout, 1, 1)[0] // segment.count
+            slot_bytes.extend([per_slot] * segment.count)
+        for i in members:
+            pool_of_group[i] = pool_id
+        pools.append(_PoolDraft(
+            group_ids=tuple(members), host_resident=bool(key[-1]), alignment=alignment,
+            segments=segments, block_bytes=block_bytes, slot_bytes=tuple(slot_bytes),
+        ))
+    return tuple(pools), tuple(pool_of_group)
+
+
+def _skeleton(
+    layer_specs: Mapping[str, KVSpec], ctx: SizingContext, manager: PluginManager,
+    layout: KVCacheLayout,
+) -> _Skeleton:
+    drafts, memoryless = group_layers(layer_specs, manager, ctx, layout)
+    pools, pool_of_group = _build_pools(drafts, layout)
+    return _Skeleton(tuple(drafts), tuple(memoryless), pools, pool_of_group, layout)
+
+
+def _demands(skeleton: _Skeleton, ctx: SizingContext) -> tuple[list[int], list[int]]:
+    per_group = [draft.spec.max_blocks_per_request(ctx) for draft in skeleton.drafts]
+    per_pool = [sum(per_group[i] for i in pool.group_ids) for pool in skeleton.pools]
+    return per_group, per_pool
+
+
+def _fits(skeleton: _Skeleton, ctx: SizingContext, budget: int, host_budget: int | None) -> bool:
+    _, per_pool = _demands(skeleton, ctx)
+    for host in (False, True):
+        ids = [i for i, pool in enumerate(skeleton.pools) if pool.host_resident == host]
+        if not ids:
+            continue
+        available = host_budget if host else budget
+        need = bytes_for_one_request([per_pool[i] for i in ids],
+                                     [skeleton.pools[i].block_bytes for i in ids])
+        if available is None or need > available:
+            return False
+    return True
+
+
+def _largest_fitting(skeleton: _Skeleton, ctx: SizingContext, budget: int,
+                     host_budget: int | None, upper: int) -> int:
+    if not skeleton.pools or _fits(skeleton, attrs.evolve(ctx, max_model_len=upper),
+                                   budget, host_budget):
+        return upper
+    low, high = 0, upper  # fits(low) (0 stands for "none"), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _fits(skeleton, attrs.evolve(ctx, max_model_len=middle), budget, host_budget):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _gib(value: int) -> str:
+    return f"{value / (1 << 30):.2f} GiB"
+
+
+def _capacity_error(skeleton: _Skeleton, ctx: SizingContext, host: bool, need: int,
+                    available: int, budget: int, host_budget: int | None) -> CapacityError:
+    largest = _largest_fitting(skeleton, ctx, budget, host_budget, ctx.max_model_len - 1) \
+        if ctx.max_model_len > 1 else 0
+    where = "host budget (host_budget_bytes)" if host else "KV-cache budget"
+    fix = (f"the largest max_model_len that fits is {largest}; lower max_model_len to it or "
+           "raise the budget") if largest else (
+        "no max_model_len fits; raise the budget, use a smaller KV dtype or more parallelism")
+    return CapacityError(
+        f"one request of max_model_len={ctx.max_model_len} tokens needs {need} bytes "
+        f"({_gib(need)}, one null block per pool included), but the {where} is {available} "
+        f"bytes ({_gib(available)}); {fix}"
+    )
+
+
+def _assemble(
+    skeleton: _Skeleton, manager: PluginManager | None, kinds: Sequence[str],
+    blocks: Sequence[int], ctx: SizingContext, budget: int, host_budget: int | None,
+) -> KVCachePlan:
+    layout = skeleton.layout
+    per_group, per_pool = _demands(skeleton, ctx)
+    groups = tuple(
+        PlannedGroup(
+            id=index, kind=kinds[index], layers=draft.layers, spec=draft.spec,
+            pool=skeleton.pool_of_group[index], blocks_per_request=per_group[index],
+        )
+        for index, draft in enumerate(skeleton.drafts)
+    )
+    pools = tuple(
+        Pool(
+            id=index, num_blocks=blocks[index], block_bytes=draft.block_bytes,
+            groups=draft.group_ids, host_resident=draft.host_resident,
+            blocks_per_request=per_pool[index], slot_bytes=draft.slot_bytes,
+            alignment=draft.alignment,
+        )
+        for index, draft in enumerate(skeleton.pools)
+    )
+    tensors = []
+    for pool, draft in zip(pools, skeleton.pools):
+        _, placements = place_segments(draft.segments, layout, draft.alignment, pool.num_blocks)
+        slot_place = []
+        for segment, placement in zip(draft.segments, placements):
+            slot_place.extend((placement, within) for within in range(segment.count))
+        for group_id in draft.group_ids:
+            tensors.extend(_group_tensors(groups[group_id], pool, slot_place, layout))
+    device_bytes = sum(pool.size_bytes for pool in pools if not pool.host_resident)
+    host_bytes = sum(pool.size_bytes for pool in pools if pool.host_resident)
+    page_padding = alignment_padding = 0
+    for pool in pools:
+        if pool.host_resident:
+            continue
+        slot_total = sum(pool.slot_bytes)
+        content = max(groups[g].real_page_size_bytes for g in pool.groups)
+        page_padding += pool.num_blocks * (slot_total - content)
+        alignment_padding += pool.num_blocks * (pool.block_bytes - slot_total)
+    idle = budget - device_bytes
+    demands = [pool.blocks_per_request for pool in pools]
+    return KVCachePlan(
+        groups=groups, pools=pools, tensors=tuple(tensors), layout=layout.name, context=ctx,
+        budget_bytes=budget, host_budget_bytes=host_budget, bytes_allocated=device_bytes,
+        host_bytes_allocated=host_bytes,
+        bytes_padding=page_padding + alignment_padding + idle,
+        padding_breakdown=(("page_padding", page_padding), ("alignment", alignment_padding),
+                           ("idle_budget", idle)),
+        max_concurrency=concurrency_of([p.num_blocks for p in pools], demands),
+        memoryless_layers=skeleton.memoryless,
+    )
+
+
+def _group_tensors(group: PlannedGroup, pool: Pool, slot_place: list, layout: KVCacheLayout
+                   ) -> list[KVCacheTensor]:
+    """One tensor per run of consecutive layers with one spec and one segment."""
+    tensors: list[KVCacheTensor] = []
+    specs = group.layer_specs
+    start = 0
+    while start < len(group.layers):
+        end = start + 1
+        while (end < len(group.layers) and specs[end] == specs[start]
+               and slot_place[end][0] is slot_place[start][0]):
+            end += 1
+        placement, within = slot_place[start]
+        cell = cell_shape(specs[start], group.layers[start])
+        count = end - start
+        strides = tensor_strides(cell, count, pool.num_blocks, layout, placement)
+        shape = (count, pool.num_blocks, cell.heads, cell.states, cell.content)
+        offset = placement.offset + within * placement.strides[DIM_L]
+        if view_extent(shape, strides, offset) > pool.size_bytes:
+            raise PlanError(
+                f"layers {group.layers[start]}..{group.layers[end - 1]} would reach byte "
+                f"{view_extent(shape, strides, offset)} of pool {pool.id}'s "
+                f"{pool.size_bytes}-byte buffer under layout {layout.name}; this is a planner "
+                "bug, please report it with the layer specs"
+            )
+        tensors.append(KVCacheTensor(
+            size=pool.size_bytes, layers=group.layers[start:end], layer_stride=strides[DIM_L],
+            block_stride=strides[DIM_B], offset=offset, host_resident=pool.host_resident,
+            pool=pool.id, group=group.id, shape=shape, strides=strides, raw=cell.raw,
+        ))
+        start = end
+    return tensors
+
+
+def _host_check(skeleton: _Skeleton, host_budget: int | None) -> None:
+    host_groups = [",".join(d.layers[:2]) for d, p in zip(skeleton.drafts, skeleton.pool_of_group)
+                   if skeleton.pools[p].host_resident]
+    if host_groups and host_budget is None:
+        raise PlanError(
+            f"groups of layers {'; '.join(host_groups)} are host-resident, so their pool lives "
+            "in host memory: pass host_budget_bytes (the HiSparse plugin exports a function "
+            "that sizes it)"
+        )
+
+
+def plan_kv_cache(
+    layer_specs: Mapping[str, KVSpec],
+    budget_bytes: int,
+    ctx: SizingContext,
+    manager: PluginManager,
+    *,
+    layout: str = "LBHNC",
+    host_budget_bytes: int | None = None,
+) -> KVCachePlan:
+    """Plan the KV cache of ``layer_specs`` (model order) within ``budget_bytes``.
+
+    Groups layers by the registry's merge rules, gives each page-size class its own pool
+    (one null block each), and splits the budget so that the most max-length requests fit
+    at once. Block sizes are never changed. Host-resident groups are sized from
+    ``host_budget_bytes``. Raises :class:`CapacityError` when one request of
+    ``ctx.max_model_len`` does not fit, naming needed and available bytes and the largest
+    max model length that fits; :class:`PlanError` when the layout cannot hold the specs.
+    """
+    budget = _check_budget(budget_bytes, "budget_bytes")
+    host_budget = None if host_budget_bytes is None else _check_budget(
+        host_budget_bytes, "host_budget_bytes")
+    ctx = _check_context(ctx)
+    skeleton = _skeleton(layer_specs, ctx, manager, get_layout(layout))
+    _host_check(skeleton, host_budget)
+    _, per_pool = _demands(skeleton, ctx)
+    blocks = [0] * len(skeleton.pools)
+    for host in (False, True):
+        ids = [i for i, pool in enumerate(skeleton.pools) if pool.host_resident == host]
+        if not ids:
+            continue
+        available = host_budget if host else budget
+        assert available is not None  # _host_check refused a missing host budget
+        demands = [per_pool[i] for i in ids]
+        sizes = [skeleton.pools[i].block_bytes for i in ids]
+        split = split_budget(demands, sizes, available)
+        if split is None:
+            raise _capacity_error(skeleton, ctx, host, bytes_for_one_request(demands, sizes),
+                                  available, budget, host_budget)
+        for i, count in zip(ids, split):
+            blocks[i] = count
+    kinds = [_kind_of(draft.spec, manager) for draft in skeleton.drafts]
+    return _assemble(skeleton, manager, kinds, blocks, ctx, budget, host_budget)
+
+
+def largest_fitting_max_model_len(
+    layer_specs: Mapping[str, KVSpec],
+    budget_bytes: int,
+    ctx: SizingContext,
+    manager: PluginManager,
+    *,
+    layout: str = "LBHNC",
+    host_budget_bytes: int | None = None,
+    upper: int = MAX_FIELD_VALUE,
+) -> int:
+    """The largest ``max_model_len`` (at most ``upper``) for which one request fits the
+    budget, by each family's own per-request formula; 0 if none does. Families whose demand
+    stops growing (sliding window, Mamba) make every length fit: then ``upper`` is returned.
+    """
+    budget = _check_budget(budget_bytes, "budget_bytes")
+    host_budget = None if host_budget_bytes is None else _check_budget(
+        host_budget_bytes, "host_budget_bytes")
+    ctx = _check_context(ctx)
+    if isinstance(upper, bool) or not isinstance(upper, int) or not 1 <= upper <= MAX_FIELD_VALUE:
+        raise InvalidFieldError("largest_fitting_max_model_len", "upper", upper,
+                                f"must be an int in [1, {MAX_FIELD_VALUE}]")
+    skeleton = _skeleton(layer_specs, ctx, manager, get_layout(layout))
+    return _largest_fitting(skeleton, ctx, budget, host_budget, upper)
+
+
+def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int], manager: PluginManager | None
+                        ) -> KVCachePlan:
+    """The same plan with other per-pool block counts (each at least one request's worth)."""
+    skeleton = _skeleton_of_plan(plan)
+    for pool, count in zip(plan.pools, blocks):
+        if count < pool.blocks_per_request + 1:
+            raise CapacityError(
+                f"pool {pool.id} would get {count} blocks, fewer than one request's "
+                f"{pool.blocks_per_request} plus the null block"
+            )
+    kinds = [group.kind for group in plan.groups]
+    return _assemble(skeleton, manager, kinds, blocks, plan.context, plan.budget_bytes,
+                     plan.host_budget_bytes)
+
+
+def _skeleton_of_plan(plan: KVCachePlan) -> _Skeleton:
+    layout = get_layout(plan.layout)
+    drafts = [GroupDraft(group.layers, group.spec) for group in plan.groups]
+    pools, pool_of_group = _build_pools(drafts, layout)
+    if pool_of_group != tuple(group.pool for group in plan.groups):
+        raise PlanError("the plan's pool assignment does not follow from its groups; it was "
+                        "not written by this planner")
+    return _Skeleton(tuple(drafts), plan.memoryless_layers, pools, pool_of_group, layout)

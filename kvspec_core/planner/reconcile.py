@@ -1,0 +1,99 @@
+"""Making workers agree: one plan from several (the smallest pools win).
+
+Workers plan independently from their own free memory; they must end with the same groups
+and specs (else they would lay the cache out differently) and the same block counts (the
+scheduler hands the same block ids to all). Disagreeing specs are refused naming the first
+differing layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kvspec_core.errors import PlanError
+from kvspec_core.planner.plan import KVCachePlan
+from kvspec_core.planner.planner import rebuild_with_blocks
+from kvspec_core.specs.serialization import spec_to_dict
+
+
+def plan_signature(plan: KVCachePlan) -> dict[str, Any]:
+    """What every worker must agree on, as plain data (no block counts)."""
+    return {
+        "layout": plan.layout,
+        "context": attrs.asdict(plan.context),
+        "layers": [
+            [layer, group.id, spec_to_dict(spec)]
+            for group in plan.groups
+            for layer, spec in zip(group.layers, group.layer_specs)
+        ],
+        "memoryless_layers": list(plan.memoryless_layers),
+        "block_bytes": [pool.block_bytes for pool in plan.pools],
+    }
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Words naming the first thing two signatures disagree on, or ``None``."""
+    for key in ("layout", "context"):
+        if a[key] != b[key]:
+            return f"{key} differs ({a[key]!r} vs {b[key]!r})"
+    rows_a = {row[0]: row for row in a["layers"]}
+    rows_b = {row[0]: row for row in b["layers"]}
+    for layer, row in rows_a.items():
+        other = rows_b.get(layer)
+        if other is None:
+            return f"layer {layer} is planned in one and not in the other"
+        if row[2] != other[2]:
+            return f"layer {layer} has spec {row[2]} vs {other[2]}"
+        if row[1] != other[1]:
+            return f"layer {layer} is in group {row[1]} vs group {other[1]}"
+    for layer in rows_b:
+        if layer not in rows_a:
+            return f"layer {layer} is planned in one and not in the other"
+    if a["memoryless_layers"] != b["memoryless_layers"]:
+        return f"layers without memory differ ({a['memoryless_layers']} vs " \
+               f"{b['memoryless_layers']})"
+    if a["block_bytes"] != b["block_bytes"]:
+        return f"pool block bytes differ ({a['block_bytes']} vs {b['block_bytes']})"
+    return None
+
+
+def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
+    """One plan for all workers: equal groups and specs required, minimum blocks per pool."""
+    plans = list(plans)
+    if not plans:
+        raise PlanError("reconcile_plans needs at least one plan")
+    reference = plan_signature(plans[0])
+    for index, plan in enumerate(plans[1:], start=1):
+        difference = first_difference(reference, plan_signature(plan))
+        if difference is not None:
+            raise PlanError(
+                f"plans 0 and {index} cannot be reconciled: {difference}; every worker must "
+                "plan the same layer specs"
+            )
+    blocks = [min(plan.pools[i].num_blocks for plan in plans) for i in range(len(plans[0].pools))]
+    return rebuild_with_blocks(plans[0], blocks, None)
+
+
+def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan:
+    """Collective over ``torch.distributed`` ``group``: every rank gets the same plan, with
+    the minimum block count per pool over ranks. Ranks whose specs differ are refused on
+    every rank alike, naming the first differing layer and the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, plan_signature(plan), group=group)
+    for rank in range(1, world):
+        difference = first_difference(gathered[0], gathered[rank])
+        if difference is not None:
+            raise PlanError(
+                f"ranks 0 and {rank} planned different KV caches: {difference}; every rank "
+                "must plan the same layer specs"
+            )
+    counts = torch.tensor([pool.num_blocks for pool in plan.pools], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
+    return rebuild_with_blocks(plan, [int(count) for count in counts.tolist()], None)

@@ -1,0 +1,196 @@
+"""Materialising a plan: one byte buffer per pool, one strided view per layer.
+
+Every view is ``torch.as_strided`` over its pool's ``uint8`` buffer with exactly the plan's
+offsets and strides, reinterpreted in the layer's ``view_dtype``. All views are first built
+on the ``meta`` device, so a plan the layout cannot express is refused before any memory is
+allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from kvspec_core.dtypes import dtype_name
+from kvspec_core.errors import InvalidFieldError, PlanError
+from kvspec_core.planner.geometry import cell_shape, view_extent
+from kvspec_core.planner.layouts import DIM_B, DIM_H, DIM_L, get_layout, layout_strides
+from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor
+from kvspec_core.specs.base import KVSpec
+
+
+@attrs.frozen
+class LayerView:
+    """How one layer is viewed: byte-level 4D ``[B, H, N, C]`` geometry plus dtype."""
+
+    layer: str
+    tensor: int
+    pool: int
+    group: int
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype | None
+    kernel_block_size: int
+    raw: bool
+
+
+def _kernel_geometry(
+    tensor: KVCacheTensor, spec: KVSpec, layout_name: str, kernel_block_size: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``[L, B, H, N, C]`` byte shape and strides, manager blocks split into kernel blocks."""
+    if kernel_block_size is None or kernel_block_size == spec.block_size or tensor.raw:
+        return tensor.shape, tensor.strides
+    layout = get_layout(layout_name)
+    if isinstance(kernel_block_size, bool) or not isinstance(kernel_block_size, int) \
+            or kernel_block_size < 1 or spec.block_size % kernel_block_size:
+        raise PlanError(
+            f"kernel block size {kernel_block_size!r} must be a positive divisor of the KV "
+            f"cache block size {spec.block_size} (layers {', '.join(tensor.layers[:3])})"
+        )
+    ratio = spec.block_size // kernel_block_size
+    cell = cell_shape(spec, tensor.layers[0])
+    if cell.padded_page is not None:
+        raise PlanError(
+            f"layers {', '.join(tensor.layers[:3])} have padded pages ({cell.page} bytes for "
+            f"{cell.dense_page} of content); padded pages cannot be split into kernel blocks "
+            f"of {kernel_block_size} tokens: use block size {kernel_block_size} or no padding"
+        )
+    block_stride = tensor.block_stride
+    if block_stride != cell.dense_page:
+        raise PlanError(
+            f"the KV cache layout ({layout_name}) does not store blocks as dense, unpadded "
+            f"pages (block stride {block_stride} != page {cell.dense_page}, layer stride "
+            f"{tensor.layer_stride}), so a manager block of {spec.block_size} tokens cannot be "
+            f"split into {ratio} kernel blocks of {kernel_block_size} tokens. Reduce the block "
+            f"size to {kernel_block_size} or use a layer-compact layout (e.g. LBNHC)."
+        )
+    if block_stride % ratio:
+        raise PlanError(
+            f"block stride {block_stride} of layers {', '.join(tensor.layers[:3])} does not "
+            f"divide into {ratio} equal kernel blocks of {kernel_block_size} tokens"
+        )
+    shape = (tensor.shape[DIM_L], tensor.shape[DIM_B] * ratio, cell.heads,
+             spec.num_kernel_states(kernel_block_size), cell.content)
+    grid = layout.grid_dims
+    fixed = (tensor.layer_stride, block_stride // ratio,
+             tensor.strides[DIM_H] if DIM_H in grid else None, None, None)
+    return shape, layout_strides(shape, layout, fixed=fixed)
+
+
+def plan_layer_views(
+    plan: KVCachePlan, kernel_block_sizes: Mapping[int, int] | None = None
+) -> list[LayerView]:
+    """Every layer's view geometry, validated against its pool buffer (no allocation)."""
+    kernel_block_sizes = dict(kernel_block_sizes or {})
+    unknown = set(kernel_block_sizes) - {group.id for group in plan.groups}
+    if unknown:
+        raise InvalidFieldError("materialize", "kernel_block_sizes", sorted(unknown),
+                                f"keys must be group ids of the plan (0..{len(plan.groups) - 1})")
+    result = []
+    for index, tensor in enumerate(plan.tensors):
+        group = plan.groups[tensor.group]
+        spec = group.layer_specs[group.layers.index(tensor.layers[0])]
+        kernel = kernel_block_sizes.get(group.id)
+        shape, strides = _kernel_geometry(tensor, spec, plan.layout, kernel)
+        extent = view_extent(shape, strides, tensor.offset)
+        if extent > tensor.size:
+            raise PlanError(
+                f"layers {', '.join(tensor.layers[:3])}: view reaches byte {extent} of a "
+                f"{tensor.size}-byte pool buffer (offset {tensor.offset}, strides {strides})"
+            )
+        dtype = None if tensor.raw else spec.view_dtype
+        for position, layer in enumerate(tensor.layers):
+            result.append(LayerView(
+                layer=layer, tensor=index, pool=tensor.pool, group=tensor.group,
+                offset=tensor.offset + position * strides[DIM_L], shape=tuple(shape[1:]),
+                strides=tuple(strides[1:]), dtype=dtype,
+                kernel_block_size=kernel or spec.block_size, raw=tensor.raw,
+            ))
+    return result
+
+
+def _make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:
+    if view.raw:
+        return buffer
+    layer = torch.as_strided(buffer, size=view.shape, stride=view.strides,
+                             storage_offset=buffer.storage_offset() + view.offset)
+    if view.dtype is not None:
+        layer = layer.view(view.dtype)
+    return layer
+
+
+class KVCacheBuffers:
+    """Backing buffers (one per pool) and per-layer views of a materialised plan."""
+
+    def __init__(self, plan: KVCachePlan, buffers: list[torch.Tensor],
+                 layer_views: list[LayerView]) -> None:
+        self.plan = plan
+        self.buffers = buffers
+        self.layer_views = {view.layer: view for view in layer_views}
+        self.views: dict[str, torch.Tensor] = {
+            view.layer: _make_view(buffers[view.pool], view) for view in layer_views
+        }
+
+    def layout_descriptor(self) -> dict[str, Any]:
+        """JSON: per layer its tensor index, byte offset, strides, shape and dtype."""
+        layers = {}
+        for name, view in self.layer_views.items():
+            tensor = self.views[name]
+            layers[name] = {
+                "tensor": view.tensor,
+                "pool": view.pool,
+                "group": view.group,
+                "byte_offset": view.offset,
+                "byte_strides": list(view.strides),
+                "byte_shape": list(view.shape),
+                "shape": list(tensor.shape),
+                "strides": list(tensor.stride()),
+                "dtype": dtype_name(tensor.dtype),
+                "kernel_block_size": view.kernel_block_size,
+                "raw": view.raw,
+                "aliases": list(self.plan.aliased_layers(name)),
+            }
+        return {
+            "layout": self.plan.layout,
+            "pools": [
+                {"id": pool.id, "bytes": pool.size_bytes, "num_blocks": pool.num_blocks,
+                 "block_bytes": pool.block_bytes, "host_resident": pool.host_resident,
+                 "device": str(self.buffers[pool.id].device)}
+                for pool in self.plan.pools
+            ],
+            "layers": layers,
+        }
+
+
+def materialize(
+    plan: KVCachePlan,
+    device: str | torch.device = "cpu",
+    *,
+    kernel_block_sizes: Mapping[int, int] | None = None,
+) -> KVCacheBuffers:
+    """Allocate one ``uint8`` buffer per pool on ``device`` (host-resident pools on the CPU)
+    and view every layer as the plan says. ``kernel_block_sizes`` maps group ids to a kernel
+    block size dividing the group's block size. Buffers are zeroed when the plan needs it."""
+    layer_views = plan_layer_views(plan, kernel_block_sizes)
+    meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]
+    for view in layer_views:
+        try:
+            _make_view(meta[view.pool], view)
+        except RuntimeError as error:
+            raise PlanError(
+                f"layer {view.layer} cannot be viewed as {view.dtype} at byte offset "
+                f"{view.offset} with byte strides {view.strides} in layout {plan.layout}: "
+                f"{error}; align the spec's pages (block_stride_alignment) to the dtype size"
+            ) from error
+    target = torch.device(device)
+    make = torch.zeros if plan.needs_zeroing else torch.empty
+    buffers = [
+        make(pool.size_bytes, dtype=torch.uint8,
+             device=torch.device("cpu") if pool.host_resident else target)
+        for pool in plan.pools
+    ]
+    return KVCacheBuffers(plan, buffers, layer_views)
