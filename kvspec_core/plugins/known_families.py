@@ -15,6 +15,7 @@ KIND_DISTRIBUTIONS: dict[str, str] = {
     "chunked_local_attention": "kvspec-chunked-local",
     "hisparse_hot": "kvspec-hisparse",
     "hisparse_resident": "kvspec-hisparse",
+    "hisparse_group": "kvspec-hisparse",
 }
 
 #: Normalised layer type (see ``LayerConfig.layer_type``) -> distribution that claims it.
