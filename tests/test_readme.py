@@ -1,0 +1,44 @@
+"""The README says what the code does: hook signatures, the example plugin, the two commands."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from kvspec_core.plugins import hookspecs
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("hook_name", hookspecs.HOOK_NAMES)
+def test_every_hook_is_documented_with_its_exact_signature(hook_name: str) -> None:
+    signature = str(inspect.signature(getattr(hookspecs, hook_name))).replace("'", "")
+    assert f"def {hook_name}{signature}\n" in README
+
+
+@pytest.mark.parametrize("hook_name", hookspecs.HOOK_NAMES)
+def test_every_hook_has_a_test(hook_name: str) -> None:
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+    assert re.search(rf"def test_hook_{hook_name}\b", tests), f"no test_hook_{hook_name}"
+
+
+def test_every_hookspec_is_listed_in_hook_names() -> None:
+    declared = {name for name in vars(hookspecs) if name.startswith("kvspec_")}
+    assert declared == set(hookspecs.HOOK_NAMES)
+
+
+@pytest.mark.parametrize("path", re.findall(r"<!-- file: (\S+) -->", README))
+def test_readme_shows_files_exactly_as_they_are(path: str) -> None:
+    block = re.search(rf"<!-- file: {re.escape(path)} -->\n```\w*\n(.*?)```", README, re.S)
+    assert block is not None
+    assert block.group(1) == (ROOT / path).read_text()
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    command = "./scripts/dev-setup && .venv/bin/python -m pytest"
+    assert command in README
+    assert command in (ROOT / ".ci" / "run").read_text()
