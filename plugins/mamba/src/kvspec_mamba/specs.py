@@ -1,0 +1,172 @@
+"""The Mamba / linear-attention state family: one fixed-size state per block, not per token.
+
+A state-space or linear-attention layer carries a recurrent state (a short convolution window
+plus an SSM or delta-rule matrix) whose size does not grow with the sequence. A page holds one
+such state; ``block_size`` is the token span one saved state covers (the requested attention
+block size, never inflated to match pages).
+
+Per request the cache holds the running state plus one per speculative token block; with
+prefix caching in ``align`` mode it also keeps the state at the last block boundary and the
+prefill checkpoints a cached prefix resumes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from math import prod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from kvspec_core._math import cdiv
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import InvalidFieldError
+from kvspec_core.specs.base import KVSpec
+from kvspec_core.validation import (
+    MAX_FIELD_VALUE,
+    is_bool,
+    non_negative_int,
+    one_of,
+    optional,
+    positive_int,
+)
+
+if TYPE_CHECKING:
+    from kvspec_core.plugins.registry import SpecRegistry
+
+#: Kinds of recurrent state a :class:`MambaSpec` may describe.
+MAMBA_TYPES = ("mamba1", "mamba2", "short_conv", "gated_delta_net", "linear_attention")
+
+
+def _check_shapes(instance: Any, attribute: Any, value: object) -> None:
+    if (
+        not isinstance(value, tuple)
+        or not value
+        or not all(
+            isinstance(shape, tuple) and shape and all(
+                isinstance(dim, int) and not isinstance(dim, bool) and 0 < dim <= MAX_FIELD_VALUE
+                for dim in shape
+            )
+            for shape in value
+        )
+    ):
+        raise InvalidFieldError(
+            type(instance).__name__, attribute.name, value,
+            "must be a non-empty tuple of shapes, each a non-empty tuple of positive ints "
+            "(e.g. ((3, 8192), (8192, 16)))",
+        )
+
+
+def _check_dtypes(instance: Any, attribute: Any, value: object) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(d, torch.dtype) for d in value):
+        raise InvalidFieldError(
+            type(instance).__name__, attribute.name, value, "must be a tuple of torch dtypes"
+        )
+    shapes = instance.shapes
+    if len(value) != len(shapes):
+        raise InvalidFieldError(
+            type(instance).__name__, attribute.name, value,
+            f"must hold one dtype per state shape ({len(shapes)} shapes, {len(value)} dtypes)",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class MambaSpec(KVSpec):
+    """Recurrent state of a Mamba, short-conv or linear-attention layer.
+
+    Attributes:
+        shapes: shape of each state tensor of one request (conv window, SSM state, ...).
+        dtypes: dtype of each state tensor, in the order of ``shapes``.
+        page_size_padded: page size after padding, at least the real state size.
+        mamba_type: ``mamba1``, ``mamba2``, ``short_conv``, ``gated_delta_net`` or
+            ``linear_attention``.
+        num_speculative_blocks: extra states kept for speculative decoding.
+        num_prefill_checkpoint_blocks: extra states kept for prefill checkpoints (``align``).
+        prefill_checkpoint_alignment: token multiple a backend can export checkpoints at;
+            ``None`` when it cannot export them mid-query.
+        tp_replicated: every TP rank holds the whole state (``False``: sharded across TP).
+    """
+
+    kind: ClassVar[str] = "mamba"
+
+    shapes: tuple[tuple[int, ...], ...] = attrs.field(validator=_check_shapes)
+    dtypes: tuple[torch.dtype, ...] = attrs.field(validator=_check_dtypes)
+    page_size_padded: int | None = attrs.field(default=None, validator=optional(positive_int))
+    mamba_type: str = attrs.field(default="mamba2", validator=one_of(*MAMBA_TYPES))
+    num_speculative_blocks: int = attrs.field(default=0, validator=non_negative_int)
+    num_prefill_checkpoint_blocks: int = attrs.field(default=0, validator=non_negative_int)
+    prefill_checkpoint_alignment: int | None = attrs.field(
+        default=None, validator=optional(positive_int)
+    )
+    tp_replicated: bool = attrs.field(default=False, validator=is_bool)
+
+    def __attrs_post_init__(self) -> None:
+        real = self.state_content_size_bytes
+        if real > MAX_FIELD_VALUE:
+            raise InvalidFieldError(
+                type(self).__name__, "shapes", self.shapes,
+                f"make a state of {real} bytes, above the limit of {MAX_FIELD_VALUE}",
+            )
+        if self.page_size_padded is not None and self.page_size_padded < real:
+            raise InvalidFieldError(
+                type(self).__name__, "page_size_padded", self.page_size_padded,
+                f"must be >= the real state size {real}",
+            )
+
+    # ----------------------------------------------------------------- page geometry
+    @property
+    def num_heads(self) -> int:
+        return 1
+
+    @property
+    def tokens_per_state(self) -> int:
+        # <= 0: one state per block whatever its token span.
+        return -1
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        return sum(prod(shape) * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes))
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.unpadded_page_size_bytes
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return None
+
+    # ----------------------------------------------------------------- sizing
+    def max_blocks_per_request(self, ctx: SizingContext) -> int:
+        """Running state plus speculative states; ``align`` mode adds the state at the last
+        block boundary and the prefill checkpoints. Never scaled by DCP: the state is
+        replicated across decode-context ranks."""
+        if ctx.mamba_cache_mode == "align":
+            return 2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks
+        return 1 + self.num_speculative_blocks
+
+    def block_table_width(self, ctx: SizingContext, max_len: int) -> int:
+        if ctx.mamba_cache_mode == "align":
+            # Rows are indexed by position over the whole sequence even though only a few
+            # states are resident (earlier columns are nulled as the request advances).
+            return cdiv(max_len, self.block_size) + self.num_speculative_blocks
+        return self.max_blocks_per_request(ctx)
+
+    # ----------------------------------------------------------------- grouping
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+        """Uniform with state layers that keep the same number of states per request
+        (speculative and checkpoint counts, alignment), the same page size and the same TP
+        placement; shapes and dtypes may differ."""
+        base = registry.uniform_base_of(self)
+        return all(
+            registry.uniform_base_of(spec) is base
+            and isinstance(spec, MambaSpec)
+            and spec.num_speculative_blocks == self.num_speculative_blocks
+            and spec.num_prefill_checkpoint_blocks == self.num_prefill_checkpoint_blocks
+            and spec.prefill_checkpoint_alignment == self.prefill_checkpoint_alignment
+            and spec.page_size_bytes == self.page_size_bytes
+            and spec.tp_replicated == self.tp_replicated
+            for spec in specs.values()
+        )
