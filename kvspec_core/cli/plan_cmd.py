@@ -1,0 +1,266 @@
+"""``kvspec plan MODEL --memory SIZE``: plan a model's KV cache within a byte budget.
+
+``--kv-cache-dtype`` may be repeated: the plan (table or JSON) uses the first one, and
+``--plot FILE`` draws one concurrency-vs-context-length curve per dtype given (``auto``
+alone when none is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from kvspec_core.cli.sizes import format_size, parse_size
+from kvspec_core.cli.table import render_table
+from kvspec_core.models.catalog import resolve_model
+from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
+from kvspec_core.models.layer import PlanOptions
+from kvspec_core.errors import CapacityError
+from kvspec_core.models.planning import (
+    ModelPlan,
+    concurrency_curve,
+    context_lengths,
+    prepare_model,
+)
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.validation import MAX_FIELD_VALUE
+
+DEFAULT_KV_CACHE_DTYPE = "auto"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_FIELD_VALUE:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer in [1, {MAX_FIELD_VALUE}]")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan a model's KV cache within a memory budget",
+        description="Plan the KV cache of MODEL within --memory bytes: groups, pools, blocks, "
+        "padding and how many max-length requests fit at once.",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL",
+        help="a preset name (see `kvspec models`), a config.json path, or a folder holding one",
+    )
+    parser.add_argument("--memory", required=True, metavar="SIZE",
+                        help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes")
+    parser.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                        help="longest request in tokens (default: the config's "
+                        "max_position_embeddings)")
+    parser.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                        help="tokens per attention block (default 16; never inflated)")
+    parser.add_argument("--kv-cache-dtype", action="append", metavar="D",
+                        help="KV-cache dtype (default auto: the model's dtype); repeat to "
+                        "plot several, the plan uses the first")
+    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                        help="tensor parallel size (default 1)")
+    parser.add_argument("--dcp", type=_positive_int, default=1, metavar="N",
+                        help="decode context parallel size (default 1)")
+    parser.add_argument("--max-in-flight-tokens", type=_positive_int,
+                        default=DEFAULT_MAX_IN_FLIGHT_TOKENS, metavar="N",
+                        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="write a PNG of max concurrency against context length, one "
+                        "curve per --kv-cache-dtype (needs kvspec-core[plot])")
+    parser.set_defaults(handler=run)
+
+
+def _options(args: argparse.Namespace, kv_cache_dtype: str) -> PlanOptions:
+    return PlanOptions(
+        block_size=args.block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=args.tp,
+        decode_context_parallel_size=args.dcp,
+    )
+
+
+def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
+    """The ``--json`` document (keys ``model``, ``kv_budget_bytes``, ``max_model_len``,
+    ``num_blocks``, ``groups``, ``bytes_allocated``, ``bytes_padding``, ``max_concurrency``
+    are a contract; the rest are extra facts)."""
+    plan = result.plan
+    options = result.model.options
+    return {
+        "model": result.model.name,
+        "source": source,
+        "kv_budget_bytes": plan.budget_bytes,
+        "max_model_len": result.context.max_model_len,
+        "max_in_flight_tokens": result.context.max_in_flight_tokens,
+        "max_encoder_tokens": result.context.max_encoder_tokens,
+        "mamba_cache_mode": result.context.mamba_cache_mode,
+        "block_size": options.block_size,
+        "kv_cache_dtype": options.kv_cache_dtype,
+        "model_dtype": str(result.model.layers[0].model_dtype).removeprefix("torch."),
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "decode_context_parallel_size": options.decode_context_parallel_size,
+        "layout": plan.layout,
+        "num_blocks": plan.num_blocks,
+        "groups": [
+            {
+                "id": group.id,
+                "kind": group.kind,
+                "layers": list(group.layers),
+                "block_size": group.block_size,
+                "page_size_bytes": group.page_size_bytes,
+                "blocks_per_request": group.blocks_per_request,
+                "tokens_per_request": group.blocks_per_request * group.block_size,
+                "pool": group.pool,
+            }
+            for group in plan.groups
+        ],
+        "pools": [
+            {
+                "id": pool.id,
+                "num_blocks": pool.num_blocks,
+                "block_bytes": pool.block_bytes,
+                "groups": list(pool.groups),
+                "blocks_per_request": pool.blocks_per_request,
+                "host_resident": pool.host_resident,
+                "max_concurrency": pool.max_concurrency,
+            }
+            for pool in plan.pools
+        ],
+        "memoryless_layers": list(plan.memoryless_layers),
+        "bytes_allocated": plan.bytes_allocated,
+        "bytes_padding": plan.bytes_padding,
+        "padding_breakdown": dict(plan.padding_breakdown),
+        "kv_bytes_per_request": result.kv_bytes_per_request,
+        "kv_bytes_per_token": result.kv_bytes_per_token,
+        "max_concurrency": plan.max_concurrency,
+    }
+
+
+_INDEX = re.compile(r"^(?P<prefix>.*?)(?P<index>\d+)(?P<suffix>(?:\.\D.*)?)$")
+
+
+def describe_layers(names: Sequence[str]) -> str:
+    """``32 × model.layers.0..31`` style summary of layer names (human output only)."""
+    matches = [_INDEX.match(name) for name in names]
+    if not names or any(m is None for m in matches):
+        return f"{len(names)} layers"
+    shapes = {(m["prefix"], m["suffix"]) for m in matches if m is not None}
+    if len(shapes) != 1:
+        return f"{len(names)} layers"
+    prefix, suffix = shapes.pop()
+    indices = [int(m["index"]) for m in matches if m is not None]
+    if len(indices) == 1:
+        return f"1 × {names[0]}"
+    steps = {b - a for a, b in zip(indices, indices[1:])}
+    if len(steps) == 1:
+        step = steps.pop()
+        stride = f" step {step}" if step != 1 else ""
+        span = f"{indices[0]}..{indices[-1]}{stride}"
+    else:
+        shown = ",".join(map(str, indices[:6])) + (",…" if len(indices) > 6 else "")
+        span = "{" + shown + "}"
+    return f"{len(names)} × {prefix}{span}{suffix}"
+
+
+def _human(report: dict[str, Any]) -> str:
+    group_rows = [
+        [g["id"], g["kind"], describe_layers(g["layers"]), g["block_size"],
+         f"{g['page_size_bytes']:,}", f"{g['blocks_per_request']:,}",
+         f"{g['tokens_per_request']:,}", g["pool"]]
+        for g in report["groups"]
+    ]
+    pool_rows = [
+        [p["id"], f"{p['num_blocks']:,}", f"{p['block_bytes']:,}", f"{p['blocks_per_request']:,}",
+         f"{p['max_concurrency']:.2f}", "host" if p["host_resident"] else "device"]
+        for p in report["pools"]
+    ]
+    budget = report["kv_budget_bytes"]
+    padding_share = report["bytes_padding"] / budget * 100 if budget else 0.0
+    lines = [
+        f"model            {report['model']} ({report['source']})",
+        f"KV budget        {format_size(budget)} ({budget:,} B); KV dtype "
+        f"{report['kv_cache_dtype']} (model {report['model_dtype']}); block size "
+        f"{report['block_size']}; TP {report['tensor_parallel_size']}; DCP "
+        f"{report['decode_context_parallel_size']}",
+        f"max model len    {report['max_model_len']:,} tokens; in-flight tokens "
+        f"{report['max_in_flight_tokens']:,}"
+        + (f"; encoder tokens {report['max_encoder_tokens']:,}"
+           if report["max_encoder_tokens"] else ""),
+        "",
+        render_table(
+            ["group", "kind", "layers", "block", "page bytes", "blocks/request",
+             "tokens/request", "pool"],
+            group_rows, align_right=(3, 4, 5, 6),
+        ),
+        "",
+        render_table(
+            ["pool", "blocks", "block bytes", "blocks/request", "max concurrency", "memory"],
+            pool_rows, align_right=(1, 2, 3, 4),
+        ),
+        "",
+        f"blocks           {report['num_blocks']:,} (one null block per pool included)",
+        f"memory used      {format_size(report['bytes_allocated'])} of {format_size(budget)}; "
+        f"padding {format_size(report['bytes_padding'])} ({padding_share:.2f}% of the budget)",
+        f"KV per request   {format_size(report['kv_bytes_per_request'])} at "
+        f"{report['max_model_len']:,} tokens ({report['kv_bytes_per_token']:,.1f} B per token)",
+        f"max concurrency  {report['max_concurrency']:.2f} requests of "
+        f"{report['max_model_len']:,} tokens",
+    ]
+    if report["memoryless_layers"]:
+        lines.append(f"no cache         {describe_layers(report['memoryless_layers'])}")
+    return "\n".join(lines)
+
+
+def _write_plot(args: argparse.Namespace, resolved: Any, budget: int, result: ModelPlan,
+                dtypes: list[str], manager: PluginManager) -> None:
+    from kvspec_core.cli.plot import plot_concurrency
+
+    lengths = context_lengths(result.context.max_model_len, args.block_size)
+    curves = {
+        dtype: concurrency_curve(
+            resolved.config, budget, _options(args, dtype), manager, lengths,
+            name=resolved.name, max_in_flight_tokens=args.max_in_flight_tokens,
+        )
+        for dtype in dtypes
+    }
+    title = (f"{resolved.name}: {format_size(budget)} KV budget, block {args.block_size}, "
+             f"TP {args.tp}, DCP {args.dcp}")
+    plot_concurrency(curves, args.plot, title=title, max_model_len=result.context.max_model_len)
+
+
+def run(args: argparse.Namespace, manager: PluginManager) -> int:
+    budget = parse_size(args.memory)
+    dtypes = list(dict.fromkeys(args.kv_cache_dtype or [DEFAULT_KV_CACHE_DTYPE]))
+    if args.plot:
+        from kvspec_core.cli.plot import load_pyplot
+
+        load_pyplot()  # fail before planning when matplotlib is missing
+    resolved = resolve_model(args.model)
+    prepared = prepare_model(
+        resolved.config, _options(args, dtypes[0]), manager,
+        name=resolved.name, max_model_len=args.max_model_len,
+        max_in_flight_tokens=args.max_in_flight_tokens,
+    )
+    try:
+        result = prepared.plan(budget, manager)
+    except CapacityError as error:
+        largest = prepared.largest_fitting_max_model_len(budget, manager)
+        if largest:
+            raise CapacityError(f"{error} (pass --max-model-len {largest})") from None
+        raise
+    report = plan_report(result, source="preset" if resolved.preset else "config file")
+    if args.plot:
+        _write_plot(args, resolved, budget, result, dtypes, manager)
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_human(report))
+        if args.plot:
+            print(f"plot             {args.plot}")
+    return 0

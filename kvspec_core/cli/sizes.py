@@ -1,0 +1,64 @@
+"""Parsing and printing byte sizes: ``40GiB``, ``512MiB``, ``80GB``, ``1.5TiB`` or plain bytes."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from kvspec_core.errors import KVSpecError
+
+#: Unit -> bytes. Binary units (KiB...) are powers of 1024, decimal ones (KB...) of 1000,
+#: as the IEC and SI define them; units are matched case-insensitively.
+UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+#: Largest size accepted (1 EiB): beyond any machine, far below integer trouble downstream.
+MAX_SIZE_BYTES = 2**60
+
+UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
+
+_SIZE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+
+class SizeError(KVSpecError, ValueError):
+    """A size string that cannot be read as a positive number of bytes."""
+
+
+def parse_size(text: str, *, what: str = "--memory") -> int:
+    """Bytes in ``text``; fractional results are rounded down to whole bytes.
+
+    Refuses, naming ``what`` and the accepted forms: malformed text, unknown units, zero,
+    negative sizes and sizes above :data:`MAX_SIZE_BYTES`.
+    """
+    forms = "a positive size such as 40GiB, 512MiB, 80GB or a number of bytes"
+    if text.strip().startswith("-"):
+        raise SizeError(f"{what} {text!r} is negative; give {forms}")
+    match = _SIZE.match(text)
+    if match is None:
+        raise SizeError(f"{what} {text!r} is not a size; give {forms}")
+    unit = match["unit"].lower() or "b"
+    if unit not in UNITS:
+        raise SizeError(
+            f"{what} {text!r} has unknown unit {match['unit']!r}; known units: {UNIT_NAMES}"
+        )
+    value = int(Decimal(match["number"]) * UNITS[unit])
+    if value <= 0:
+        raise SizeError(f"{what} {text!r} is less than one byte; give {forms}")
+    if value > MAX_SIZE_BYTES:
+        raise SizeError(f"{what} {text!r} exceeds the largest size accepted (1 EiB)")
+    return value
+
+
+def format_size(num_bytes: int | float) -> str:
+    """``num_bytes`` in the largest binary unit that keeps it >= 1 (``40.00 GiB``)."""
+    if abs(num_bytes) < 1024:
+        return f"{int(num_bytes)} B"
+    value = float(num_bytes)
+    unit = "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024:
+            break
+    return f"{value:.2f} {unit}"
