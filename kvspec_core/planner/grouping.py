@@ -14,6 +14,7 @@ Layers whose spec needs no blocks per request (encoder-only attention) get no gr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import attrs
@@ -113,6 +114,15 @@ def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str
     return result
 
 
+def _class_group_size(counts: list[int], limit: int) -> int:
+    """Group size for buckets sharing a pool: the largest size up to ``limit`` that splits
+    every bucket without a short group (a short group leaves slots of its blocks unused),
+    unless that would more than double the number of groups; then ``limit``."""
+    common = math.gcd(*counts)
+    best = max(size for size in range(1, min(common, limit) + 1) if common % size == 0)
+    return best if 2 * best >= limit else limit
+
+
 def _group_size(counts: list[int]) -> int:
     smallest, largest = min(counts), max(counts)
     if largest < smallest * _PAD_TO_LARGEST_RATIO:
@@ -139,18 +149,17 @@ def group_layers(
     uniform = UniformTypeSpecs.from_specs(live, manager.spec_kinds)
     if uniform is not None:
         return [GroupDraft(tuple(live), uniform)], memoryless
-    drafts_by_bucket = [GroupDraft(tuple(layers), spec) for layers, spec in buckets]
+    limit = _group_size([len(layers) for layers, _ in buckets])
     classes: dict[tuple[object, ...], list[int]] = {}
-    for index, draft in enumerate(drafts_by_bucket):
-        classes.setdefault(pool_key(draft, layout), []).append(index)
-    size_of_bucket: dict[int, int] = {}
+    for index, (layers, spec) in enumerate(buckets):
+        classes.setdefault(pool_key(GroupDraft(tuple(layers), spec), layout), []).append(index)
+    size_of_bucket = {}
     for members in classes.values():
-        size = _group_size([len(drafts_by_bucket[i].layers) for i in members])
-        for index in members:
-            size_of_bucket[index] = size
+        size = _class_group_size([len(buckets[i][0]) for i in members], limit)
+        size_of_bucket.update((index, size) for index in members)
     groups: list[GroupDraft] = []
-    for index, draft in enumerate(drafts_by_bucket):
+    for index, (layers, spec) in enumerate(buckets):
         size = size_of_bucket[index]
-        for start in range(0, len(draft.layers), size):
-            groups.append(GroupDraft(draft.layers[start:start + size], draft.spec))
+        for start in range(0, len(layers), size):
+            groups.append(GroupDraft(tuple(layers[start:start + size]), spec))
     return groups, memoryless
