@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES
 from kvspec_core.models.layer import LayerConfig
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
-from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterSpecKind
+from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterRuntimeRules, RegisterSpecKind
 from kvspec_core.specs import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
@@ -31,6 +31,14 @@ def kvspec_register_spec_kinds(register: RegisterSpecKind) -> None:
 def kvspec_register_kv_dtypes(register: RegisterKVDtype) -> None:
     for kv_dtype in BUILTIN_KV_CACHE_DTYPES:
         register(kv_dtype)
+
+
+@hookimpl
+def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
+    from kvspec_core.runtime.rules import CORE_RULES
+
+    for kind, rules in CORE_RULES.items():
+        register(kind, rules)
 
 
 _CORE_LAYER_TYPES = {

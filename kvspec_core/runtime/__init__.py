@@ -1,0 +1,62 @@
+"""The runtime block allocator: prefix caching that is safe on hybrid models.
+
+Public API::
+
+    from kvspec_core.runtime import KVCacheAllocator, Request
+    allocator = KVCacheAllocator.from_plan(plan, manager)       # or KVCacheAllocator(specs, ...)
+    prefix = allocator.find_cached_prefix(request)
+    result = allocator.allocate_slots(request, n, prefix=prefix)  # Allocated | NotNow (falsy)
+    allocator.free(request.request_id); allocator.usage; allocator.reset_prefix_cache()
+
+Family behaviour comes from :mod:`kvspec_core.runtime.rules` (plugins register their own).
+"""
+
+from kvspec_core.runtime.allocator import KVCacheAllocator, rules_for
+from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvspec_core.runtime.hashing import PrefixHasher
+from kvspec_core.runtime.pool import NULL_BLOCK, BlockPool
+from kvspec_core.runtime.request import MultiModalInput, Request
+from kvspec_core.runtime.results import (
+    NO_FREE_BLOCKS,
+    OVER_ADMISSION_CAP,
+    STALE_PREFIX,
+    Allocated,
+    CachedPrefix,
+    NotNow,
+    Usage,
+)
+from kvspec_core.runtime.rules import (
+    NEVER,
+    CrossAttentionRules,
+    FamilyRules,
+    FullAttentionRules,
+    RulesFactory,
+    block_tokens_of,
+)
+
+__all__ = [
+    "NEVER",
+    "NO_FREE_BLOCKS",
+    "NULL_BLOCK",
+    "OVER_ADMISSION_CAP",
+    "STALE_PREFIX",
+    "AllBlocksCleared",
+    "Allocated",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CachedPrefix",
+    "CrossAttentionRules",
+    "FamilyRules",
+    "FullAttentionRules",
+    "KVCacheAllocator",
+    "KVCacheEvent",
+    "MultiModalInput",
+    "NotNow",
+    "PrefixHasher",
+    "Request",
+    "RulesFactory",
+    "Usage",
+    "block_tokens_of",
+    "rules_for",
+]

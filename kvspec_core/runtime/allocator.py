@@ -1,0 +1,632 @@
+"""The engine-facing block allocator with prefix caching, generic over families.
+
+Typical engine loop::
+
+    allocator = KVCacheAllocator.from_plan(plan, manager)
+    prefix = allocator.find_cached_prefix(request)            # on admission
+    result = allocator.allocate_slots(request, len(request.token_ids) - prefix.num_tokens,
+                                      prefix=prefix)
+    if not result:                                            # NotNow: queue, retry later
+        ...
+    request.append_token(token); allocator.allocate_slots(request, 1)   # each decode step
+    allocator.free(request.request_id)                       # when it finishes
+
+Design: block tables are plain int lists per group, ref counts a flat array (see
+:mod:`kvspec_core.runtime.pool`). Each running request carries three thresholds (the next
+total length that needs a new block, the next known length that completes a cacheable
+block, the next computed length that frees blocks), so most decode steps are three integer
+comparisons; only steps that cross a threshold consult the family rules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.events import BlockStored, KVCacheEvent
+from kvspec_core.runtime.hashing import PrefixHasher
+from kvspec_core.runtime.pool import BlockPool
+from kvspec_core.runtime.request import Request
+from kvspec_core.runtime.results import (
+    NO_FREE_BLOCKS,
+    OVER_ADMISSION_CAP,
+    STALE_PREFIX,
+    Allocated,
+    CachedPrefix,
+    NotNow,
+    Usage,
+)
+from kvspec_core.runtime.rules import NEVER, CORE_RULES, FamilyRules, RulesFactory
+from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs
+
+if TYPE_CHECKING:
+    from kvspec_core.plugins.manager import PluginManager
+
+#: Request ids remembered after ``free`` so a second ``free`` says "already freed".
+_FREED_MEMORY = 4096
+
+
+def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -> FamilyRules:
+    """The rules of a group: its plugin's, else the core's, else full attention's. A
+    uniform-type group uses the rules of its members' family."""
+    family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
+    factory: RulesFactory | None = None
+    if manager is not None:
+        factory = manager.runtime_rules(family_spec.kind)
+    if factory is None:
+        factory = CORE_RULES.get(family_spec.kind, CORE_RULES["full_attention"])
+    rules = factory(family_spec, ctx)
+    if not isinstance(rules, FamilyRules):
+        raise AllocatorError(
+            f"runtime rules for kind {family_spec.kind!r} ({factory!r}) do not implement "
+            "kvspec_core.runtime.rules.FamilyRules"
+        )
+    return rules
+
+
+class _Running:
+    """Allocator-side state of one running request."""
+
+    __slots__ = (
+        "request",
+        "computed",
+        "blocks",
+        "num_skipped",
+        "num_cached",
+        "cache_at",
+        "end_limit",
+        "known_limit",
+        "computed_limit",
+    )
+
+    def __init__(self, request: Request, computed: int, blocks: list[list[int]]) -> None:
+        self.request = request
+        self.computed = computed
+        self.blocks = blocks
+        count = len(blocks)
+        self.num_skipped = [0] * count
+        self.num_cached = [0] * count
+        self.cache_at = [0] * count
+        self.end_limit = 0
+        self.known_limit = 0
+        self.computed_limit = 0
+
+
+class KVCacheAllocator:
+    """Block allocator with prefix caching over one or more KV-cache groups and pools.
+
+    Args:
+        specs: one spec per KV-cache group (its block size is the group's block size).
+        num_blocks: blocks per pool (null block included), one int per pool or one int.
+        ctx: the workload limits the plan was made with (admission caps, DCP, Mamba mode).
+        pool_of_group: pool index of each group (default: all groups share pool 0).
+        manager: where plugin rules come from (default: a manager with installed plugins).
+        enable_prefix_caching: find and record cached prefixes.
+        hash_block_size: prefix hashing granularity; must divide every group's block
+            (default: their gcd, so large pages never coarsen reuse of smaller ones).
+        enable_kv_events: record :mod:`~kvspec_core.runtime.events` for :meth:`take_events`.
+        hash_salt: fixed salt instead of the per-process random one (tests, replays).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[KVSpec],
+        num_blocks: int | Sequence[int],
+        ctx: SizingContext,
+        *,
+        pool_of_group: Sequence[int] | None = None,
+        manager: PluginManager | None = None,
+        enable_prefix_caching: bool = True,
+        hash_block_size: int | None = None,
+        enable_kv_events: bool = False,
+        hash_salt: bytes | None = None,
+    ) -> None:
+        if not specs:
+            raise AllocatorError("KVCacheAllocator needs at least one KV-cache group spec")
+        for index, spec in enumerate(specs):
+            if not isinstance(spec, KVSpec):
+                raise AllocatorError(f"group {index}: {spec!r} is not a KVSpec")
+        if not isinstance(ctx, SizingContext):
+            raise AllocatorError(f"ctx={ctx!r} must be a kvspec_core.SizingContext")
+        pool_sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        pools_of = list(pool_of_group) if pool_of_group is not None else [0] * len(specs)
+        if len(pools_of) != len(specs):
+            raise AllocatorError(
+                f"pool_of_group has {len(pools_of)} entries for {len(specs)} groups"
+            )
+        for index, pool in enumerate(pools_of):
+            if not isinstance(pool, int) or not 0 <= pool < len(pool_sizes):
+                raise AllocatorError(
+                    f"group {index} names pool {pool!r}; pools are 0..{len(pool_sizes) - 1}"
+                )
+        if manager is None:
+            from kvspec_core import load_plugins
+
+            manager = load_plugins()
+        self.ctx = ctx
+        self.specs = tuple(specs)
+        self.max_model_len = ctx.max_model_len
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_events else None
+        self.pools = [
+            BlockPool(
+                size,
+                [gid for gid, pool in enumerate(pools_of) if pool == index] or [0],
+                events=self._events,
+            )
+            for index, size in enumerate(pool_sizes)
+        ]
+        self.rules = [rules_for(spec, ctx, manager) for spec in self.specs]
+        self.admission_caps = [spec.max_blocks_per_request(ctx) for spec in self.specs]
+        self._pool_of = pools_of
+        self._group_pools = [self.pools[pool] for pool in pools_of]
+        self._holding = [gid for gid, cap in enumerate(self.admission_caps) if cap > 0]
+        block_tokens = [rules.block_tokens for rules in self.rules]
+        holding_tokens = [block_tokens[gid] for gid in self._holding] or [1]
+        if hash_block_size is None:
+            hash_block_size = math.gcd(*holding_tokens)
+        for gid in self._holding:
+            if block_tokens[gid] % hash_block_size:
+                raise AllocatorError(
+                    f"hash_block_size={hash_block_size} must divide group {gid}'s block of "
+                    f"{block_tokens[gid]} tokens ({self.specs[gid].kind}); use a divisor of "
+                    f"{math.gcd(*holding_tokens)}"
+                )
+        self.hash_block_size = hash_block_size
+        self._hasher = PrefixHasher(hash_block_size, hash_salt)
+        self._block_tokens = block_tokens
+        self._hash_stride = [tokens // hash_block_size for tokens in block_tokens]
+        self._caches = [
+            self._group_pools[gid].caches.setdefault(gid, {}) for gid in range(len(specs))
+        ]
+        self._cacheable = self.enable_prefix_caching and all(
+            self.rules[gid].prefix_cacheable for gid in self._holding
+        )
+        self._hit_order = sorted(self._holding, key=lambda gid: self.rules[gid].hit_priority)
+        self._running: dict[str | int, _Running] = {}
+        self._freed: OrderedDict[str | int, None] = OrderedDict()
+        self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Any,
+        manager: PluginManager | None = None,
+        ctx: SizingContext | None = None,
+        **options: Any,
+    ) -> KVCacheAllocator:
+        """An allocator for a planner plan (``plan.groups[i].spec / .block_size / .pool``,
+        ``plan.pools[i].num_blocks``); ``ctx`` defaults to the plan's own context."""
+        if ctx is None:
+            ctx = getattr(plan, "context", None) or getattr(plan, "ctx", None)
+        if ctx is None:
+            raise AllocatorError("from_plan needs the SizingContext the plan was made with")
+        specs = []
+        pools = []
+        for group in plan.groups:
+            spec = group.spec
+            block_size = getattr(group, "block_size", spec.block_size)
+            if block_size != spec.block_size:
+                spec = spec.with_block_size(block_size)
+            specs.append(spec)
+            pools.append(int(getattr(group, "pool", 0)))
+        sizes = [int(pool.num_blocks) for pool in plan.pools]
+        return cls(specs, sizes, ctx, pool_of_group=pools, manager=manager, **options)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def usage(self) -> Usage:
+        """Blocks in use, free and cached, over all pools."""
+        return Usage(
+            used_blocks=sum(pool.num_used_blocks for pool in self.pools),
+            free_blocks=sum(pool.num_free_blocks for pool in self.pools),
+            cached_blocks=sum(pool.num_cached_blocks for pool in self.pools),
+            usable_blocks=sum(pool.num_usable_blocks for pool in self.pools),
+        )
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def is_running(self, request_id: str | int) -> bool:
+        return request_id in self._running
+
+    def block_ids(self, request_id: str | int) -> tuple[tuple[int, ...], ...]:
+        """The request's block table per group (``0`` marks null entries)."""
+        return tuple(tuple(blocks) for blocks in self._state(request_id).blocks)
+
+    def num_computed_tokens(self, request_id: str | int) -> int:
+        return self._state(request_id).computed
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events recorded since the last call (empty unless ``enable_kv_events``)."""
+        if self._events is None:
+            return []
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def _state(self, request_id: str | int) -> _Running:
+        state = self._running.get(request_id)
+        if state is None:
+            raise AllocatorError(self._not_running_message(request_id))
+        return state
+
+    def _not_running_message(self, request_id: str | int) -> str:
+        if request_id in self._freed:
+            return f"request {request_id!r} was already freed (double free)"
+        return f"request {request_id!r} is unknown to this allocator (never allocated)"
+
+    # ----------------------------------------------------------------- prefix lookup
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest prefix of ``request`` that every group can resume from.
+
+        At most ``num_tokens - 1`` tokens (the last prompt token is always computed, to
+        produce logits). Each family's rules state what resuming needs; groups are asked in
+        turn, each at most the current hit, until none lowers it (a fixed point), so the
+        answer never includes a position some group cannot resume from.
+        """
+        if request.request_id in self._running:
+            raise AllocatorError(
+                f"request {request.request_id!r} is already running; look up prefixes only "
+                "before its first allocate_slots"
+            )
+        empty = tuple(() for _ in self.specs)
+        epochs = tuple(pool.epoch for pool in self.pools)
+        max_tokens = len(request.token_ids) - 1
+        if not self._cacheable or max_tokens < self.hash_block_size:
+            return CachedPrefix(request_id=request.request_id, num_tokens=0, block_ids=empty,
+                                epochs=epochs)
+        fine = self._hasher.hashes(request, max_tokens)
+        hit = max_tokens
+        found: dict[int, list[int]] = {}
+        settled: dict[int, int] = {}
+        while True:
+            pending = [gid for gid in self._hit_order if settled.get(gid) != hit]
+            if not pending:
+                break
+            for gid in pending:
+                tokens = self._block_tokens[gid]
+                stride = self._hash_stride[gid]
+                max_blocks = hit // tokens
+                hashes = fine[stride - 1 : max_blocks * stride : stride]
+                blocks = self.rules[gid].longest_hit(hashes, self._caches[gid], max_blocks)
+                if len(blocks) > max_blocks:
+                    raise AllocatorError(
+                        f"{self.rules[gid]!r}.longest_hit returned {len(blocks)} blocks for "
+                        f"at most {max_blocks}"
+                    )
+                found[gid] = blocks
+                position = len(blocks) * tokens
+                hit = min(hit, position)
+                settled[gid] = position
+        block_ids = tuple(
+            tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
+        )
+        return CachedPrefix(
+            request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs
+        )
+
+    # ----------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        lookahead: int = 0,
+        prefix: CachedPrefix | None = None,
+    ) -> Allocated | NotNow:
+        """Slots for ``num_new_tokens`` tokens after the computed ones (plus ``lookahead``
+        speculative slots); they count as computed once this returns :class:`Allocated`.
+
+        The first call for a request admits it; pass the :class:`CachedPrefix` found for
+        it (``num_new_tokens`` then counts tokens after the hit). Returns :class:`NotNow`
+        (falsy, nothing changed) when blocks are short, the request would exceed the
+        admission cap or ``max_model_len``, or the prefix went stale.
+        """
+        state = self._running.get(request.request_id)
+        if state is None:
+            return self._admit(request, num_new_tokens, lookahead, prefix)
+        computed = state.computed
+        known = computed + num_new_tokens
+        if (
+            num_new_tokens >= 0
+            and lookahead >= 0
+            and known + lookahead < state.end_limit
+            and known < state.known_limit
+            and computed < state.computed_limit
+        ):
+            state.computed = known
+            return self._no_new_blocks
+        if prefix is not None:
+            raise AllocatorError(
+                f"request {request.request_id!r} is already running; a prefix applies only "
+                "to its first allocate_slots"
+            )
+        return self._grow(state, num_new_tokens, lookahead)
+
+    def _check_counts(self, request: Request, num_new_tokens: int, lookahead: int) -> None:
+        for name, value in (("num_new_tokens", num_new_tokens), ("lookahead", lookahead)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise AllocatorError(
+                    f"allocate_slots(request {request.request_id!r}): {name}={value!r} must "
+                    "be an int >= 0"
+                )
+
+    def _over_length(self, request: Request, known: int) -> NotNow:
+        return NotNow(
+            reason=OVER_ADMISSION_CAP,
+            message=(
+                f"request {request.request_id!r} would hold {known} tokens, more than "
+                f"max_model_len={self.max_model_len} the plan admits; finish or truncate it"
+            ),
+        )
+
+    def _admit(
+        self, request: Request, num_new_tokens: int, lookahead: int, prefix: CachedPrefix | None
+    ) -> Allocated | NotNow:
+        self._check_counts(request, num_new_tokens, lookahead)
+        rid = request.request_id
+        group_count = len(self.specs)
+        if prefix is None:
+            computed = 0
+            blocks = [[] for _ in range(group_count)]  # type: list[list[int]]
+        else:
+            if prefix.request_id != rid or len(prefix.block_ids) != group_count:
+                raise AllocatorError(
+                    f"prefix found for request {prefix.request_id!r} was passed for request "
+                    f"{rid!r}; pass the CachedPrefix find_cached_prefix returned for it"
+                )
+            stale = self._stale_group(request, prefix)
+            if stale is not None:
+                return NotNow(
+                    reason=STALE_PREFIX,
+                    group=stale,
+                    message=(
+                        f"cached blocks of group {stale} found for request {rid!r} were "
+                        "evicted since; call find_cached_prefix again"
+                    ),
+                )
+            computed = prefix.num_tokens
+            blocks = [list(ids) for ids in prefix.block_ids]
+        known = computed + num_new_tokens
+        if known > self.max_model_len:
+            return self._over_length(request, known)
+        total = min(known + lookahead, self.max_model_len)
+        num_skipped = [0] * group_count
+        pools = self.pools
+        need = [0] * len(pools)
+        plans: list[tuple[int, int, int]] = []
+        for gid in self._holding:
+            rules = self.rules[gid]
+            table = blocks[gid]
+            skip = min(rules.skipped_tokens(computed) // self._block_tokens[gid], len(table))
+            for index in range(skip):
+                table[index] = 0  # never touched, so nothing to release
+            num_skipped[gid] = skip
+            nulls, real = rules.blocks_needed(len(table), known, total, request.num_encoder_tokens)
+            held = len(table) - table.count(0) + real
+            if held > self.admission_caps[gid]:
+                return self._over_cap(request, gid, held)
+            pool_index = self._pool_of[gid]
+            refs = pools[pool_index].ref_counts
+            need[pool_index] += real + sum(1 for block in table if block and refs[block] == 0)
+            plans.append((gid, nulls, real))
+        shortfall = self._shortfall(need, [0] * len(pools))
+        if shortfall is not None:
+            return shortfall
+        state = _Running(request, known, blocks)
+        state.num_skipped = num_skipped
+        new_ids: list[tuple[int, ...]] = [()] * group_count
+        for gid, nulls, real in plans:
+            table = blocks[gid]
+            pool = self._group_pools[gid]
+            pool.touch(table)
+            if nulls:
+                table.extend([0] * nulls)
+            if real:
+                taken = pool.take(real)
+                table.extend(taken)
+                new_ids[gid] = tuple(taken)
+            if prefix is not None:
+                # Hit blocks are cached already; caching resumes after them.
+                state.num_cached[gid] = len(prefix.block_ids[gid])
+        self._running[rid] = state
+        if self._cacheable:
+            self._cache_new_blocks(state, known)
+        self._update_limits(state)
+        return Allocated(new_block_ids=tuple(new_ids))
+
+    def _stale_group(self, request: Request, prefix: CachedPrefix) -> int | None:
+        if tuple(pool.epoch for pool in self.pools) == prefix.epochs:
+            return None
+        fine = self._hasher.hashes(request, prefix.num_tokens)
+        for gid, ids in enumerate(prefix.block_ids):
+            stride = self._hash_stride[gid]
+            cache = self._caches[gid]
+            for index, block in enumerate(ids):
+                if block and cache.get(fine[(index + 1) * stride - 1]) != block:
+                    return gid
+        return None
+
+    def _over_cap(self, request: Request, gid: int, held: int) -> NotNow:
+        spec = self.specs[gid]
+        return NotNow(
+            reason=OVER_ADMISSION_CAP,
+            group=gid,
+            message=(
+                f"request {request.request_id!r} would hold {held} blocks of group {gid} "
+                f"({spec.kind}), over its admission cap of {self.admission_caps[gid]} "
+                f"(spec.max_blocks_per_request for max_model_len={self.ctx.max_model_len}, "
+                f"max_in_flight_tokens={self.ctx.max_in_flight_tokens}); schedule fewer tokens "
+                "per step"
+            ),
+        )
+
+    def _shortfall(self, need: list[int], freed: list[int]) -> NotNow | None:
+        for index, pool in enumerate(self.pools):
+            available = pool.num_free_blocks + freed[index]
+            if need[index] > available:
+                return NotNow(
+                    reason=NO_FREE_BLOCKS,
+                    blocks_needed=need[index],
+                    blocks_free=available,
+                    message=(
+                        f"pool {index} has {available} free blocks, {need[index]} needed; "
+                        "retry after a request finishes"
+                    ),
+                )
+        return None
+
+    def _grow(self, state: _Running, num_new_tokens: int, lookahead: int) -> Allocated | NotNow:
+        request = state.request
+        self._check_counts(request, num_new_tokens, lookahead)
+        computed = state.computed
+        known = computed + num_new_tokens
+        if known > self.max_model_len:
+            return self._over_length(request, known)
+        total = min(known + lookahead, self.max_model_len)
+        pools = self.pools
+        need = [0] * len(pools)
+        freed = [0] * len(pools)
+        plans: list[tuple[int, int, int, int]] = []
+        blocks = state.blocks
+        for gid in self._holding:
+            rules = self.rules[gid]
+            table = blocks[gid]
+            done = state.num_skipped[gid]
+            skip = max(done, min(rules.skipped_tokens(computed) // self._block_tokens[gid],
+                                 len(table)))
+            nulls, real = rules.blocks_needed(len(table), known, total, request.num_encoder_tokens)
+            if not (nulls or real or skip > done):
+                continue
+            pool_index = self._pool_of[gid]
+            refs = pools[pool_index].ref_counts
+            dropped = [block for block in table[done:skip] if block]
+            if real:
+                held = len(table) - table.count(0) - len(dropped) + real
+                if held > self.admission_caps[gid]:
+                    return self._over_cap(request, gid, held)
+            need[pool_index] += real
+            freed[pool_index] += sum(1 for block in dropped if refs[block] == 1)
+            plans.append((gid, skip, nulls, real))
+        shortfall = self._shortfall(need, freed)
+        if shortfall is not None:
+            return shortfall
+        new_ids: list[tuple[int, ...]] = [()] * len(blocks)
+        for gid, skip, _, _ in plans:
+            done = state.num_skipped[gid]
+            if skip > done:
+                table = blocks[gid]
+                # Later blocks first: they are evicted first, the shared prefix survives.
+                dropped = [block for block in reversed(table[done:skip]) if block]
+                table[done:skip] = [0] * (skip - done)
+                state.num_skipped[gid] = skip
+                self._group_pools[gid]._release_unchecked(dropped)
+        for gid, _, nulls, real in plans:
+            table = blocks[gid]
+            if nulls:
+                table.extend([0] * nulls)
+            if real:
+                taken = self._group_pools[gid].take(real)
+                table.extend(taken)
+                new_ids[gid] = tuple(taken)
+        state.computed = known
+        if self._cacheable:
+            self._cache_new_blocks(state, known)
+        self._update_limits(state)
+        if not plans:
+            return self._no_new_blocks
+        return Allocated(new_block_ids=tuple(new_ids))
+
+    def _cache_new_blocks(self, state: _Running, known: int) -> None:
+        request = state.request
+        known = min(known, len(request.token_ids))
+        for gid in self._holding:
+            if known < state.cache_at[gid]:
+                continue
+            rules = self.rules[gid]
+            start, stop = rules.cache_range(state.num_cached[gid], known)
+            tokens = self._block_tokens[gid]
+            if stop > start:
+                stride = self._hash_stride[gid]
+                fine = self._hasher.hashes(request, stop * tokens)
+                digests = fine[(start + 1) * stride - 1 : stop * stride : stride]
+                table = state.blocks[gid]
+                pool = self._group_pools[gid]
+                pool.cache_blocks(gid, digests, table[start:stop])
+                if self._events is not None:
+                    self._events.append(
+                        BlockStored(
+                            group=gid,
+                            block_hashes=tuple(digests),
+                            parent_block_hash=fine[start * stride - 1] if start else None,
+                            block_size=tokens,
+                            token_ids=tuple(request.token_ids[start * tokens : stop * tokens]),
+                        )
+                    )
+            state.num_cached[gid] = max(stop, state.num_cached[gid])
+            state.cache_at[gid] = (state.num_cached[gid] + 1) * tokens
+
+    def _update_limits(self, state: _Running) -> None:
+        end_limit = self.max_model_len + 1
+        known_limit = self.max_model_len + 1
+        computed_limit = NEVER
+        for gid in self._holding:
+            rules = self.rules[gid]
+            end_limit = min(end_limit, rules.next_allocation_end(len(state.blocks[gid])))
+            computed_limit = min(computed_limit, rules.next_skip_position(state.num_skipped[gid]))
+            if self._cacheable:
+                known_limit = min(known_limit, state.cache_at[gid])
+        state.end_limit = end_limit
+        state.known_limit = known_limit
+        state.computed_limit = computed_limit
+
+    # ----------------------------------------------------------------- freeing
+    def free(self, request_id: str | int) -> None:
+        """Release every block of a request; blocks holding cached prefixes stay findable
+        until evicted (its last blocks are evicted first). Refuses unknown ids and double
+        frees with :class:`AllocatorError`, changing nothing."""
+        state = self._running.get(request_id)
+        if state is None:
+            raise AllocatorError(self._not_running_message(request_id))
+        per_pool: list[list[int]] = [[] for _ in self.pools]
+        for gid, table in enumerate(state.blocks):
+            per_pool[self._pool_of[gid]].extend(block for block in reversed(table) if block)
+        for pool, blocks in zip(self.pools, per_pool):
+            pool.check_release(blocks)
+        for pool, blocks in zip(self.pools, per_pool):
+            pool._release_unchecked(blocks)
+        del self._running[request_id]
+        self._freed[request_id] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks, uncached)."""
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Cross-check pools and block tables; raises :class:`AllocatorError` (tests)."""
+        for pool in self.pools:
+            pool.check_invariants()
+        expected = [dict() for _ in self.pools]  # type: list[dict[int, int]]
+        for state in self._running.values():
+            for gid, table in enumerate(state.blocks):
+                counts = expected[self._pool_of[gid]]
+                for block in table:
+                    if block:
+                        counts[block] = counts.get(block, 0) + 1
+        for index, pool in enumerate(self.pools):
+            for block in range(1, pool.num_blocks):
+                if pool.ref_counts[block] != expected[index].get(block, 0):
+                    raise AllocatorError(
+                        f"pool {index} block {block}: ref count {pool.ref_counts[block]} but "
+                        f"{expected[index].get(block, 0)} block-table entries"
+                    )
