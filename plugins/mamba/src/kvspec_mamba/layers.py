@@ -50,6 +50,8 @@ def _field(layer: LayerConfig, *names: str) -> int:
         value = layer.config.get(name)
         if value is None:
             continue
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # some configs write sizes as 2.0
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_FIELD_VALUE:
             raise ConfigError(
                 f"layer {layer.name}: config field {name!r} is {value!r}; it must be a positive "
