@@ -83,7 +83,8 @@ def size_host_pool(
     the bytes available.
     """
     budget = _require_int("host_budget_bytes", host_budget_bytes, 0, MAX_HOST_BUDGET_BYTES)
-    if isinstance(page_sizes, (str, bytes)) or not isinstance(page_sizes, Sequence) or not page_sizes:
+    is_sequence = isinstance(page_sizes, Sequence) and not isinstance(page_sizes, (str, bytes))
+    if not is_sequence or not page_sizes:
         raise InvalidFieldError(
             _OWNER, "page_sizes", page_sizes,
             "must be a non-empty sequence of the host-resident groups' page sizes in bytes",

@@ -12,7 +12,12 @@ import attrs
 import torch
 
 from kvspec_core.errors import InvalidFieldError
-from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES, BUILTIN_QUANT_MODES, KVCacheDtype, KVQuantMode
+from kvspec_core.kv_dtypes import (
+    BUILTIN_KV_CACHE_DTYPES,
+    BUILTIN_QUANT_MODES,
+    KVCacheDtype,
+    KVQuantMode,
+)
 
 #: Suffix of every packed DeepSeek MLA cache dtype name.
 DS_MLA_SUFFIX = "_ds_mla"

@@ -1,7 +1,7 @@
 """Fields and page-size rules shared by the MLA specs (full and sliding-window).
 
 Both spec classes derive from different core/plugin bases, so they declare the same fields
-with these validators and delegate the page arithmetic here.
+with these validators and take the page arithmetic from :class:`MLAPaging`.
 """
 
 from __future__ import annotations
@@ -49,12 +49,11 @@ def packed_record_bytes(spec: MLAPageFields) -> int | None:
     A backend that publishes ``state_content_bytes`` overrides the table (the reference
     engine lets the attention backend publish its record size).
     """
-    if spec.state_content_bytes is not None or not is_ds_mla_format(spec.cache_dtype_str):
+    name = spec.cache_dtype_str
+    if spec.state_content_bytes is not None or name is None or not is_ds_mla_format(name):
         return None
-    assert spec.cache_dtype_str is not None  # narrowed by is_ds_mla_format
-    return ds_mla_format(
-        type(spec).__name__, spec.cache_dtype_str, spec.model_version, spec.head_size
-    ).bytes_per_token
+    record = ds_mla_format(type(spec).__name__, name, spec.model_version, spec.head_size)
+    return record.bytes_per_token
 
 
 def validate_mla_page(spec: MLAPageFields) -> None:
@@ -80,3 +79,33 @@ def aligned_page_size(spec: MLAPageFields, unpadded: int) -> int:
     if spec.alignment is not None:
         return round_up(unpadded, spec.alignment)
     return unpadded
+
+
+class MLAPaging:
+    """Mixin (listed before the attrs base) giving an MLA spec its cell and page size.
+
+    The cell is the packed record when ``cache_dtype_str`` names one, else the base class's
+    dense cell; the page is padded as :func:`aligned_page_size` says. The mixin has no
+    fields (attrs ignores it); the spec class declares them.
+    """
+
+    __slots__ = ()
+
+    def __attrs_post_init__(self) -> None:
+        spec: Any = self
+        validate_mla_page(spec)
+        super().__attrs_post_init__()  # type: ignore[misc]  # the attrs base's check
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        spec: Any = self
+        packed = packed_record_bytes(spec)
+        if packed is not None:
+            return packed
+        dense: int = super().state_content_size_bytes  # type: ignore[misc]
+        return dense
+
+    @property
+    def page_size_bytes(self) -> int:
+        spec: Any = self
+        return aligned_page_size(spec, spec.unpadded_page_size_bytes)

@@ -17,19 +17,14 @@ from kvspec_core.validation import is_bool, non_negative_int, one_of, optional, 
 from kvspec_sliding_window.specs import SlidingWindowSpec
 
 from kvspec_mla.formats import MODEL_VERSIONS
-from kvspec_mla.mla_fields import (
-    aligned_page_size,
-    check_cache_dtype_str,
-    packed_record_bytes,
-    validate_mla_page,
-)
+from kvspec_mla.mla_fields import MLAPaging, check_cache_dtype_str
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.registry import SpecRegistry
 
 
 @attrs.frozen(kw_only=True)
-class SlidingWindowMLASpec(SlidingWindowSpec):
+class SlidingWindowMLASpec(MLAPaging, SlidingWindowSpec):
     """A sliding window of MLA latents.
 
     Layers merge when every field agrees. They share a uniform-type group only with
@@ -49,19 +44,6 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
     alignment: int | None = attrs.field(default=None, validator=optional(positive_int))
     model_version: str | None = attrs.field(default=None, validator=one_of(*MODEL_VERSIONS))
     bounded_replay: bool = attrs.field(default=False, validator=is_bool)
-
-    def __attrs_post_init__(self) -> None:
-        validate_mla_page(self)
-        super().__attrs_post_init__()
-
-    @property
-    def state_content_size_bytes(self) -> int:
-        packed = packed_record_bytes(self)
-        return packed if packed is not None else super().state_content_size_bytes
-
-    @property
-    def page_size_bytes(self) -> int:
-        return aligned_page_size(self, self.unpadded_page_size_bytes)
 
     @property
     def prefix_cacheable(self) -> bool:

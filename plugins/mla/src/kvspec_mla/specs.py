@@ -22,20 +22,14 @@ from kvspec_core.specs.full_attention import FullAttentionSpec
 from kvspec_core.validation import is_bool, non_negative_int, one_of, optional, positive_int
 
 from kvspec_mla.formats import MODEL_VERSIONS
-from kvspec_mla.mla_fields import (
-    CACHE_ROLES,
-    aligned_page_size,
-    check_cache_dtype_str,
-    packed_record_bytes,
-    validate_mla_page,
-)
+from kvspec_mla.mla_fields import CACHE_ROLES, MLAPaging, check_cache_dtype_str
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.registry import SpecRegistry
 
 
 @attrs.frozen(kw_only=True)
-class MLAAttentionSpec(FullAttentionSpec):
+class MLAAttentionSpec(MLAPaging, FullAttentionSpec):
     """Full attention over a multi-head latent cache (DeepSeek-V2/V3/V3.2/V4).
 
     Layers merge when every field agrees, except ``non_causal`` and
@@ -68,19 +62,6 @@ class MLAAttentionSpec(FullAttentionSpec):
     is_index_group_leader: bool = attrs.field(default=False, validator=is_bool)
     storage_block_size: int | None = attrs.field(default=None, validator=optional(positive_int))
     non_causal_multi_token_decode: bool = attrs.field(default=False, validator=is_bool)
-
-    def __attrs_post_init__(self) -> None:
-        validate_mla_page(self)
-        super().__attrs_post_init__()
-
-    @property
-    def state_content_size_bytes(self) -> int:
-        packed = packed_record_bytes(self)
-        return packed if packed is not None else super().state_content_size_bytes
-
-    @property
-    def page_size_bytes(self) -> int:
-        return aligned_page_size(self, self.unpadded_page_size_bytes)
 
 
 @attrs.frozen(kw_only=True)
