@@ -31,6 +31,7 @@ from kvspec_core.runtime.rules import (
     FamilyRules,
     FullAttentionRules,
     RulesFactory,
+    SingleBlockRules,
     block_tokens_of,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "PrefixHasher",
     "Request",
     "RulesFactory",
+    "SingleBlockRules",
     "Usage",
     "block_tokens_of",
     "rules_for",

@@ -52,14 +52,24 @@ _FREED_MEMORY = 4096
 
 
 def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -> FamilyRules:
-    """The rules of a group: its plugin's, else the core's, else full attention's. A
-    uniform-type group uses the rules of its members' family."""
+    """The rules of a group: those registered for its kind, else for its nearest ancestor
+    kind, else full attention's. A uniform-type group uses its members' family's rules."""
     family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
     factory: RulesFactory | None = None
-    if manager is not None:
-        factory = manager.runtime_rules(family_spec.kind)
+    # A kind without rules of its own behaves like its nearest ancestor kind that has some
+    # (sliding-window MLA frees blocks like a sliding window, not like full attention).
+    for klass in type(family_spec).__mro__:
+        kind = getattr(klass, "kind", "")
+        if not kind:
+            continue
+        if manager is not None:
+            factory = manager.runtime_rules(kind)
+        if factory is None:
+            factory = CORE_RULES.get(kind)
+        if factory is not None:
+            break
     if factory is None:
-        factory = CORE_RULES.get(family_spec.kind, CORE_RULES["full_attention"])
+        factory = CORE_RULES["full_attention"]
     rules = factory(family_spec, ctx)
     if not isinstance(rules, FamilyRules):
         raise AllocatorError(

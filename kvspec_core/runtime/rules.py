@@ -167,6 +167,26 @@ class CrossAttentionRules(FullAttentionRules):
         return num_cached, num_cached
 
 
+class SingleBlockRules(FullAttentionRules):
+    """One block for the request's whole life, rewritten in place (ring buffers, scratch
+    tails); never prefix-cached, so a request holding one never resumes from a prefix."""
+
+    def __init__(self, spec: KVSpec, ctx: SizingContext) -> None:
+        super().__init__(spec, ctx)
+        self.prefix_cacheable = False
+
+    def blocks_needed(
+        self, num_existing: int, num_known: int, num_total: int, num_encoder_tokens: int
+    ) -> tuple[int, int]:
+        return (0, 0) if num_existing else (0, 1)
+
+    def next_allocation_end(self, num_existing: int) -> int:
+        return NEVER if num_existing else 1
+
+    def cache_range(self, num_cached: int, num_known: int) -> tuple[int, int]:
+        return num_cached, num_cached
+
+
 #: The core's rules per core kind (registered through ``kvspec_register_runtime_rules``).
 CORE_RULES: dict[str, RulesFactory] = {
     "full_attention": FullAttentionRules,

@@ -8,6 +8,7 @@ from kvspec_core.plugins.hookspecs import RegisterSpecKind
 from kvspec_core.specs.base import KVSpec
 
 from kvspec_chunked_local.layers import chunked_local_spec
+from kvspec_chunked_local.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (pluggy finds hookimpls by module attribute)
 from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 
 #: The hook contract this plugin was written for (kvspec_core.CONTRACT_VERSION at the time).

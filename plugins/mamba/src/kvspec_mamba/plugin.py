@@ -8,6 +8,7 @@ from kvspec_core.plugins.hookspecs import RegisterSpecKind
 from kvspec_core.specs.base import KVSpec
 
 from kvspec_mamba.layers import mamba_spec
+from kvspec_mamba.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (pluggy finds hookimpls by module attribute)
 from kvspec_mamba.specs import MambaSpec
 
 #: The hook contract this plugin was written for (kvspec_core.CONTRACT_VERSION at the time).

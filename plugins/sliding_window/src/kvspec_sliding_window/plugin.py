@@ -8,6 +8,7 @@ from kvspec_core.plugins.hookspecs import RegisterSpecKind
 from kvspec_core.specs.base import KVSpec
 
 from kvspec_sliding_window.layers import sliding_window_spec
+from kvspec_sliding_window.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (pluggy finds hookimpls by module attribute)
 from kvspec_sliding_window.specs import (
     KpoolTailSpec,
     ReferenceSlidingWindowSpec,

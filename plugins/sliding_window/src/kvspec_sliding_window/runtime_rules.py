@@ -1,0 +1,77 @@
+"""Runtime allocator rules of the sliding-window families.
+
+* ``sliding_window``: a step starting at computed length ``c`` attends to positions from
+  ``c - window + 1``; blocks entirely below ``c - window + 1 - extra_retained_tokens`` are
+  freed. Resuming at ``p`` needs the blocks of the last ``window - 1`` positions before ``p``
+  (``cdiv(window - 1, block_tokens)`` blocks), or every block before ``p`` when ``p`` is within
+  the first window; earlier entries of the hit are null blocks.
+* ``kpool_tail``: one block for the request's life, never cached.
+* ``reference_sliding_window`` (R-SWA): its gap eviction depends on where the prompt ends,
+  which the positional rules cannot express yet, so it keeps every block, exactly like full
+  attention (and its admission cap is full attention's): correct, never frees early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvspec_core._math import cdiv
+from kvspec_core.context import SizingContext
+from kvspec_core.plugins.contract import hookimpl
+from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
+from kvspec_core.runtime.rules import FullAttentionRules, SingleBlockRules
+
+from kvspec_sliding_window.specs import SlidingWindowSpec
+
+
+class SlidingWindowRules(FullAttentionRules):
+    """Rules of one sliding-window group."""
+
+    hit_priority = 1
+
+    def __init__(self, spec: SlidingWindowSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+        super().__init__(spec, ctx)
+        self.window = spec.sliding_window
+        self.extra = spec.extra_retained_tokens
+        #: Cached blocks a hit past the first window needs right before the hit position.
+        self.window_blocks = cdiv(self.window - 1, self.block_tokens)
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        return max(0, num_computed - self.window + 1 - self.extra)
+
+    def next_skip_position(self, num_skipped_blocks: int) -> int:
+        return (num_skipped_blocks + 1) * self.block_tokens + self.window - 1 + self.extra
+
+    def longest_hit(
+        self, hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
+    ) -> list[int]:
+        if not self.prefix_cacheable or max_blocks <= 0:
+            return []
+        need = self.window_blocks
+        if need == 0:  # a window of one token attends only to itself
+            return [0] * max_blocks
+        get = cache.get
+        run = 0
+        # Scan down from the largest candidate: the first run of `need` cached blocks ends
+        # at the largest resumable position.
+        for index in range(max_blocks - 1, -1, -1):
+            if get(hashes[index]) is not None:
+                run += 1
+                if run >= need:
+                    return [0] * index + [cache[hashes[j]] for j in range(index, index + run)]
+            else:
+                run = 0
+        # No full window anywhere: only a position inside the first window can resume, and
+        # that needs every block from the start.
+        return [cache[digest] for digest in hashes[:run]]
+
+
+class KpoolTailRules(SingleBlockRules):
+    """The kpool indexer's one-block raw tail."""
+
+
+@hookimpl
+def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
+    register("sliding_window", SlidingWindowRules)
+    register("kpool_tail", KpoolTailRules)
+    register("reference_sliding_window", FullAttentionRules)
