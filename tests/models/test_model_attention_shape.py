@@ -1,0 +1,133 @@
+"""Attention geometry per TP rank, head sizes, MLA latents and KV-cache dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvspec_core.errors import ConfigError, UnknownNameError
+from kvspec_core.models.attention_shape import kv_heads_per_rank
+from model_testkit import preset, typed
+
+
+def test_llama_8b_shape() -> None:
+    shape = typed(preset("llama-3.1-8b")).layers[0].attention
+    assert shape is not None
+    assert (shape.num_kv_heads, shape.total_kv_heads, shape.head_size, shape.head_size_v) == (
+        8, 8, 128, 128)
+    assert shape.dtype == torch.bfloat16 and not shape.replicated
+
+
+def test_head_dim_field_wins_over_hidden_over_heads() -> None:
+    # Gemma-2-9B: hidden 3584 / 16 heads = 224, but head_dim is 256.
+    shape = typed(preset("gemma-2-9b")).layers[0].attention
+    assert shape is not None and shape.head_size == 256
+    # Nemotron-H names it attention_head_dim.
+    nemotron = typed(preset("nemotron-h-56b"))
+    attention = [layer for layer in nemotron.layers if layer.attention is not None]
+    assert attention and all(layer.attention.head_size == 128 for layer in attention)
+
+
+def test_kv_heads_default_to_attention_heads() -> None:
+    config = {"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 16}
+    shape = typed(config).layers[0].attention
+    assert shape is not None and shape.num_kv_heads == 16 and shape.head_size == 64
+
+
+def test_mla_latent_is_one_replicated_head() -> None:
+    layers = typed(preset("deepseek-v2-lite"), tensor_parallel_size=4).layers
+    shape = layers[0].attention
+    assert shape is not None
+    assert (shape.num_kv_heads, shape.total_kv_heads, shape.head_size) == (1, 1, 512 + 64)
+    assert shape.replicated
+
+
+def test_state_layers_have_no_attention_shape() -> None:
+    layers = typed(preset("jamba-1.5-mini")).layers
+    assert all((layer.attention is None) == (layer.layer_type == "mamba") for layer in layers)
+
+
+def test_tp_divides_kv_heads() -> None:
+    shape = typed(preset("llama-3.1-8b"), tensor_parallel_size=4).layers[0].attention
+    assert shape is not None and (shape.num_kv_heads, shape.total_kv_heads) == (2, 8)
+
+
+def test_tp_beyond_kv_heads_replicates_one_head_per_rank() -> None:
+    shape = typed(preset("qwen2.5-7b"), tensor_parallel_size=8).layers[0].attention
+    assert shape is not None
+    assert (shape.num_kv_heads, shape.total_kv_heads, shape.replicated) == (1, 4, True)
+
+
+@pytest.mark.parametrize("tp, message", [
+    (3, r"'num_key_value_heads'=8 .* cannot be split evenly across tensor parallel size 3"),
+    (12, r"tensor parallel size 12 exceeds config field 'num_key_value_heads'=8"),
+])
+def test_indivisible_tp_is_refused_naming_field_and_fix(tp: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        typed(preset("llama-3.1-8b"), tensor_parallel_size=tp)
+    assert "use a --tp" in str(caught.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 128), tp=st.integers(1, 256))
+def test_heads_per_rank_covers_every_head_exactly(total: int, tp: int) -> None:
+    try:
+        per_rank, replicated = kv_heads_per_rank(total, tp, "num_key_value_heads", "layer x")
+    except ConfigError:
+        assert (total % tp if tp <= total else tp % total) != 0
+        return
+    assert per_rank >= 1
+    if replicated:
+        assert tp > total and per_rank == 1 and tp % total == 0
+    else:
+        assert per_rank * tp == total
+
+
+def test_kv_cache_dtype_auto_takes_the_model_dtype() -> None:
+    shape = typed(preset("whisper-large-v3")).layers[0].attention
+    assert shape is not None and shape.dtype == torch.float16
+
+
+def test_missing_model_dtype_defaults_to_bfloat16() -> None:
+    config = preset("gpt-oss-20b")
+    assert "torch_dtype" not in config and "dtype" not in config
+    assert typed(config).layers[0].model_dtype == torch.bfloat16
+
+
+def test_multimodal_text_config_inherits_the_outer_dtype() -> None:
+    config = preset("llama-4-scout")
+    config["torch_dtype"] = "float16"
+    del config["text_config"]["torch_dtype"]
+    assert typed(config).layers[0].model_dtype == torch.float16
+
+
+def test_fp8_kv_cache_dtype_is_resolved_through_the_registry() -> None:
+    shape = typed(preset("llama-3.1-8b"), kv_cache_dtype="fp8").layers[0].attention
+    assert shape is not None
+    assert shape.dtype == torch.float8_e4m3fn
+    assert shape.kv_quant_mode.name == "fp8_per_tensor" and shape.kv_cache_dtype == "fp8"
+
+
+def test_unknown_kv_cache_dtype_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownNameError, match=r"unknown KV cache dtype 'fp7'; known: .*fp8"):
+        typed(preset("llama-3.1-8b"), kv_cache_dtype="fp7")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"num_hidden_layers": 1, "hidden_size": 1000, "num_attention_heads": 3},
+     "'hidden_size'=1000 is not a multiple of 'num_attention_heads'=3"),
+    ({"num_hidden_layers": 1, "hidden_size": 1024}, "'num_attention_heads' or 'n_head'"),
+    ({"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8,
+      "num_key_value_heads": 0}, "'num_key_value_heads' is 0"),
+    ({"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8,
+      "torch_dtype": "float9"}, "'torch_dtype': unknown torch dtype 'float9'"),
+    ({"num_hidden_layers": 1, "num_attention_heads": 8, "kv_lora_rank": 512},
+     "'qk_rope_head_dim' is missing"),
+])
+def test_bad_geometry_fields_are_refused_naming_the_layer(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        typed(config)
+    if "dtype" not in message:
+        assert "model.layers.0" in str(caught.value)
