@@ -141,6 +141,19 @@ def test_falcon_h1_field_names_with_mamba_d_ssm_and_auto_head() -> None:
     assert spec_of(config).shapes == ((3, 3072 + 2 * 256), (24, 128, 256))
 
 
+def test_minimax_lightning_attention_state() -> None:
+    # MiniMax-Text-01 field names: 64 heads of 128, layers typed by attn_type_list.
+    config = dict(model_type="minimax", hidden_size=6144, num_attention_heads=64, head_dim=128,
+                  num_hidden_layers=2, attn_type_list=[0, 1])
+    spec = spec_of(config, "linear_attention")
+    assert spec.shapes == ((64, 128, 128),) and spec.dtypes == (BF16,)
+    assert spec.mamba_type == "linear_attention"
+    assert spec.page_size_bytes == 64 * 128 * 128 * 2
+    assert spec_of(config, "linear_attention", tp=8).shapes == ((8, 128, 128),)
+    with pytest.raises(ConfigError, match="num_attention_heads=64 is not divisible"):
+        spec_of(config, "linear_attention", tp=3)
+
+
 def test_inconsistent_mamba2_head_geometry_is_refused() -> None:
     config = dict(hidden_size=2048, mamba_d_ssm=3072, mamba_n_heads=24, mamba_d_head=64,
                   mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4)

@@ -35,6 +35,20 @@ def test_padding_below_the_real_page_is_refused_naming_the_field() -> None:
         SlidingWindowSpec(**swa_fields(page_size_padded=MISTRAL_PAGE - 1))
 
 
+@pytest.mark.parametrize("cls, extra", [
+    (KpoolTailSpec, {}),
+    (ReferenceSlidingWindowSpec, {"sliding_window": None, "rswa_window": 256}),
+])
+def test_padded_and_unpadded_pages_of_the_other_kinds(cls: type, extra: dict) -> None:
+    plain = cls(**swa_fields(**extra))
+    padded = cls(**swa_fields(page_size_padded=MISTRAL_PAGE + 64, **extra))
+    assert plain.page_size_bytes == padded.unpadded_page_size_bytes == MISTRAL_PAGE
+    assert padded.page_size_bytes == MISTRAL_PAGE + 64
+    ctx = SizingContext(max_model_len=32768)
+    assert padded.max_memory_usage_bytes(ctx) == (
+        padded.max_blocks_per_request(ctx) * (MISTRAL_PAGE + 64))
+
+
 def test_asymmetric_heads_and_fp32() -> None:
     spec = SlidingWindowSpec(**swa_fields(head_size=192, head_size_v=128, dtype=torch.float32,
                                           num_kv_heads=2, block_size=32))

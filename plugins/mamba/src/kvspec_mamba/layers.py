@@ -15,6 +15,8 @@ Three layouts are recognised from the config's fields (TP rank shares in parenth
   ``linear_num_key_heads``, ``linear_num_value_heads``, ``linear_value_head_dim``): conv
   ``(d_conv - 1, (2 * k_heads * k_dim + v_heads * v_dim)/tp)`` and SSM
   ``(v_heads/tp, k_dim, v_dim)``.
+* Lightning linear attention (MiniMax-Text-01, typed by ``attn_type_list``): one state
+  ``(num_attention_heads/tp, head_dim, head_dim)`` in the model dtype.
 
 The conv window is stored in the model dtype. The SSM state may use another dtype: the
 config's ``mamba_ssm_cache_dtype`` (or ``mamba_ssm_dtype``) when set, else float32 for
@@ -107,6 +109,7 @@ def ssm_dtype_of(layer: LayerConfig) -> torch.dtype:
     return DEFAULT_SSM_DTYPES.get(str(layer.config.get("model_type")), layer.model_dtype)
 
 
+#: (mamba_type, state shapes on this TP rank).
 StateLayout = tuple[str, tuple[tuple[int, ...], ...]]
 
 
@@ -159,10 +162,22 @@ def gated_delta_net_state(layer: LayerConfig) -> StateLayout:
     return "gated_delta_net", (conv, (v_heads, k_dim, v_dim))
 
 
+def lightning_attention_state(layer: LayerConfig) -> StateLayout:
+    heads = _field(layer, "num_attention_heads")
+    if layer.config.get("head_dim") is not None:
+        head_dim = _field(layer, "head_dim")
+    else:
+        head_dim = _field(layer, "hidden_size") // heads
+    return "linear_attention", ((_per_rank(layer, "num_attention_heads", heads), head_dim,
+                                 head_dim),)
+
+
 def _layout_of(layer: LayerConfig) -> Callable[[LayerConfig], StateLayout]:
     config = layer.config
     if config.get("linear_num_value_heads") is not None:
         return gated_delta_net_state
+    if layer.layer_type == "linear_attention" and config.get("attn_type_list") is not None:
+        return lightning_attention_state
     if config.get("mamba_num_heads") is not None or config.get("mamba_n_heads") is not None:
         return mamba2_state
     if config.get("mamba_d_state") is not None or config.get("state_size") is not None:
@@ -179,11 +194,15 @@ def mamba_spec(layer: LayerConfig) -> MambaSpec | None:
     """The state spec of ``layer`` if it is a Mamba or linear-attention layer, else ``None``."""
     if layer.layer_type not in STATE_LAYER_TYPES:
         return None
-    mamba_type, (conv_shape, ssm_shape) = _layout_of(layer)(layer)
+    mamba_type, shapes = _layout_of(layer)(layer)
+    if len(shapes) == 1:  # a lone recurrent state, kept in the model dtype
+        dtypes: tuple[torch.dtype, ...] = (layer.model_dtype,)
+    else:  # (conv window, SSM state)
+        dtypes = (layer.model_dtype, ssm_dtype_of(layer))
     fields: dict[str, Any] = dict(
         block_size=layer.options.block_size,
-        shapes=(conv_shape, ssm_shape),
-        dtypes=(layer.model_dtype, ssm_dtype_of(layer)),
+        shapes=shapes,
+        dtypes=dtypes,
         mamba_type=mamba_type,
     )
     return MambaSpec(**fields)
