@@ -7,7 +7,7 @@ lives in the model's Hugging Face config class. Those defaults are applied here,
 | model_type | field | default | published source |
 |---|---|---|---|
 | gemma2 | sliding_window_pattern | 2 | ``Gemma2DecoderLayer``: layer i slides when ``not i % 2`` |
-| gemma3, gemma3_text | sliding_window_pattern | 6 | ``Gemma3TextConfig`` |
+| gemma3, gemma3_text | sliding_window_pattern / max_position_embeddings | 6 / 131072 | ``Gemma3TextConfig`` |
 | cohere2 | sliding_window_pattern | 4 | ``Cohere2Config`` |
 | jamba | attn_layer_period / attn_layer_offset | 8 / 4 | ``JambaConfig`` |
 | qwen3_next | full_attention_interval | 4 | ``Qwen3NextConfig`` |
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-_GEMMA3 = MappingProxyType({"sliding_window_pattern": 6})
+_GEMMA3 = MappingProxyType({"sliding_window_pattern": 6, "max_position_embeddings": 131072})
 _LLAMA4 = MappingProxyType({"no_rope_layer_interval": 4})
 
 #: model_type -> field defaults of its published config class.
