@@ -24,7 +24,7 @@ def test_registration_lists_the_kinds() -> None:
     manager = PluginManager()
     info = manager.register(hisparse_plugin, "hisparse")
     assert list(info.spec_kinds) == KINDS
-    assert info.hooks == ("kvspec_register_spec_kinds",)
+    assert info.hooks == ("kvspec_register_spec_kinds", "kvspec_register_runtime_rules")
     assert manager.spec_kinds.class_of("hisparse_hot") is HiSparseHotSpec
     assert manager.spec_kinds.class_of("hisparse_resident") is HiSparseResidentSpec
     assert manager.spec_kinds.class_of("hisparse_group") is HiSparseGroupSpec

@@ -29,7 +29,8 @@ def test_registration_lists_the_kinds_and_the_dtype() -> None:
     info = manager.register(mla_plugin, "mla")
     assert list(info.spec_kinds) == MLA_KINDS
     assert set(info.hooks) == {
-        "kvspec_register_spec_kinds", "kvspec_register_kv_dtypes", "kvspec_layer_spec"}
+        "kvspec_register_spec_kinds", "kvspec_register_kv_dtypes",
+        "kvspec_register_runtime_rules", "kvspec_layer_spec"}
     for kind in MLA_KINDS:
         assert manager.spec_kinds.owner_of(kind) == "mla"
     fp8_ds_mla = manager.kv_dtypes.get("fp8_ds_mla")

@@ -9,6 +9,7 @@ from kvspec_core.specs.base import KVSpec
 
 from kvspec_mla.formats import MLA_KV_DTYPES
 from kvspec_mla.layers import mla_layer_spec
+from kvspec_mla.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (a hook)
 from kvspec_mla.sliding import SlidingWindowMLASpec
 from kvspec_mla.specs import CircularBufferSpec, HiddenStateCacheSpec, MLAAttentionSpec
 

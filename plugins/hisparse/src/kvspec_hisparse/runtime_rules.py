@@ -1,0 +1,53 @@
+"""Runtime allocator rules of the HiSparse kinds.
+
+* ``hisparse_hot``: ``blocks_per_request`` blocks taken at admission and kept for the
+  request's life (the kernel addresses them itself); never prefix cached.
+* ``hisparse_group``: the wrapped spec's rules as the core resolves them (full attention's
+  for MLA layers); plugin-registered rules of the wrapped kind are not reachable from a rules
+  factory, so a wrapped kind needing them gets the core's.
+* ``hisparse_resident``: none registered (see the README): which device pages the HiSparse
+  runtime reclaims after write-back is its own bookkeeping, not a positional rule.
+"""
+
+from __future__ import annotations
+
+from kvspec_core.context import SizingContext
+from kvspec_core.plugins.contract import hookimpl
+from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
+from kvspec_core.runtime import NEVER, FamilyRules, FullAttentionRules, rules_for
+from kvspec_core.specs.base import KVSpec
+
+from kvspec_hisparse.groups import HiSparseGroupSpec
+from kvspec_hisparse.specs import HiSparseHotSpec
+
+
+class HotCacheRules(FullAttentionRules):
+    """A fixed set of blocks per request, allocated once: what the admission cap says."""
+
+    def __init__(self, spec: HiSparseHotSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+        super().__init__(spec, ctx)
+        self.prefix_cacheable = False
+        self.blocks_per_request = spec.blocks_per_request
+
+    def blocks_needed(
+        self, num_existing: int, num_known: int, num_total: int, num_encoder_tokens: int
+    ) -> tuple[int, int]:
+        return 0, max(0, self.blocks_per_request - num_existing)
+
+    def next_allocation_end(self, num_existing: int) -> int:
+        return NEVER if num_existing >= self.blocks_per_request else 1
+
+    def cache_range(self, num_cached: int, num_known: int) -> tuple[int, int]:
+        return num_cached, num_cached
+
+
+def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
+    """The rules of a HiSparse source or indexer group: its wrapped spec's."""
+    inner = spec.inner if isinstance(spec, HiSparseGroupSpec) else spec
+    return rules_for(inner, ctx, None)
+
+
+@hookimpl
+def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
+    register("hisparse_hot", HotCacheRules)
+    register("hisparse_group", group_rules)

@@ -1,0 +1,34 @@
+"""The HiSparse kinds in the core's runtime allocator."""
+
+from __future__ import annotations
+
+from kvspec_core import SizingContext
+from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
+
+from hisparse_testkit import latent_like, manager_with_hisparse
+from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec
+from kvspec_hisparse.runtime_rules import HotCacheRules
+
+CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
+
+
+def test_hot_cache_takes_its_blocks_once_and_groups_follow_their_wrapped_spec() -> None:
+    manager = manager_with_hisparse()
+    source = HiSparseGroupSpec(inner=latent_like(), role="hisparse_source")
+    indexer = HiSparseGroupSpec(inner=latent_like(head_size=64, head_size_v=64),
+                                role="hisparse_indexer")
+    hot = HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=4)
+    assert type(rules_for(hot, CTX, manager)) is HotCacheRules
+    assert type(rules_for(source, CTX, manager)) is FullAttentionRules
+    # The host-resident source has its own pool; indexer and hot share the device pool.
+    allocator = KVCacheAllocator([source, indexer, hot], [64, 64], CTX, pool_of_group=[0, 1, 1],
+                                 manager=manager, hash_salt=b"hisparse-test")
+    request = Request("r", list(range(2048)))
+    for step in range(1, 5):
+        assert allocator.allocate_slots(request, 512)
+        source_ids, indexer_ids, hot_ids = allocator.block_ids("r")
+        assert len(source_ids) == len(indexer_ids) == step * 512 // 64
+        assert len(hot_ids) == 4 and 0 not in hot_ids
+    assert allocator.usage is not None
+    allocator.free("r")
+    allocator.check_invariants()
