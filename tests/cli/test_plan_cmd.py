@@ -1,0 +1,161 @@
+"""``kvspec plan`` through ``kvspec_core.cli.main.main``: JSON contract, table, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvspec_core.cli.main import main
+from kvspec_core.cli.plan_cmd import describe_layers
+from kvspec_core.models.catalog import preset_text
+
+CONTRACT_KEYS = {"model", "kv_budget_bytes", "max_model_len", "num_blocks", "groups",
+                 "bytes_allocated", "bytes_padding", "max_concurrency"}
+GROUP_KEYS = {"kind", "layers", "block_size", "page_size_bytes"}
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run, expect exit 2 with one clean error line; return stderr."""
+    assert main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("kvspec: error: ")
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def test_json_holds_the_contract_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    report = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB")
+    assert CONTRACT_KEYS <= set(report)
+    assert report["model"] == "llama-3.1-8b"
+    assert report["kv_budget_bytes"] == 40 << 30 and report["max_model_len"] == 131072
+    assert report["num_blocks"] == 20480
+    assert isinstance(report["max_concurrency"], float)
+    assert report["max_concurrency"] == pytest.approx(20479 / 8192)
+    (group,) = report["groups"]
+    assert GROUP_KEYS <= set(group)
+    assert group["kind"] == "full_attention" and len(group["layers"]) == 32
+    assert (group["block_size"], group["page_size_bytes"]) == (16, 32 * 16 * 8 * 256 * 2)
+    assert report["pools"][0]["num_blocks"] == 20480
+    assert report["kv_bytes_per_token"] == 131072
+    assert report["bytes_allocated"] + report["bytes_padding"] >= report["bytes_allocated"]
+
+
+def test_options_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    report = plan_json(capsys, "llama-3.1-8b", "--memory", "20GiB", "--max-model-len", "8192",
+                       "--block-size", "32", "--kv-cache-dtype", "fp8", "--tp", "2",
+                       "--max-in-flight-tokens", "4096")
+    assert (report["max_model_len"], report["block_size"], report["kv_cache_dtype"]) == (
+        8192, 32, "fp8")
+    assert report["max_in_flight_tokens"] == 4096 and report["tensor_parallel_size"] == 2
+    # fp8, 4 KV heads per rank: 32 layers × 4 × 256 × 1 B per token, 32-token blocks.
+    assert report["groups"][0]["page_size_bytes"] == 32 * 32 * 4 * 256
+    assert report["groups"][0]["block_size"] == 32
+    assert report["num_blocks"] == (20 << 30) // (32 * 32 * 4 * 256)
+
+
+def test_dcp_shards_full_attention_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    one = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB")
+    two = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB", "--dcp", "2")
+    assert two["decode_context_parallel_size"] == 2
+    assert two["groups"][0]["blocks_per_request"] * 2 == one["groups"][0]["blocks_per_request"]
+
+
+def test_a_config_path_and_a_folder_work(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(preset_text("mistral-7b"))
+    by_folder = plan_json(capsys, str(tmp_path), "--memory", "40GiB")
+    by_file = plan_json(capsys, str(tmp_path / "config.json"), "--memory", "40GiB")
+    preset = plan_json(capsys, "mistral-7b", "--memory", "40GiB")
+    for report in (by_folder, by_file):
+        assert report["max_concurrency"] == preset["max_concurrency"]
+        assert report["source"] == "config file"
+
+
+def test_human_output_is_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gemma-2-9b", "--memory", "40GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "group  kind" in out and "sliding_window" in out and "full_attention" in out
+    assert "21 × model.layers.0..40 step 2" in out and "21 × model.layers.1..41 step 2" in out
+    assert "max concurrency  15.22 requests of 8,192 tokens" in out
+    assert "padding" in out and "B per token" in out
+
+
+@pytest.mark.parametrize("size", ["40GB?", "-1GiB", "0", "0B", "12 parsecs", "lots"])
+def test_bad_sizes_exit_2_without_traceback(size: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    err = fails(capsys, "llama-3.1-8b", f"--memory={size}")  # "=": -1GiB is not an option
+    assert "--memory" in err and repr(size) in err
+
+
+def test_unknown_preset_lists_close_names(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fails(capsys, "lama-3.1-8b", "--memory", "40GiB")
+    assert "unknown model 'lama-3.1-8b'" in err and "llama-3.1-8b" in err
+    assert "kvspec models" in err
+
+
+def test_missing_config_field_names_it(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    config = json.loads(preset_text("llama-3.1-8b"))
+    del config["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    err = fails(capsys, str(tmp_path), "--memory", "40GiB")
+    assert "'num_hidden_layers' is missing" in err
+
+
+def test_unknown_kv_dtype_lists_the_known(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fails(capsys, "llama-3.1-8b", "--memory", "40GiB", "--kv-cache-dtype", "fp7")
+    assert "unknown KV cache dtype 'fp7'" in err and "fp8" in err
+
+
+def test_indivisible_tp_names_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fails(capsys, "llama-3.1-8b", "--memory", "40GiB", "--tp", "3")
+    assert "'num_key_value_heads'=8" in err and "--tp" in err
+
+
+def test_a_length_that_does_not_fit_names_the_largest(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fails(capsys, "llama-3.1-70b", "--memory", "40GiB")
+    assert "largest max_model_len that fits is 131056" in err
+    assert "--max-model-len 131056" in err
+    report = plan_json(capsys, "llama-3.1-70b", "--memory", "40GiB", "--max-model-len", "131056")
+    assert report["max_concurrency"] >= 1
+
+
+def test_not_even_one_block_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fails(capsys, "llama-3.1-8b", "--memory", "1MiB")
+    assert "no max_model_len fits" in err
+
+
+def test_bad_integer_options_are_argparse_usage_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for args in (["--tp", "0"], ["--block-size", "x"], ["--max-model-len", "-5"]):
+        with pytest.raises(SystemExit) as caught:
+            main(["plan", "llama-3.1-8b", "--memory", "40GiB", *args])
+        assert caught.value.code == 2
+        err = capsys.readouterr().err
+        assert args[0] in err and "Traceback" not in err
+
+
+def test_whisper_plans_decoder_and_cross_attention(capsys: pytest.CaptureFixture[str]) -> None:
+    report = plan_json(capsys, "whisper-large-v3", "--memory", "40GiB")
+    assert report["max_model_len"] == 448 and report["max_encoder_tokens"] == 1500
+    kinds = {group["kind"]: group for group in report["groups"]}
+    assert kinds["cross_attention"]["blocks_per_request"] == -(-1500 // 16)
+    assert kinds["full_attention"]["blocks_per_request"] == 448 // 16
+
+
+def test_describe_layers_summarises_names() -> None:
+    assert describe_layers([f"model.layers.{i}" for i in range(32)]) == "32 × model.layers.0..31"
+    assert describe_layers(["model.layers.3"]) == "1 × model.layers.3"
+    assert describe_layers([f"model.decoder.layers.{i}.self_attn" for i in (0, 1, 2)]) == (
+        "3 × model.decoder.layers.0..2.self_attn")
+    assert describe_layers(["a", "b"]) == "2 layers"
