@@ -6,8 +6,8 @@ from kvspec_core import SizingContext
 from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
 
 from hisparse_testkit import latent_like, manager_with_hisparse
-from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec
-from kvspec_hisparse.runtime_rules import HotCacheRules
+from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
+from kvspec_hisparse.runtime_rules import HotCacheRules, ResidentRules
 
 CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
 
@@ -30,5 +30,27 @@ def test_hot_cache_takes_its_blocks_once_and_groups_follow_their_wrapped_spec() 
         assert len(source_ids) == len(indexer_ids) == step * 512 // 64
         assert len(hot_ids) == 4 and 0 not in hot_ids
     assert allocator.usage is not None
+    allocator.free("r")
+    allocator.check_invariants()
+
+
+def test_resident_pages_keep_only_the_in_flight_window() -> None:
+    manager = manager_with_hisparse()
+    resident = HiSparseResidentSpec(block_size=64, page_size=4096)
+    assert type(rules_for(resident, CTX, manager)) is ResidentRules
+    cap = resident.max_blocks_per_request(CTX)
+    assert cap == 8  # cdiv(min(512, 2048), 64)
+    allocator = KVCacheAllocator([resident], 64, CTX, manager=manager, hash_salt=b"resident")
+    request = Request("r", list(range(2048)))
+    for _ in range(2):
+        assert allocator.allocate_slots(request, 512)
+        held = [block for block in allocator.block_ids("r")[0] if block != 0]
+        assert len(held) == cap
+    # Decode: one token at a time keeps one tail block.
+    assert allocator.allocate_slots(request, 500)
+    for _ in range(3):
+        assert allocator.allocate_slots(request, 1)
+        held = [block for block in allocator.block_ids("r")[0] if block != 0]
+        assert len(held) == 1
     allocator.free("r")
     allocator.check_invariants()

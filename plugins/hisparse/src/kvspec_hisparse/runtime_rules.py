@@ -5,8 +5,11 @@
 * ``hisparse_group``: the wrapped spec's rules as the core resolves them (full attention's
   for MLA layers); plugin-registered rules of the wrapped kind are not reachable from a rules
   factory, so a wrapped kind needing them gets the core's.
-* ``hisparse_resident``: none registered (see the README): which device pages the HiSparse
-  runtime reclaims after write-back is its own bookkeeping, not a positional rule.
+* ``hisparse_resident``: the pages of tokens not yet computed are held; once a token is
+  computed its KV is backed by the host, so every block entirely below the computed length
+  is reclaimed and a request keeps only its in-flight window (one partial tail block at
+  decode). A step whose start is not block-aligned needs one block more than the admission
+  cap ``cdiv(min(in_flight, max_model_len), block)`` and is answered ``NotNow``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from kvspec_core.runtime import NEVER, FamilyRules, FullAttentionRules, rules_fo
 from kvspec_core.specs.base import KVSpec
 
 from kvspec_hisparse.groups import HiSparseGroupSpec
-from kvspec_hisparse.specs import HiSparseHotSpec
+from kvspec_hisparse.specs import HiSparseHotSpec, HiSparseResidentSpec
 
 
 class HotCacheRules(FullAttentionRules):
@@ -41,6 +44,23 @@ class HotCacheRules(FullAttentionRules):
         return num_cached, num_cached
 
 
+class ResidentRules(FullAttentionRules):
+    """Device pages of the tokens in flight; computed tokens' pages are host-backed."""
+
+    def __init__(self, spec: HiSparseResidentSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+        super().__init__(spec, ctx)
+        self.prefix_cacheable = False
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        return num_computed
+
+    def next_skip_position(self, num_skipped_blocks: int) -> int:
+        return (num_skipped_blocks + 1) * self.block_tokens
+
+    def cache_range(self, num_cached: int, num_known: int) -> tuple[int, int]:
+        return num_cached, num_cached
+
+
 def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
     """The rules of a HiSparse source or indexer group: its wrapped spec's."""
     inner = spec.inner if isinstance(spec, HiSparseGroupSpec) else spec
@@ -50,4 +70,5 @@ def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
 @hookimpl
 def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
     register("hisparse_hot", HotCacheRules)
+    register("hisparse_resident", ResidentRules)
     register("hisparse_group", group_rules)
