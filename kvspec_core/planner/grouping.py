@@ -51,7 +51,7 @@ def pool_key(draft: GroupDraft, layout: KVCacheLayout) -> tuple[object, ...]:
         slot_shape(cell_shape(spec, layer), layout)
         for layer, spec in zip(draft.layers, draft.layer_specs)
     )
-    host = draft.spec.host_resident
+    host = draft.layer_specs[0].host_resident
     if len(set(signature)) == 1:
         return ("single", signature[0], host)
     return ("signature", signature, host)
@@ -114,6 +114,11 @@ def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str
     return result
 
 
+def _placement(spec: KVSpec) -> tuple[bool, str, bool]:
+    """What must agree among a group's layers beyond the spec type."""
+    return (spec.host_resident, spec.group_role, spec.transferable)
+
+
 def _class_group_size(counts: list[int], limit: int) -> int:
     """Group size for buckets sharing a pool: the largest size up to ``limit`` that splits
     every bucket without a short group (a short group leaves slots of its blocks unused),
@@ -147,7 +152,7 @@ def group_layers(
         layers, spec = buckets[0]
         return [GroupDraft(tuple(layers), spec)], memoryless
     uniform = UniformTypeSpecs.from_specs(live, manager.spec_kinds)
-    if uniform is not None:
+    if uniform is not None and len({_placement(spec) for spec in live.values()}) == 1:
         return [GroupDraft(tuple(live), uniform)], memoryless
     limit = _group_size([len(layers) for layers, _ in buckets])
     classes: dict[tuple[object, ...], list[int]] = {}

@@ -29,6 +29,13 @@ def _tuple_of_int(value: Any) -> tuple[int, ...]:
     return tuple(int(item) for item in value)
 
 
+def real_page_bytes(spec: KVSpec) -> int:
+    """Bytes of real content in one page; specs without layer views are opaque pages."""
+    if not spec.has_layer_views:
+        return spec.page_size_bytes
+    return spec.unpadded_page_size_bytes
+
+
 @attrs.frozen(kw_only=True)
 class PlannedGroup:
     """Layers sharing one block table.
@@ -68,19 +75,20 @@ class PlannedGroup:
     @property
     def real_page_size_bytes(self) -> int:
         """Bytes of real content in one block across the group's layers."""
-        return sum(spec.unpadded_page_size_bytes for spec in self.layer_specs)
+        return sum(real_page_bytes(spec) for spec in self.layer_specs)
 
+    # Placement facts come from the layers (a uniform-type group's members agree on them).
     @property
     def host_resident(self) -> bool:
-        return self.spec.host_resident
+        return self.layer_specs[0].host_resident
 
     @property
     def role(self) -> str:
-        return self.spec.group_role
+        return self.layer_specs[0].group_role
 
     @property
     def transferable(self) -> bool:
-        return self.spec.transferable
+        return self.layer_specs[0].transferable
 
     @property
     def prefix_cacheable(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from kvspec_core import CONTRACT_VERSION, PluginManager, SizingContext, hookimpl
 from kvspec_core._math import cdiv
+from kvspec_core.planner import KVCachePlan, materialize
 from kvspec_core.specs import AttentionSpec, FullAttentionSpec, KVSpec
 from kvspec_core.validation import is_bool, positive_int
 
@@ -229,3 +230,63 @@ def vllm_inflated_concurrency(specs: Mapping[str, KVSpec], budget: int,
     attention_blocks = cdiv(len(attention), group) * cdiv(ctx.max_model_len, block)
     state_blocks = cdiv(len(states), group) * states[0].states_per_request
     return block, num_blocks / (attention_blocks + state_blocks)
+
+
+# ----------------------------------------------------------------- view soundness
+def _byte_addresses(view: torch.Tensor, buffer_size: int) -> torch.Tensor:
+    as_bytes = view if view.dtype == torch.uint8 else view.view(torch.uint8)
+    addresses = torch.arange(buffer_size, dtype=torch.int64)
+    return torch.as_strided(addresses, as_bytes.shape, as_bytes.stride(),
+                            as_bytes.storage_offset()).flatten()
+
+
+def _planned_addresses(buffers, layer: str) -> torch.Tensor:
+    """Bytes the plan gives ``layer`` (raw layers: their pages, not the whole buffer)."""
+    info = buffers.layer_views[layer]
+    size = buffers.plan.pools[info.pool].size_bytes
+    if not info.raw:
+        return _byte_addresses(buffers.views[layer], size)
+    return torch.as_strided(torch.arange(size, dtype=torch.int64), info.shape, info.strides,
+                            info.offset).flatten()
+
+
+def assert_views_sound(plan: KVCachePlan) -> None:
+    """Every view inside its buffer; distinct layers share bytes only where the plan
+    declares aliasing; writing one layer changes no other's bytes except its aliases."""
+    planned = [layer for group in plan.groups for layer in group.layers]
+    buffers = materialize(plan)
+    addresses = {}
+    for layer in planned:
+        info = buffers.layer_views[layer]
+        size = plan.pools[info.pool].size_bytes
+        found = _planned_addresses(buffers, layer)
+        # Inside the buffer, and no byte twice within one layer.
+        assert int(found.min()) >= 0 and int(found.max()) < size
+        assert found.unique().numel() == found.numel()
+        addresses[layer] = (info.pool, found)
+    for a in planned:
+        aliases = set(plan.aliased_layers(a))
+        for b in planned:
+            if a >= b or addresses[a][0] != addresses[b][0]:
+                continue
+            overlap = bool(torch.isin(addresses[a][1], addresses[b][1]).any())
+            assert not overlap or b in aliases, (a, b)
+
+    # Writing one layer changes no other layer's bytes, except its declared aliases.
+    for pool_buffer in buffers.buffers:
+        pool_buffer.zero_()
+    for layer in planned:
+        if buffers.layer_views[layer].raw:
+            continue
+        view = buffers.views[layer]
+        (view if view.dtype == torch.uint8 else view.view(torch.uint8)).fill_(1)
+        aliases = set(plan.aliased_layers(layer))
+        for other in planned:
+            if other == layer or other in aliases or buffers.layer_views[other].raw:
+                continue
+            other_view = buffers.views[other]
+            other_bytes = other_view if other_view.dtype == torch.uint8 else other_view.view(
+                torch.uint8)
+            assert int(other_bytes.sum()) == 0, (layer, other)
+        for pool_buffer in buffers.buffers:
+            pool_buffer.zero_()
