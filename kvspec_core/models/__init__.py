@@ -1,5 +1,49 @@
-"""Model configs to layer specs: what plugins see of a layer, config ingestion, presets."""
+"""Model configs to layer specs: what plugins see of a layer, config ingestion, presets.
+
+Public API::
+
+    from kvspec_core.models import resolve_model, plan_model, PlanOptions
+    model = resolve_model("llama-3.1-8b")                # preset, config.json or folder
+    result = plan_model(model.config, 40 << 30, PlanOptions(), manager, name=model.name)
+    result.plan.max_concurrency
+
+Lower level: :func:`model_layers` (config -> typed :class:`LayerConfig` s),
+:func:`layer_specs` (one spec per layer via the plugins), :func:`default_sizing_context`.
+Everything but the layer types is imported lazily: the plugin manager imports
+``kvspec_core.models.layer``, and ingestion imports the plugin machinery.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from kvspec_core.models.layer import AttentionShape, LayerConfig, PlanOptions
 
-__all__ = ["AttentionShape", "LayerConfig", "PlanOptions"]
+_LAZY = {
+    "ModelLayers": "kvspec_core.models.ingest",
+    "model_layers": "kvspec_core.models.ingest",
+    "layer_specs": "kvspec_core.models.ingest",
+    "default_sizing_context": "kvspec_core.models.ingest",
+    "ModelPlan": "kvspec_core.models.planning",
+    "PreparedModel": "kvspec_core.models.planning",
+    "plan_model": "kvspec_core.models.planning",
+    "prepare_model": "kvspec_core.models.planning",
+    "concurrency_curve": "kvspec_core.models.planning",
+    "ResolvedModel": "kvspec_core.models.catalog",
+    "resolve_model": "kvspec_core.models.catalog",
+    "preset_names": "kvspec_core.models.catalog",
+    "load_preset": "kvspec_core.models.catalog",
+    "read_config": "kvspec_core.models.config_file",
+    "model_families": "kvspec_core.models.families",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvspec_core.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["AttentionShape", "LayerConfig", "PlanOptions", *_LAZY]
