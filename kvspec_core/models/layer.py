@@ -78,6 +78,27 @@ class LayerConfig:
     model_dtype: torch.dtype
     attention: AttentionShape | None = None
 
+    def attention_spec_fields(self) -> dict[str, Any]:
+        """Keyword arguments every ``AttentionSpec`` of this layer shares: block size, heads,
+        head sizes, dtype, quant mode and TP shards; refused when the config has no geometry."""
+        shape = self.attention
+        if shape is None:
+            from kvspec_core.errors import ConfigError
+
+            raise ConfigError(
+                f"layer {self.name} is a {self.layer_type} layer but the config gives no "
+                "attention geometry (num_key_value_heads / head_dim); fix the model config"
+            )
+        return dict(
+            block_size=self.options.block_size,
+            num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_size,
+            head_size_v=shape.head_size_v,
+            dtype=shape.dtype,
+            kv_quant_mode=shape.kv_quant_mode,
+            max_tp_shards=shape.total_kv_heads,
+        )
+
     def get(self, *keys: str, default: Any = None) -> Any:
         """The first of ``keys`` present (and not ``None``) in the config, else ``default``."""
         for key in keys:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.layer import LayerConfig
@@ -14,25 +13,6 @@ from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 CHUNKED_LAYER_TYPE = "chunked_attention"
 #: Config field holding the chunk size, in tokens.
 CHUNK_FIELD = "attention_chunk_size"
-
-
-def attention_fields(layer: LayerConfig) -> dict[str, Any]:
-    """The attention-geometry fields of ``layer``'s spec, from the core's resolved shape."""
-    shape = layer.attention
-    if shape is None:
-        raise ConfigError(
-            f"layer {layer.name} is a {layer.layer_type} layer but the config gives no attention "
-            "geometry (num_key_value_heads / head_dim); fix the model config"
-        )
-    return dict(
-        block_size=layer.options.block_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_size=shape.head_size,
-        head_size_v=shape.head_size_v,
-        dtype=shape.dtype,
-        kv_quant_mode=shape.kv_quant_mode,
-        max_tp_shards=shape.total_kv_heads,
-    )
 
 
 def chunk_size_of(layer: LayerConfig) -> int:
@@ -52,4 +32,4 @@ def chunked_local_spec(layer: LayerConfig) -> ChunkedLocalAttentionSpec | None:
     if layer.layer_type != CHUNKED_LAYER_TYPE:
         return None
     return ChunkedLocalAttentionSpec(attention_chunk_size=chunk_size_of(layer),
-                                     **attention_fields(layer))
+                                     **layer.attention_spec_fields())
