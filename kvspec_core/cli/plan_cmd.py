@@ -25,6 +25,7 @@ from kvspec_core.models.planning import (
     context_lengths,
     prepare_model,
 )
+from kvspec_core.planner.plan import PlannedGroup
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.validation import MAX_FIELD_VALUE
 
@@ -85,6 +86,18 @@ def _options(args: argparse.Namespace, kv_cache_dtype: str) -> PlanOptions:
     )
 
 
+def _tokens_per_request(group: PlannedGroup) -> int | None:
+    """Token positions one max-length request keeps in ``group`` (block granularity);
+    ``None`` for state families (Mamba), whose blocks hold a state, not tokens."""
+    try:
+        tokens_per_state = group.layer_specs[0].tokens_per_state
+    except NotImplementedError:
+        return None
+    if tokens_per_state <= 0:
+        return None
+    return group.blocks_per_request * group.block_size
+
+
 def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
     """The ``--json`` document (keys ``model``, ``kv_budget_bytes``, ``max_model_len``,
     ``num_blocks``, ``groups``, ``bytes_allocated``, ``bytes_padding``, ``max_concurrency``
@@ -114,7 +127,7 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
                 "block_size": group.block_size,
                 "page_size_bytes": group.page_size_bytes,
                 "blocks_per_request": group.blocks_per_request,
-                "tokens_per_request": group.blocks_per_request * group.block_size,
+                "tokens_per_request": _tokens_per_request(group),
                 "pool": group.pool,
             }
             for group in plan.groups
@@ -171,7 +184,7 @@ def _human(report: dict[str, Any]) -> str:
     group_rows = [
         [g["id"], g["kind"], describe_layers(g["layers"]), g["block_size"],
          f"{g['page_size_bytes']:,}", f"{g['blocks_per_request']:,}",
-         f"{g['tokens_per_request']:,}", g["pool"]]
+         "-" if g["tokens_per_request"] is None else f"{g['tokens_per_request']:,}", g["pool"]]
         for g in report["groups"]
     ]
     pool_rows = [

@@ -159,3 +159,12 @@ def test_describe_layers_summarises_names() -> None:
     assert describe_layers([f"model.decoder.layers.{i}.self_attn" for i in (0, 1, 2)]) == (
         "3 × model.decoder.layers.0..2.self_attn")
     assert describe_layers(["a", "b"]) == "2 layers"
+
+
+def test_state_groups_report_no_token_count(capsys: pytest.CaptureFixture[str]) -> None:
+    report = plan_json(capsys, "jamba-1.5-mini", "--memory", "40GiB")
+    tokens = {group["kind"]: group["tokens_per_request"] for group in report["groups"]}
+    assert tokens == {"mamba": None, "full_attention": 262144}
+    assert report["mamba_cache_mode"] == "align"
+    assert all(group["blocks_per_request"] == 2
+               for group in report["groups"] if group["kind"] == "mamba")
