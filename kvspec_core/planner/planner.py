@@ -340,9 +340,11 @@ def largest_fitting_max_model_len(
     return _largest_fitting(skeleton, ctx, budget, host_budget, upper)
 
 
-def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int], manager: PluginManager | None
-                        ) -> KVCachePlan:
-    """The same plan with other per-pool block counts (each at least one request's worth)."""
+def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int], manager: PluginManager | None,
+                        *, budget_bytes: int | None = None,
+                        host_budget_bytes: int | None = None) -> KVCachePlan:
+    """The same plan with other per-pool block counts (each at least one request's worth),
+    optionally under another budget that still holds them."""
     skeleton = _skeleton_of_plan(plan)
     for pool, count in zip(plan.pools, blocks):
         if count < pool.blocks_per_request + 1:
@@ -350,9 +352,18 @@ def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int], manager: Plugi
                 f"pool {pool.id} would get {count} blocks, fewer than one request's "
                 f"{pool.blocks_per_request} plus the null block"
             )
+    budget = plan.budget_bytes if budget_bytes is None else budget_bytes
+    host_budget = plan.host_budget_bytes if host_budget_bytes is None else host_budget_bytes
+    for host, available in ((False, budget), (True, host_budget)):
+        used = sum(count * pool.block_bytes for pool, count in zip(plan.pools, blocks)
+                   if pool.host_resident == host)
+        if used and (available is None or used > available):
+            raise CapacityError(
+                f"{'host' if host else 'device'} pools would take {used} bytes, more than "
+                f"the budget of {available} bytes"
+            )
     kinds = [group.kind for group in plan.groups]
-    return _assemble(skeleton, manager, kinds, blocks, plan.context, plan.budget_bytes,
-                     plan.host_budget_bytes)
+    return _assemble(skeleton, manager, kinds, blocks, plan.context, budget, host_budget)
 
 
 def _skeleton_of_plan(plan: KVCachePlan) -> _Skeleton:

@@ -74,7 +74,15 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
                 "plan the same layer specs"
             )
     blocks = [min(plan.pools[i].num_blocks for plan in plans) for i in range(len(plans[0].pools))]
-    return rebuild_with_blocks(plans[0], blocks, None)
+    return rebuild_with_blocks(plans[0], blocks, None, **_smallest_budgets(
+        [plan.budget_bytes for plan in plans], [plan.host_budget_bytes for plan in plans]))
+
+
+def _smallest_budgets(budgets: Sequence[int], host_budgets: Sequence[int | None]
+                      ) -> dict[str, int | None]:
+    """The agreed plan states the smallest budget: every worker's pools fit in it."""
+    hosts = [value for value in host_budgets if value is not None]
+    return {"budget_bytes": min(budgets), "host_budget_bytes": min(hosts) if hosts else None}
 
 
 def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan:
@@ -94,6 +102,12 @@ def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan
                 f"ranks 0 and {rank} planned different KV caches: {difference}; every rank "
                 "must plan the same layer specs"
             )
-    counts = torch.tensor([pool.num_blocks for pool in plan.pools], dtype=torch.int64)
+    # Block counts, then the budgets (-1 stands for "no host budget").
+    host = -1 if plan.host_budget_bytes is None else plan.host_budget_bytes
+    counts = torch.tensor([pool.num_blocks for pool in plan.pools] + [plan.budget_bytes, host],
+                          dtype=torch.int64)
     dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
-    return rebuild_with_blocks(plan, [int(count) for count in counts.tolist()], None)
+    values = [int(count) for count in counts.tolist()]
+    blocks, budget, host_budget = values[:-2], values[-2], values[-1]
+    return rebuild_with_blocks(plan, blocks, None, budget_bytes=budget,
+                               host_budget_bytes=None if host_budget < 0 else host_budget)

@@ -290,3 +290,42 @@ def assert_views_sound(plan: KVCachePlan) -> None:
             assert int(other_bytes.sum()) == 0, (layer, other)
         for pool_buffer in buffers.buffers:
             pool_buffer.zero_()
+
+
+# ----------------------------------------------------------------- two-rank worker (gloo)
+def agreement_worker(rank: int, port: int, out_dir: str, mismatch: bool) -> None:
+    """One rank of the gloo test: plan with this rank's budget, agree, write the outcome."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from kvspec_core.errors import PlanError
+    from kvspec_core.planner import agree_plan_across_ranks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        state = StateSpec(block_size=4, state_bytes=1000)
+        head = 16 if (mismatch and rank == 1) else 8
+        specs = layers([full(num_kv_heads=2, head_size=8, block_size=4), state,
+                        full(num_kv_heads=2, head_size=head, block_size=4), state])
+        ctx = SizingContext(max_model_len=64)
+        plan = plan_kv_with_budget(specs, (96 + 32 * rank) << 10, ctx)
+        try:
+            agreed = agree_plan_across_ranks(plan)
+            outcome = {"blocks": [p.num_blocks for p in agreed.pools],
+                       "own": [p.num_blocks for p in plan.pools], "plan": agreed.to_dict()}
+        except PlanError as error:
+            outcome = {"error": str(error)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+            json.dump(outcome, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_kv_with_budget(specs: Mapping[str, KVSpec], budget: int, ctx: SizingContext
+                        ) -> KVCachePlan:
+    from kvspec_core.planner import plan_kv_cache
+
+    return plan_kv_cache(specs, budget, ctx, manager_with_test_kinds())

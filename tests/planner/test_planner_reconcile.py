@@ -1,0 +1,79 @@
+"""Workers agree on one plan: reconcile_plans, and two gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+from planner_testkit import (
+    StateSpec,
+    agreement_worker,
+    full,
+    layers,
+    manager_with_test_kinds,
+    plan_kv_with_budget,
+)
+
+from kvspec_core import SizingContext
+from kvspec_core.errors import PlanError
+from kvspec_core.planner import reconcile_plans
+
+CTX = SizingContext(max_model_len=64)
+
+
+def _specs(head: int = 8) -> dict:
+    state = StateSpec(block_size=4, state_bytes=1000)
+    return layers([full(num_kv_heads=2, head_size=8, block_size=4), state,
+                   full(num_kv_heads=2, head_size=head, block_size=4), state])
+
+
+def test_reconcile_takes_the_smallest_pool_of_each_plan() -> None:
+    plans = [plan_kv_with_budget(_specs(), budget, CTX) for budget in (96 << 10, 200 << 10)]
+    agreed = reconcile_plans(plans)
+    assert [p.num_blocks for p in agreed.pools] == [
+        min(plan.pools[i].num_blocks for plan in plans) for i in range(2)]
+    assert agreed.groups == plans[0].groups
+    assert agreed.bytes_allocated <= min(plan.budget_bytes for plan in plans)
+    assert reconcile_plans([plans[1]]) == plans[1]
+
+
+def test_reconcile_refuses_different_specs_naming_the_layer() -> None:
+    plans = [plan_kv_with_budget(_specs(8), 96 << 10, CTX),
+             plan_kv_with_budget(_specs(16), 200 << 10, CTX)]
+    with pytest.raises(PlanError, match="plans 0 and 1 .* layer model.layers.2 has spec"):
+        reconcile_plans(plans)
+    with pytest.raises(PlanError, match="at least one plan"):
+        reconcile_plans([])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_two_ranks(tmp_path, mismatch: bool) -> list[dict]:
+    mp.spawn(agreement_worker, args=(_free_port(), str(tmp_path), mismatch), nprocs=2,
+             join=True)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_two_gloo_ranks_agree_on_the_minimum_and_refuse_a_mismatch(tmp_path) -> None:
+    agreed_dir = tmp_path / "agree"
+    agreed_dir.mkdir()
+    outcomes = _run_two_ranks(agreed_dir, mismatch=False)
+    assert outcomes[0]["plan"] == outcomes[1]["plan"]
+    expected = [min(a, b) for a, b in zip(outcomes[0]["own"], outcomes[1]["own"])]
+    assert outcomes[0]["blocks"] == outcomes[1]["blocks"] == expected
+    assert outcomes[0]["own"] != outcomes[1]["own"]
+
+    refused_dir = tmp_path / "refuse"
+    refused_dir.mkdir()
+    outcomes = _run_two_ranks(refused_dir, mismatch=True)
+    for outcome in outcomes:
+        assert "ranks 0 and 1" in outcome["error"]
+        assert "layer model.layers.2" in outcome["error"]
+    # The manager of each test is fresh; nothing global was touched.
+    assert manager_with_test_kinds().plugins[-1].name == "planner_test_kinds"

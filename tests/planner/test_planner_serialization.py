@@ -1,0 +1,78 @@
+"""Plans as plain data: JSON round trip, engine-neutral keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from planner_testkit import (
+    HostSpec,
+    RawSpec,
+    StateSpec,
+    full,
+    gpt_oss_20b,
+    layers,
+    manager_with_test_kinds,
+    window,
+)
+
+from kvspec_core import ConfigError, SizingContext
+from kvspec_core.planner import KVCachePlan, materialize, plan_kv_cache
+
+CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
+
+
+def _plans() -> list[KVCachePlan]:
+    manager = manager_with_test_kinds()
+    state = StateSpec(block_size=16, state_bytes=3000)
+    host = HostSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    return [
+        plan_kv_cache(gpt_oss_20b(), 256 << 20, CTX, manager),
+        plan_kv_cache(layers([full(num_kv_heads=8), full(num_kv_heads=2, page_size_padded=
+                                                         16 * 2 * 256 * 2 + 64)]),
+                      64 << 20, CTX, manager, layout="BLHNC"),
+        plan_kv_cache(layers([full(), state, window(64), state, RawSpec(block_size=16,
+                                                                        page_bytes=512), host]),
+                      128 << 20, CTX, manager, layout="LHBNC", host_budget_bytes=8 << 20),
+    ]
+
+
+def test_json_round_trip_is_equal() -> None:
+    manager = manager_with_test_kinds()
+    for plan in _plans():
+        text = json.dumps(plan.to_dict())
+        again = KVCachePlan.from_dict(json.loads(text), manager)
+        assert again == plan
+        assert json.dumps(again.to_dict()) == text
+
+
+def test_plan_dict_has_the_cli_contract_keys() -> None:
+    data = _plans()[0].to_dict()
+    for key in ("num_blocks", "groups", "bytes_allocated", "bytes_padding", "max_concurrency",
+                "budget_bytes", "pools", "tensors", "needs_zeroing", "has_mixed_precision",
+                "transfer_group_ids", "host_group_ids", "aliases"):
+        assert key in data
+    for group in data["groups"]:
+        for key in ("kind", "layers", "block_size", "page_size_bytes", "pool",
+                    "blocks_per_request", "host_resident", "role", "transferable"):
+            assert key in group
+    assert data["groups"][0]["page_size_bytes"] == 12 * 16 * 8 * 128 * 2
+
+
+def test_reloaded_plan_materialises_the_same_layout() -> None:
+    plan = _plans()[2]
+    again = KVCachePlan.from_dict(json.loads(json.dumps(plan.to_dict())),
+                                  manager_with_test_kinds())
+    assert materialize(again).layout_descriptor() == materialize(plan).layout_descriptor()
+    json.dumps(materialize(plan).layout_descriptor())
+
+
+def test_malformed_plans_are_refused() -> None:
+    data = _plans()[0].to_dict()
+    with pytest.raises(ConfigError, match="format_version"):
+        KVCachePlan.from_dict({**data, "format_version": 99}, manager_with_test_kinds())
+    broken = dict(data)
+    del broken["pools"]
+    with pytest.raises(ConfigError, match="pools"):
+        KVCachePlan.from_dict(broken, manager_with_test_kinds())
