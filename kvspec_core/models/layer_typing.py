@@ -19,6 +19,10 @@ Mamba state fields...). Sources, in priority order:
    on slide), else on every layer (Mistral, Phi-3).
 4. ``kv_lora_rank`` makes attention layers MLA (``mla_attention``, or
    ``sliding_mla_attention`` for sliding ones).
+
+Parallel hybrids (Falcon-H1) run a Mamba mixer beside attention in every layer: each such
+layer yields two cache-holding layers, ``model.layers.<i>.self_attn`` and
+``model.layers.<i>.mamba``; see :data:`PARALLEL_STATE_MIXERS`.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ LAYER_TYPE_ALIASES: Mapping[str, str] = {
 HYBRID_PATTERN_CHARS: Mapping[str, str | None] = {
     "M": MAMBA, "*": "attention", "-": None, "E": None,
 }
+
+#: model_type -> the state mixer each decoder layer runs in parallel with its attention (the
+#: published modeling code builds both in every layer; the config has no field saying so).
+PARALLEL_STATE_MIXERS: Mapping[str, str] = {"falcon_h1": MAMBA}
 
 # Intermediate marker for "an attention layer whose variant the pattern fields decide".
 _ATTENTION = "attention"
@@ -246,9 +254,20 @@ def decoder_layer_types(config: Mapping[str, Any]) -> list[str | None]:
 
 
 def decoder_layer_slots(config: Mapping[str, Any]) -> list[LayerSlot]:
-    """One :class:`LayerSlot` per cache-holding decoder layer (``model.layers.<i>``)."""
-    return [
-        LayerSlot(index=i, name=f"model.layers.{i}", layer_type=kind)
-        for i, kind in enumerate(decoder_layer_types(config))
-        if kind is not None
-    ]
+    """One :class:`LayerSlot` per cache-holding decoder layer (``model.layers.<i>``); two per
+    layer of a parallel hybrid (``model.layers.<i>.self_attn`` and ``.mamba``)."""
+    types = decoder_layer_types(config)
+    parallel = PARALLEL_STATE_MIXERS.get(str(config.get("model_type", "")))
+    if parallel is None:
+        return [
+            LayerSlot(index=i, name=f"model.layers.{i}", layer_type=kind)
+            for i, kind in enumerate(types)
+            if kind is not None
+        ]
+    slots: list[LayerSlot] = []
+    for i, kind in enumerate(types):
+        if kind is None:
+            continue
+        slots.append(LayerSlot(index=i, name=f"model.layers.{i}.self_attn", layer_type=kind))
+        slots.append(LayerSlot(index=i, name=f"model.layers.{i}.{parallel}", layer_type=parallel))
+    return slots

@@ -170,3 +170,12 @@ def test_attn_layer_period_puts_attention_at_the_offset(
     assert [i for i, t in enumerate(types) if t == "full_attention"] == list(
         range(offset, layers, period))
     assert all(t == "mamba" for i, t in enumerate(types) if i % period != offset)
+
+
+def test_falcon_h1_layers_hold_attention_and_mamba_side_by_side() -> None:
+    config = {"model_type": "falcon_h1", "num_hidden_layers": 3, "hidden_size": 1024,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+    layers = typed(config).layers
+    assert [(layer.index, layer.name, layer.layer_type) for layer in layers[:2]] == [
+        (0, "model.layers.0.self_attn", "full_attention"), (0, "model.layers.0.mamba", "mamba")]
+    assert type_string(config) == "FM" * 3

@@ -1,7 +1,11 @@
 """Configs of real model families the project never bundled plan without code changes.
 
 Each config below is written with the fields its published ``config.json`` uses (values of
-Gemma-3-4B-it and Granite-4.0-H-Small); nothing in kvspec names these models.
+Gemma-3-4B-it, Granite-4.0-H-Small and Falcon-H1-0.5B). Granite-4.0-H is typed from its
+fields alone. Gemma-3's published config omits fields whose defaults live in its config class,
+so it relies on the published-defaults table; Falcon-H1's parallel attention + Mamba layers
+are typed by its ``model_type``, as its modeling code builds both mixers in every layer
+without a config field saying so.
 """
 
 from __future__ import annotations
@@ -85,6 +89,52 @@ GRANITE_4_H_SMALL = {
     "torch_dtype": "bfloat16",
     "vocab_size": 100352,
 }
+
+
+#: Falcon-H1-0.5B: a parallel hybrid, attention and a Mamba-2 mixer side by side in every layer.
+FALCON_H1_0_5B = {
+    "architectures": ["FalconH1ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "mamba_chunk_size": 128,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 64,
+    "mamba_d_ssm": 1536,
+    "mamba_d_state": 128,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 24,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 16384,
+    "model_type": "falcon_h1",
+    "num_attention_heads": 8,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 2,
+    "rope_theta": 100000000000.0,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 32784,
+}
+
+
+def test_falcon_h1_plans_attention_and_mamba_in_every_layer(
+    kvspec_loaded_manager: PluginManager,
+) -> None:
+    result = plan_model(FALCON_H1_0_5B, BUDGET, PlanOptions(), kvspec_loaded_manager,
+                        name="falcon-h1-0.5b")
+    kinds = [spec.kind for spec in result.specs.values()]
+    assert kinds == ["full_attention", "mamba"] * 36
+    mamba = result.specs["model.layers.0.mamba"]
+    # conv (3, 1536 + 2 × 1 × 128) + ssm (24, 64, 128), bf16.
+    assert mamba.page_size_bytes == (3 * (1536 + 256) + 24 * 64 * 128) * 2
+    attention = result.specs["model.layers.0.self_attn"]
+    assert attention.page_size_bytes == 16 * 2 * 128 * 2  # 2 KV heads × (64 + 64) × 2 B
+    ideal = 36 * 16384 * 2 * 128 * 2 + 36 * 2 * mamba.page_size_bytes
+    assert result.plan.max_concurrency * ideal <= BUDGET
+    assert result.plan.max_concurrency >= 0.9 * (BUDGET / ideal)
 
 
 def test_gemma3_plans_with_its_published_defaults(kvspec_loaded_manager: PluginManager) -> None:
