@@ -188,3 +188,18 @@ def test_unseen_configs_plan_from_a_folder_through_the_cli(
         report = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]
         assert report["model"] == str(folder) and report["max_concurrency"] >= 1
         assert report["model_dtype"] == str(torch.bfloat16).removeprefix("torch.")
+
+
+def test_gemma3_with_explicit_layer_types_plans_the_same(
+    kvspec_loaded_manager: PluginManager,
+) -> None:
+    # Newer transformers write the derived fields out; then no default is needed at all.
+    text = dict(GEMMA3_4B["text_config"], model_type="a_model_kvspec_never_heard_of",
+                max_position_embeddings=131072,
+                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                             for i in range(34)])
+    explicit = dict(GEMMA3_4B, model_type="another_unknown_model", text_config=text)
+    by_default = plan_model(GEMMA3_4B, BUDGET, PlanOptions(), kvspec_loaded_manager)
+    by_fields = plan_model(explicit, BUDGET, PlanOptions(), kvspec_loaded_manager)
+    assert by_fields.specs == by_default.specs
+    assert by_fields.plan.max_concurrency == by_default.plan.max_concurrency
