@@ -168,3 +168,14 @@ def test_state_groups_report_no_token_count(capsys: pytest.CaptureFixture[str]) 
     assert report["mamba_cache_mode"] == "align"
     assert all(group["blocks_per_request"] == 2
                for group in report["groups"] if group["kind"] == "mamba")
+
+
+def test_negative_size_without_equals_is_still_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # argparse reads "-1GiB" as an option; it must still end in exit 2, not a traceback.
+    with pytest.raises(SystemExit) as caught:
+        main(["plan", "llama-3.1-8b", "--memory", "-1GiB"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "--memory" in err and "Traceback" not in err
