@@ -179,3 +179,12 @@ def test_negative_size_without_equals_is_still_a_usage_error(
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert "--memory" in err and "Traceback" not in err
+
+
+def test_a_model_whose_plugin_is_not_loaded_names_the_distribution(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVSPEC_PLUGINS", "mla")  # allow-list without kvspec-mamba
+    err = fails(capsys, "jamba-1.5-mini", "--memory", "40GiB")
+    assert "layer type 'mamba'" in err and "pip install kvspec-mamba" in err
+    assert "KVSPEC_PLUGINS" in err
