@@ -174,7 +174,7 @@ def _capacity_error(skeleton: _Skeleton, ctx: SizingContext, host: bool, need: i
 
 
 def _assemble(
-    skeleton: _Skeleton, manager: PluginManager | None, kinds: Sequence[str],
+    skeleton: _Skeleton, kinds: Sequence[str],
     blocks: Sequence[int], ctx: SizingContext, budget: int, host_budget: int | None,
 ) -> KVCachePlan:
     layout = skeleton.layout
@@ -312,7 +312,7 @@ def plan_kv_cache(
         for i, count in zip(ids, split):
             blocks[i] = count
     kinds = [_kind_of(draft.spec, manager) for draft in skeleton.drafts]
-    return _assemble(skeleton, manager, kinds, blocks, ctx, budget, host_budget)
+    return _assemble(skeleton, kinds, blocks, ctx, budget, host_budget)
 
 
 def largest_fitting_max_model_len(
@@ -340,7 +340,7 @@ def largest_fitting_max_model_len(
     return _largest_fitting(skeleton, ctx, budget, host_budget, upper)
 
 
-def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int], manager: PluginManager | None,
+def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int],
                         *, budget_bytes: int | None = None,
                         host_budget_bytes: int | None = None) -> KVCachePlan:
     """The same plan with other per-pool block counts (each at least one request's worth),
@@ -363,7 +363,7 @@ def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int], manager: Plugi
                 f"the budget of {available} bytes"
             )
     kinds = [group.kind for group in plan.groups]
-    return _assemble(skeleton, manager, kinds, blocks, plan.context, budget, host_budget)
+    return _assemble(skeleton, kinds, blocks, plan.context, budget, host_budget)
 
 
 def _skeleton_of_plan(plan: KVCachePlan) -> _Skeleton:

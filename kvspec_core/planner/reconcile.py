@@ -74,7 +74,7 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
                 "plan the same layer specs"
             )
     blocks = [min(plan.pools[i].num_blocks for plan in plans) for i in range(len(plans[0].pools))]
-    return rebuild_with_blocks(plans[0], blocks, None, **_smallest_budgets(
+    return rebuild_with_blocks(plans[0], blocks, **_smallest_budgets(
         [plan.budget_bytes for plan in plans], [plan.host_budget_bytes for plan in plans]))
 
 
@@ -109,5 +109,5 @@ def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan
     dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
     values = [int(count) for count in counts.tolist()]
     blocks, budget, host_budget = values[:-2], values[-2], values[-1]
-    return rebuild_with_blocks(plan, blocks, None, budget_bytes=budget,
+    return rebuild_with_blocks(plan, blocks, budget_bytes=budget,
                                host_budget_bytes=None if host_budget < 0 else host_budget)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from planner_testkit import (
     GiB,
+    StateSpec,
+    assert_views_sound,
     gemma_2_9b,
     gpt_oss_20b,
     jamba_1_5_mini,
@@ -108,3 +110,48 @@ def test_real_sliding_window_and_chunked_plugins_reproduce_the_table() -> None:
     plan = plan_kv_cache(scout, 40 * GiB, SizingContext(max_model_len=262144), manager)
     assert f"{plan.max_concurrency:.2f}" == "2.60"
     assert len(plan.groups) == 4 and len(plan.pools) == 1
+
+
+def test_real_mamba_plugin_specs_beat_inflation() -> None:
+    mamba = pytest.importorskip("kvspec_mamba")
+    import torch
+
+    from kvspec_core import PluginManager
+    from kvspec_core.specs import FullAttentionSpec
+
+    manager = PluginManager()
+    manager.load_entry_points({"KVSPEC_PLUGINS": "mamba"})
+    # Nemotron-H-56B: Mamba-2 conv (3, 16384 + 2*8*256) bf16 + ssm (256, 64, 256) fp32.
+    state = mamba.MambaSpec(block_size=16, shapes=((3, 20480), (256, 64, 256)),
+                            dtypes=(torch.bfloat16, torch.float32))
+    attention = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                                  dtype=torch.bfloat16)
+    ours = {name: (state if isinstance(spec, StateSpec) else attention)
+            for name, spec in nemotron_h_56b().items()}
+    ctx = SizingContext(max_model_len=8192, mamba_cache_mode="align")
+    plan = plan_kv_cache(ours, 40 * GiB, ctx, manager)
+    assert f"{plan.max_concurrency:.2f}" == "19.75"
+    assert {group.kind for group in plan.groups} == {"mamba", "full_attention"}
+    assert plan.needs_zeroing
+
+
+def test_real_mamba_views_are_sound_on_every_layout() -> None:
+    mamba = pytest.importorskip("kvspec_mamba")
+    import torch
+
+    from kvspec_core import PluginManager
+    from kvspec_core.planner import LAYOUTS
+    from kvspec_core.specs import FullAttentionSpec
+
+    manager = PluginManager()
+    manager.load_entry_points({"KVSPEC_PLUGINS": "mamba"})
+    state = mamba.MambaSpec(block_size=4, shapes=((3, 8), (2, 4, 4)),
+                            dtypes=(torch.bfloat16, torch.float32))
+    attention = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8,
+                                  dtype=torch.float16)
+    specs = {f"l{i}": (attention if i % 3 == 0 else state) for i in range(6)}
+    for layout in LAYOUTS:
+        plan = plan_kv_cache(specs, 32 << 10, SizingContext(max_model_len=64), manager,
+                             layout=layout)
+        assert len(plan.pools) == 2
+        assert_views_sound(plan)
