@@ -293,8 +293,9 @@ def assert_views_sound(plan: KVCachePlan) -> None:
 
 
 # ----------------------------------------------------------------- two-rank worker (gloo)
-def agreement_worker(rank: int, port: int, out_dir: str, mismatch: bool) -> None:
-    """One rank of the gloo test: plan with this rank's budget, agree, write the outcome."""
+def agreement_worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank of the gloo test: plan with this rank's budget and agree, first with equal
+    specs, then with rank 1's layer 2 changed; write both outcomes."""
     import json
     import os
 
@@ -306,20 +307,21 @@ def agreement_worker(rank: int, port: int, out_dir: str, mismatch: bool) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        state = StateSpec(block_size=4, state_bytes=1000)
-        head = 16 if (mismatch and rank == 1) else 8
-        specs = layers([full(num_kv_heads=2, head_size=8, block_size=4), state,
-                        full(num_kv_heads=2, head_size=head, block_size=4), state])
-        ctx = SizingContext(max_model_len=64)
-        plan = plan_kv_with_budget(specs, (96 + 32 * rank) << 10, ctx)
-        try:
-            agreed = agree_plan_across_ranks(plan)
-            outcome = {"blocks": [p.num_blocks for p in agreed.pools],
-                       "own": [p.num_blocks for p in plan.pools], "plan": agreed.to_dict()}
-        except PlanError as error:
-            outcome = {"error": str(error)}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-            json.dump(outcome, handle)
+        for scenario in ("agree", "mismatch"):
+            state = StateSpec(block_size=4, state_bytes=1000)
+            head = 16 if (scenario == "mismatch" and rank == 1) else 8
+            specs = layers([full(num_kv_heads=2, head_size=8, block_size=4), state,
+                            full(num_kv_heads=2, head_size=head, block_size=4), state])
+            ctx = SizingContext(max_model_len=64)
+            plan = plan_kv_with_budget(specs, (96 + 32 * rank) << 10, ctx)
+            try:
+                agreed = agree_plan_across_ranks(plan)
+                outcome = {"blocks": [p.num_blocks for p in agreed.pools],
+                           "own": [p.num_blocks for p in plan.pools], "plan": agreed.to_dict()}
+            except PlanError as error:
+                outcome = {"error": str(error)}
+            with open(os.path.join(out_dir, f"{scenario}{rank}.json"), "w") as handle:
+                json.dump(outcome, handle)
     finally:
         dist.destroy_process_group()
 

@@ -12,7 +12,6 @@ from planner_testkit import (
     agreement_worker,
     full,
     layers,
-    manager_with_test_kinds,
     plan_kv_with_budget,
 )
 
@@ -54,26 +53,19 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_two_ranks(tmp_path, mismatch: bool) -> list[dict]:
-    mp.spawn(agreement_worker, args=(_free_port(), str(tmp_path), mismatch), nprocs=2,
-             join=True)
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-
-
 def test_two_gloo_ranks_agree_on_the_minimum_and_refuse_a_mismatch(tmp_path) -> None:
-    agreed_dir = tmp_path / "agree"
-    agreed_dir.mkdir()
-    outcomes = _run_two_ranks(agreed_dir, mismatch=False)
-    assert outcomes[0]["plan"] == outcomes[1]["plan"]
-    expected = [min(a, b) for a, b in zip(outcomes[0]["own"], outcomes[1]["own"])]
-    assert outcomes[0]["blocks"] == outcomes[1]["blocks"] == expected
-    assert outcomes[0]["own"] != outcomes[1]["own"]
+    mp.spawn(agreement_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
 
-    refused_dir = tmp_path / "refuse"
-    refused_dir.mkdir()
-    outcomes = _run_two_ranks(refused_dir, mismatch=True)
-    for outcome in outcomes:
-        assert "ranks 0 and 1" in outcome["error"]
-        assert "layer model.layers.2" in outcome["error"]
-    # The manager of each test is fresh; nothing global was touched.
-    assert manager_with_test_kinds().plugins[-1].name == "planner_test_kinds"
+    def outcome(scenario: str, rank: int) -> dict:
+        return json.loads((tmp_path / f"{scenario}{rank}.json").read_text())
+
+    agreed = [outcome("agree", rank) for rank in range(2)]
+    assert agreed[0]["plan"] == agreed[1]["plan"]
+    expected = [min(a, b) for a, b in zip(agreed[0]["own"], agreed[1]["own"])]
+    assert agreed[0]["blocks"] == agreed[1]["blocks"] == expected
+    assert agreed[0]["own"] != agreed[1]["own"]
+    assert agreed[0]["plan"]["budget_bytes"] == 96 << 10
+    for rank in range(2):
+        refused = outcome("mismatch", rank)
+        assert "ranks 0 and 1" in refused["error"]
+        assert "layer model.layers.2" in refused["error"]
