@@ -87,6 +87,7 @@ class _Running:
         "computed",
         "blocks",
         "num_skipped",
+        "num_real",
         "num_cached",
         "cache_at",
         "end_limit",
@@ -100,6 +101,7 @@ class _Running:
         self.blocks = blocks
         count = len(blocks)
         self.num_skipped = [0] * count
+        self.num_real = [len(table) - table.count(0) for table in blocks]
         self.num_cached = [0] * count
         self.cache_at = [0] * count
         self.end_limit = 0
@@ -121,6 +123,8 @@ class KVCacheAllocator:
             (default: their gcd, so large pages never coarsen reuse of smaller ones).
         enable_kv_events: record :mod:`~kvspec_core.runtime.events` for :meth:`take_events`.
         hash_salt: fixed salt instead of the per-process random one (tests, replays).
+        eviction: ``"segmented"`` (reused prefixes outlive one-off blocks) or ``"lru"``;
+            see :mod:`kvspec_core.runtime.pool`.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class KVCacheAllocator:
         hash_block_size: int | None = None,
         enable_kv_events: bool = False,
         hash_salt: bytes | None = None,
+        eviction: str = "segmented",
     ) -> None:
         if not specs:
             raise AllocatorError("KVCacheAllocator needs at least one KV-cache group spec")
@@ -168,6 +173,7 @@ class KVCacheAllocator:
                 size,
                 [gid for gid, pool in enumerate(pools_of) if pool == index] or [0],
                 events=self._events,
+                eviction=eviction,
             )
             for index, size in enumerate(pool_sizes)
         ]
@@ -519,7 +525,7 @@ class KVCacheAllocator:
             refs = pools[pool_index].ref_counts
             dropped = [block for block in table[done:skip] if block]
             if real:
-                held = len(table) - table.count(0) - len(dropped) + real
+                held = state.num_real[gid] - len(dropped) + real
                 if held > self.admission_caps[gid]:
                     return self._over_cap(request, gid, held)
             need[pool_index] += real
@@ -537,6 +543,7 @@ class KVCacheAllocator:
                 dropped = [block for block in reversed(table[done:skip]) if block]
                 table[done:skip] = [0] * (skip - done)
                 state.num_skipped[gid] = skip
+                state.num_real[gid] -= len(dropped)
                 self._group_pools[gid]._release_unchecked(dropped)
         for gid, _, nulls, real in plans:
             table = blocks[gid]
@@ -545,6 +552,7 @@ class KVCacheAllocator:
             if real:
                 taken = self._group_pools[gid].take(real)
                 table.extend(taken)
+                state.num_real[gid] += real
                 new_ids[gid] = tuple(taken)
         state.computed = known
         if self._cacheable:

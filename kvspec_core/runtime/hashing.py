@@ -68,6 +68,20 @@ class PrefixHasher:
         if target <= done:
             return hashes
         start, stop = done * size, target * size
+        parent = hashes[-1] if hashes else self.root(request)
+        if target == done + 1 and not request.mm_inputs:
+            # One new block (a decode step completed it): skip the general loop.
+            try:
+                data = array("I", request.token_ids[start:stop])
+            except (OverflowError, TypeError) as error:
+                raise AllocatorError(
+                    f"request {request.request_id!r}: token ids in [{start}, {stop}) must be "
+                    f"ints in [0, 2**32) to be hashed: {error}"
+                ) from error
+            if not _NATIVE_LITTLE:
+                data.byteswap()
+            hashes.append(blake2b(parent + data.tobytes(), digest_size=DIGEST_SIZE).digest())
+            return hashes
         try:
             packed = array("I", request.token_ids[start:stop])
         except (OverflowError, TypeError) as error:
@@ -79,7 +93,6 @@ class PrefixHasher:
             packed.byteswap()
         data = packed.tobytes()
         step = size * packed.itemsize
-        parent = hashes[-1] if hashes else self.root(request)
         append = hashes.append
         if request.mm_inputs:
             for index in range(done, target):

@@ -1,10 +1,19 @@
 """The block pool: ref counts, free blocks, the prefix-cache map. No per-block objects.
 
-Per block the pool keeps a 4-byte ref count, an 8-byte slot for its cached hash and a
-2-byte group id; free blocks that hold no cached prefix sit in a 4-byte-per-entry stack.
-Free blocks that do hold a cached prefix stay findable until evicted, least recently freed
-first (an ordered dict gives O(1) removal when a hit revives one, and O(1) eviction). Uncached free
-blocks are always handed out before any cached block is evicted.
+Per block the pool keeps a 4-byte ref count, an 8-byte slot for its cached hash, a 2-byte
+group id and a 1-byte "reused" flag; free blocks that hold no cached prefix sit in a
+4-byte-per-entry stack. Free blocks that do hold a cached prefix stay findable until
+evicted (ordered dicts give O(1) removal when a hit revives one, and O(1) eviction).
+Uncached free blocks are always handed out before any cached block is evicted.
+
+Eviction order (``eviction=``):
+
+* ``"segmented"`` (default): a segmented LRU. Cached blocks that a prefix hit has reused at
+  least once are evicted only after every never-reused one, each segment least recently
+  freed first. Shared prefixes (system prompts) survive a stream of one-off prompts; on the
+  benchmark trace's hybrid model this keeps every reusable sliding-window block.
+* ``"lru"``: one LRU over all cached free blocks, least recently freed first (the reference
+  engine's order).
 
 Block 0 is the null block: it stands for "no block here" in block tables (skipped
 sliding-window blocks, Mamba positions without a state) and is never handed out.
@@ -28,6 +37,9 @@ MAX_GROUPS_PER_POOL = 1 << 16
 #: Most blocks one pool may hold (ids are stored as 4-byte signed ints).
 MAX_POOL_BLOCKS = (1 << 31) - 1
 
+#: Accepted values of ``BlockPool(eviction=...)``.
+EVICTION_POLICIES = ("segmented", "lru")
+
 
 class BlockPool:
     """Blocks ``1 .. num_blocks - 1`` of one physical pool, shared by ``group_ids``.
@@ -42,6 +54,7 @@ class BlockPool:
         group_ids: Sequence[int] = (0,),
         *,
         events: list[KVCacheEvent] | None = None,
+        eviction: str = "segmented",
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise AllocatorError(f"BlockPool.num_blocks={num_blocks!r} must be an int")
@@ -55,12 +68,21 @@ class BlockPool:
                 f"BlockPool.group_ids={tuple(group_ids)!r} must be a non-empty sequence of ids "
                 f"in [0, {MAX_GROUPS_PER_POOL})"
             )
+        if eviction not in EVICTION_POLICIES:
+            raise AllocatorError(
+                f"BlockPool.eviction={eviction!r} is invalid: must be one of {EVICTION_POLICIES}"
+            )
+        self.eviction = eviction
         self.num_blocks = num_blocks
         self.group_ids = tuple(group_ids)
         self.ref_counts = array("i", bytes(4 * num_blocks))
         # Popping from the end hands out 1, 2, 3, ... first.
         self._fresh = array("i", range(num_blocks - 1, 0, -1))
+        # Cached free blocks never reused by a hit (evicted first), and reused ones.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+        self._reused = bytearray(num_blocks)
+        self._segmented = eviction == "segmented"
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_group = array("H", bytes(2 * num_blocks))
         #: Per group: block hash -> block id of the cached block.
@@ -76,11 +98,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (uncached free + evictable cached)."""
-        return len(self._fresh) + len(self._evictable)
+        return len(self._fresh) + len(self._evictable) + len(self._protected)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self._fresh) - len(self._evictable)
+        return self.num_blocks - 1 - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -88,7 +110,7 @@ class BlockPool:
         return sum(len(cache) for cache in self.caches.values())
 
     def is_cached_free(self, block_id: int) -> bool:
-        return block_id in self._evictable
+        return block_id in self._evictable or block_id in self._protected
 
     def cached_hash(self, block_id: int) -> bytes | None:
         return self._block_hash[block_id]
@@ -98,9 +120,9 @@ class BlockPool:
         """``count`` blocks with ref count 1: uncached ones first, then the least recently
         freed cached ones (evicted from the prefix cache)."""
         fresh = self._fresh
-        if count > len(fresh) + len(self._evictable) or count < 0:
+        if count > self.num_free_blocks or count < 0:
             raise AllocatorError(
-                f"asked for {count} blocks but only {len(fresh) + len(self._evictable)} are free"
+                f"asked for {count} blocks but only {self.num_free_blocks} are free"
             )
         available = len(fresh)
         if count <= available:
@@ -119,36 +141,51 @@ class BlockPool:
         evictable = self._evictable
         block_hash = self._block_hash
         block_group = self._block_group
+        reused = self._reused
         caches = self.caches
-        removed: dict[int, list[bytes]] = {}
-        victims = []
-        popitem = evictable.popitem
-        for _ in range(count):
-            block = popitem(last=False)[0]
-            victims.append(block)
-            digest = block_hash[block]
-            block_hash[block] = None
-            gid = block_group[block]
-            cache = caches[gid]
-            if cache.get(digest) == block:  # type: ignore[arg-type]
-                del cache[digest]  # type: ignore[arg-type]
-            if self._events is not None:
-                removed.setdefault(gid, []).append(digest)  # type: ignore[arg-type]
-        self.epoch += 1
         if self._events is not None:
+            removed: dict[int, list[bytes]] = {}
+            for block in self._eviction_order(count):
+                removed.setdefault(block_group[block], []).append(block_hash[block])  # type: ignore[arg-type]
             for gid, digests in removed.items():
                 self._events.append(BlockRemoved(group=gid, block_hashes=tuple(digests)))
+        victims = []
+        append = victims.append
+        protected = self._protected
+        for _ in range(count):
+            block = (evictable if evictable else protected).popitem(last=False)[0]
+            append(block)
+            reused[block] = 0
+            # Only the block a hash maps to is ever marked cached (see cache_blocks).
+            del caches[block_group[block]][block_hash[block]]  # type: ignore[index]
+            block_hash[block] = None
+        self.epoch += 1
         return victims
 
+    def _eviction_order(self, count: int) -> list[int]:
+        order = []
+        for segment in (self._evictable, self._protected):
+            for block in segment:
+                if len(order) == count:
+                    return order
+                order.append(block)
+        return order
+
     def touch(self, blocks: Iterable[int]) -> None:
-        """Add a reference to each (cached) block; revived free blocks leave the LRU."""
+        """Add a reference to each cached block a prefix hit reuses; revived free blocks
+        leave the eviction order, and all are marked reused (see ``eviction``)."""
         refs = self.ref_counts
-        evictable = self._evictable
+        reused = self._reused
         for block in blocks:
             if block:
                 count = refs[block]
                 if count == 0:
-                    del evictable[block]
+                    if reused[block]:
+                        del self._protected[block]
+                    else:
+                        del self._evictable[block]
+                if self._segmented:
+                    reused[block] = 1
                 refs[block] = count + 1
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -160,16 +197,20 @@ class BlockPool:
     def check_release(self, blocks: Sequence[int]) -> None:
         """Raise :class:`AllocatorError` if releasing ``blocks`` would corrupt the pool."""
         refs = self.ref_counts
-        for block in blocks:
-            if not 0 <= block < self.num_blocks:
-                raise AllocatorError(
-                    f"block id {block} is not in this pool (ids 1..{self.num_blocks - 1})"
-                )
-            if block and refs[block] <= 0:
-                raise AllocatorError(
-                    f"block {block} has ref count {refs[block]}; releasing it again would make "
-                    "it negative (double free)"
-                )
+        if not blocks:
+            return
+        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
+            bad = next(block for block in blocks if not 0 <= block < self.num_blocks)
+            raise AllocatorError(
+                f"block id {bad} is not in this pool (ids 1..{self.num_blocks - 1})"
+            )
+        counts = [refs[block] for block in blocks if block]
+        if counts and min(counts) <= 0:
+            bad = next(block for block in blocks if block and refs[block] <= 0)
+            raise AllocatorError(
+                f"block {bad} has ref count {refs[bad]}; releasing it again would make "
+                "it negative (double free)"
+            )
         if len(set(blocks)) != len(blocks):
             counts: dict[int, int] = {}
             for block in blocks:
@@ -185,6 +226,8 @@ class BlockPool:
         refs = self.ref_counts
         block_hash = self._block_hash
         evictable = self._evictable
+        protected = self._protected
+        reused = self._reused
         fresh = self._fresh
         for block in blocks:
             if block:
@@ -193,6 +236,8 @@ class BlockPool:
                 if count == 0:
                     if block_hash[block] is None:
                         fresh.append(block)
+                    elif reused[block]:
+                        protected[block] = None
                     else:
                         evictable[block] = None
 
@@ -219,9 +264,10 @@ class BlockPool:
             for block in cache.values():
                 block_hash[block] = None
             cache.clear()
-        if self._evictable:
-            self._fresh.extend(self._evictable)
-            self._evictable.clear()
+        for segment in (self._evictable, self._protected):
+            self._fresh.extend(segment)
+            segment.clear()
+        self._reused = bytearray(self.num_blocks)
         self.epoch += 1
         if self._events is not None:
             self._events.append(AllBlocksCleared())
@@ -236,15 +282,17 @@ class BlockPool:
             count = refs[block]
             if count < 0:
                 raise AllocatorError(f"block {block} has negative ref count {count}")
-            free_here = (block in fresh) + (block in self._evictable)
+            free_here = (block in fresh) + (block in self._evictable) + (block in self._protected)
             if count == 0 and free_here != 1:
                 raise AllocatorError(f"block {block} has ref count 0 but is free {free_here} times")
             if count > 0 and free_here:
                 raise AllocatorError(f"block {block} is in use ({count}) and free")
             if block in fresh and self._block_hash[block] is not None:
                 raise AllocatorError(f"uncached free block {block} still holds a cached prefix")
-            if block in self._evictable and self._block_hash[block] is None:
-                raise AllocatorError(f"evictable block {block} holds no cached prefix")
+            if block in self._evictable and (self._block_hash[block] is None or self._reused[block]):
+                raise AllocatorError(f"evictable block {block} holds no cached prefix or is reused")
+            if block in self._protected and (self._block_hash[block] is None or not self._reused[block]):
+                raise AllocatorError(f"protected block {block} holds no cached prefix or is unused")
         for gid, cache in self.caches.items():
             for digest, block in cache.items():
                 if self._block_hash[block] != digest or self._block_group[block] != gid:

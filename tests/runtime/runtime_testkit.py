@@ -1,0 +1,144 @@
+"""Shared helpers of the runtime allocator tests: small specs, a plugin manager with the
+hybrid families, and a shadow model that checks every prefix hit independently of the
+allocator's rules (what each family needs to resume, and what each block really holds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
+from kvspec_core.runtime import Allocated, CachedPrefix, KVCacheAllocator, Request
+from kvspec_core.specs.base import KVSpec
+
+
+def manager_with_families() -> PluginManager:
+    """A fresh manager with the sliding-window, chunked-local and Mamba plugins."""
+    from kvspec_chunked_local import plugin as chunked_plugin
+    from kvspec_mamba import plugin as mamba_plugin
+    from kvspec_sliding_window import plugin as sliding_plugin
+
+    manager = PluginManager()
+    manager.register(sliding_plugin, "sliding_window")
+    manager.register(chunked_plugin, "chunked_local")
+    manager.register(mamba_plugin, "mamba")
+    return manager
+
+
+def full(block_size: int) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                             dtype=torch.float16)
+
+
+def sliding(block_size: int, window: int) -> KVSpec:
+    from kvspec_sliding_window.specs import SlidingWindowSpec
+
+    return SlidingWindowSpec(block_size=block_size, sliding_window=window, num_kv_heads=1,
+                             head_size=8, dtype=torch.float16)
+
+
+def chunked(block_size: int, chunk: int) -> KVSpec:
+    from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
+
+    return ChunkedLocalAttentionSpec(block_size=block_size, attention_chunk_size=chunk,
+                                     num_kv_heads=1, head_size=8, dtype=torch.float16)
+
+
+def mamba(block_size: int) -> KVSpec:
+    from kvspec_mamba.specs import MambaSpec
+
+    return MambaSpec(block_size=block_size, shapes=((2, 4),), dtypes=(torch.float32,))
+
+
+def context(max_model_len: int = 64, in_flight: int = 8) -> SizingContext:
+    return SizingContext(max_model_len=max_model_len, max_in_flight_tokens=in_flight,
+                         mamba_cache_mode="align")
+
+
+def make_allocator(specs: Sequence[KVSpec], num_blocks: int | Sequence[int],
+                   pool_of_group: Sequence[int] | None = None, ctx: SizingContext | None = None,
+                   **options: object) -> KVCacheAllocator:
+    return KVCacheAllocator(list(specs), num_blocks, ctx or context(),
+                            pool_of_group=pool_of_group, manager=manager_with_families(),
+                            hash_salt=b"tests", **options)  # type: ignore[arg-type]
+
+
+def needed_indices(spec: KVSpec, block_tokens: int, position: int) -> range:
+    """Block indices a family needs to resume at ``position``, from first principles
+    (independent of the allocator's rules)."""
+    end = position // block_tokens
+    kind = spec.kind
+    if kind == "sliding_window":
+        start = max(0, position - spec.sliding_window + 1)  # type: ignore[attr-defined]
+        return range(start // block_tokens, end)
+    if kind == "chunked_local_attention":
+        chunk = spec.attention_chunk_size  # type: ignore[attr-defined]
+        return range(position // chunk * chunk // block_tokens, end)
+    if kind == "mamba":
+        return range(end - 1, end) if position else range(0)
+    return range(0, end)
+
+
+class Shadow:
+    """What every block physically holds, tracked from allocations alone.
+
+    An attention block at index ``j`` written by request ``r`` holds KV computed from
+    ``r``'s tokens ``[0, (j + 1) * block_tokens)``; a Mamba block holds the state after the
+    request's computed length at the end of the last step that wrote it.
+    """
+
+    def __init__(self, allocator: KVCacheAllocator) -> None:
+        self.allocator = allocator
+        self.writer: dict[tuple[int, int], list[int]] = {}
+        self.state_at: dict[tuple[int, int], int] = {}
+
+    def key(self, group: int, block: int) -> tuple[int, int]:
+        return self.allocator._pool_of[group], block
+
+    def record(self, request: Request, result: Allocated) -> None:
+        allocator = self.allocator
+        tables = allocator.block_ids(request.request_id)
+        known = allocator.num_computed_tokens(request.request_id)
+        for group, new_ids in enumerate(result.new_block_ids):
+            for block in new_ids:
+                self.writer[self.key(group, block)] = request.token_ids
+                self.state_at.pop(self.key(group, block), None)
+        for group, spec in enumerate(allocator.specs):
+            if spec.kind != "mamba" or known == 0:
+                continue
+            tokens = allocator._block_tokens[group]
+            index = (known - 1) // tokens
+            block = tables[group][index] if index < len(tables[group]) else 0
+            assert block, f"Mamba running state at {known} has no block"
+            self.state_at[self.key(group, block)] = known
+
+    def check_hit(self, request: Request, prefix: CachedPrefix) -> None:
+        """Every block of the hit holds this prompt's KV, and every group has what it needs
+        to resume at the hit position."""
+        allocator = self.allocator
+        hit = prefix.num_tokens
+        tokens = request.token_ids
+        assert 0 <= hit <= max(0, len(tokens) - 1)
+        for group, spec in enumerate(allocator.specs):
+            ids = prefix.block_ids[group]
+            block_tokens = allocator._block_tokens[group]
+            if allocator.admission_caps[group] == 0:
+                continue
+            assert hit % block_tokens == 0, (group, hit)
+            assert len(ids) == hit // block_tokens, (group, len(ids), hit)
+            for index, block in enumerate(ids):
+                if not block:
+                    continue
+                writer = self.writer[self.key(group, block)]
+                end = (index + 1) * block_tokens
+                assert len(writer) >= end and writer[:end] == tokens[:end], (
+                    f"group {group} block {block} at index {index} holds other tokens"
+                )
+                if spec.kind == "mamba":
+                    assert self.state_at.get(self.key(group, block)) == end, (
+                        f"Mamba block {block} holds the state at "
+                        f"{self.state_at.get(self.key(group, block))}, not at {end}"
+                    )
+            for index in needed_indices(spec, block_tokens, hit):
+                assert ids[index], f"group {group} ({spec.kind}) lacks block {index} at {hit}"
