@@ -188,18 +188,3 @@ def view_extent(shape: Sequence[int], strides: Sequence[int], offset: int) -> in
         return offset
     return offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
 
-
-__all__ = [
-    "DIM_H",
-    "CellShape",
-    "Segment",
-    "SegmentPlacement",
-    "SlotShape",
-    "cell_shape",
-    "lcm_alignment",
-    "place_segments",
-    "segments_of",
-    "slot_shape",
-    "tensor_strides",
-    "view_extent",
-]

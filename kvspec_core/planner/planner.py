@@ -13,6 +13,7 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import CapacityError, InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner.budget import bytes_for_one_request, concurrency_of, split_budget
 from kvspec_core.planner.geometry import (
+    Segment,
     cell_shape,
     lcm_alignment,
     place_segments,
@@ -55,7 +56,7 @@ class _PoolDraft:
     group_ids: tuple[int, ...]
     host_resident: bool
     alignment: int
-    segments: tuple
+    segments: tuple[Segment, ...]
     block_bytes: int
     slot_bytes: tuple[int, ...]
 
