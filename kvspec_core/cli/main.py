@@ -19,7 +19,7 @@ from kvspec_core.plugins.loading import PluginLoadWarning
 from kvspec_core.plugins.manager import PluginManager
 
 #: Subcommand modules under ``kvspec_core.cli``, in help order.
-COMMANDS = ("plugins_cmd", "models_cmd", "plan_cmd")
+COMMANDS = ("plugins_cmd", "models_cmd", "plan_cmd", "simulate_cmd")
 
 #: Exit code for bad input (argparse uses the same).
 EXIT_USAGE = 2
