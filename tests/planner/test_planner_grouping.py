@@ -212,3 +212,36 @@ def test_invalid_inputs_are_refused_naming_the_field() -> None:
         plan_kv_cache(layers([window(8)]), 1 << 20, CTX, PluginManager())
     with pytest.raises(InvalidFieldTypeError, match="SizingContext"):
         plan_kv_cache(specs, 1 << 20, {"max_model_len": 5}, manager)  # type: ignore[arg-type]
+
+
+def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
+    hisparse = pytest.importorskip("kvspec_hisparse")
+    from kvspec_hisparse.groups import HiSparseGroupSpec
+
+    from kvspec_core import PluginManager
+
+    manager = PluginManager()
+    manager.load_entry_points({"KVSPEC_PLUGINS": "hisparse"})
+    source = HiSparseGroupSpec(inner=full(num_kv_heads=1, head_size=16, block_size=4),
+                               role="hisparse_source")
+    indexer = HiSparseGroupSpec(inner=full(num_kv_heads=1, head_size=8, block_size=4),
+                                role="hisparse_indexer")
+    hot = hisparse.HiSparseHotSpec(block_size=4, page_size=256, blocks_per_request=2)
+    resident = hisparse.HiSparseResidentSpec(block_size=4, page_size=256)
+    specs = {"source.0": source, "source.1": source, "indexer.0": indexer,
+             "indexer.1": indexer, "hot": hot, "resident": resident}
+    ctx = SizingContext(max_model_len=64, max_in_flight_tokens=16)
+    plan = plan_kv_cache(specs, 64 << 10, ctx, manager, host_budget_bytes=32 << 10)
+    host = [pool for pool in plan.pools if pool.host_resident]
+    assert len(host) == 1 and plan.host_bytes_allocated <= 32 << 10
+    assert {plan.groups[g].role for g in host[0].groups} == {"hisparse_source"}
+    source_group = plan.group_of("source.0")
+    assert source_group.host_resident and source_group.transferable
+    assert not plan.group_of("hot").transferable
+    assert {plan.groups[g].role for g in plan.transfer_group_ids} == {
+        "hisparse_source", "hisparse_indexer"}
+    assert plan.group_of("hot").id not in plan.transfer_group_ids
+    buffers = materialize(plan)
+    assert buffers.views["hot"] is buffers.buffers[plan.group_of("hot").pool]
+    assert buffers.buffers[source_group.pool].device.type == "cpu"
+    assert_views_sound(plan)
