@@ -3,11 +3,14 @@
 * Every layer mergeable into one spec: one group of all layers.
 * Otherwise, if the registry deems all layers of one type (same blocks per token, different
   shapes): one :class:`UniformTypeSpecs` group.
-* Otherwise (hybrid): layers are bucketed by merge compatibility; buckets whose pages share
-  a slot shape (they will share a pool) are split, in model order, into consecutive runs of
-  one group size, so the groups of a pool have equally many layers (as vLLM does: the
-  smallest bucket's layer count, or the largest when within 25 %). Buckets alone in their
-  pool stay one group. Block sizes are never changed.
+* Otherwise (hybrid): layers are bucketed by merge compatibility, and every bucket is split,
+  in model order, into consecutive runs of equally many layers, so that groups whose slots
+  have one shape (one pool) use its slots alike. The size is at most vLLM's (the smallest
+  bucket's layer count, or the largest when within 25 %): a pool's null block and rounding
+  cost one block, and a state (Mamba) block of all its layers would be huge. Within a pool
+  the size is lowered to split its buckets without short groups when that does not more
+  than double their number (Nemotron-H: 54 Mamba layers in 6 groups of 9, not 5 of 10 and
+  one of 4). Block sizes are never changed.
 
 Layers whose spec needs no blocks per request (encoder-only attention) get no group.
 """
@@ -47,10 +50,7 @@ class GroupDraft:
 
 def pool_key(draft: GroupDraft, layout: KVCacheLayout) -> tuple[object, ...]:
     """Groups with equal keys share a pool: same slot shapes, same residency."""
-    signature = tuple(
-        slot_shape(cell_shape(spec, layer), layout)
-        for layer, spec in zip(draft.layers, draft.layer_specs)
-    )
+    signature = slot_signature(draft, layout)
     host = draft.layer_specs[0].host_resident
     if len(set(signature)) == 1:
         return ("single", signature[0], host)

@@ -160,7 +160,8 @@ class KVCachePlan:
 
     ``num_blocks`` counts every pool's blocks (null blocks included). ``max_concurrency`` is
     how many requests of ``context.max_model_len`` the runtime admits at once (the minimum
-    over pools of usable blocks over demand). ``bytes_padding`` is what the budget holds
+    over pools of usable blocks over demand; 0.0 when no layer needs KV memory, as nothing
+    is admitted against a cache). ``bytes_padding`` is what the budget holds
     beyond real content: page padding, block alignment, and budget left idle.
     """
 

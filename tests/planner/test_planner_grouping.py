@@ -245,3 +245,13 @@ def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
     assert buffers.views["hot"] is buffers.buffers[plan.group_of("hot").pool]
     assert buffers.buffers[source_group.pool].device.type == "cpu"
     assert_views_sound(plan)
+
+
+def test_a_model_without_cached_layers_plans_no_pool() -> None:
+    encoder = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=8, head_size=64,
+                                       dtype=torch.float16)
+    plan = plan_kv_cache({"encoder.0": encoder}, 1 << 20, CTX, manager_with_test_kinds())
+    assert plan.groups == () and plan.pools == () and plan.num_blocks == 0
+    assert plan.bytes_allocated == 0 and plan.bytes_padding == 1 << 20
+    assert plan.max_concurrency == 0.0
+    assert materialize(plan).views == {}
