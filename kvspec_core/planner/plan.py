@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import ConfigError
+from kvspec_core.errors import ConfigError, PlanError
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.serialization import spec_from_dict, spec_to_dict
@@ -227,6 +227,29 @@ class KVCachePlan:
     @property
     def prefix_cacheable_group_ids(self) -> tuple[int, ...]:
         return tuple(gid for gid in self.transfer_group_ids if self.groups[gid].prefix_cacheable)
+
+    @property
+    def transfer_group_index_by_layer(self) -> dict[str, int]:
+        """For each layer of a transferable group, that group's index among the transfer
+        groups."""
+        return {
+            layer: index
+            for index, gid in enumerate(self.transfer_group_ids)
+            for layer in self.groups[gid].layers
+        }
+
+    def select_transfer_block_ids(self, block_ids: Sequence[Sequence[int]]
+                                  ) -> tuple[Sequence[int], ...]:
+        """The per-group block ids of the transferable groups, from one list per group."""
+        if len(block_ids) != len(self.groups):
+            raise PlanError(
+                f"expected block ids for {len(self.groups)} KV cache groups, got {len(block_ids)}"
+            )
+        return tuple(block_ids[gid] for gid in self.transfer_group_ids)
+
+    def num_blocks_of(self, tensor: KVCacheTensor) -> int:
+        """Blocks addressable through ``tensor`` (its pool's, null block included)."""
+        return self.pools[tensor.pool].num_blocks
 
     @property
     def host_group_ids(self) -> tuple[int, ...]:

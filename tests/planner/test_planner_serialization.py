@@ -18,6 +18,7 @@ from planner_testkit import (
 )
 
 from kvspec_core import ConfigError, SizingContext
+from kvspec_core.errors import PlanError
 from kvspec_core.planner import KVCachePlan, materialize, plan_kv_cache
 
 CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
@@ -76,3 +77,20 @@ def test_malformed_plans_are_refused() -> None:
     del broken["pools"]
     with pytest.raises(ConfigError, match="pools"):
         KVCachePlan.from_dict(broken, manager_with_test_kinds())
+
+
+def test_transfer_facts_follow_the_groups() -> None:
+    plan = _plans()[2]  # full, state, window, state, raw, host (not transferable)
+    host_gid = plan.group_of("model.layers.5").id
+    assert host_gid not in plan.transfer_group_ids
+    index = plan.transfer_group_index_by_layer
+    assert "model.layers.5" not in index
+    assert index["model.layers.0"] == plan.transfer_group_ids.index(
+        plan.group_of("model.layers.0").id)
+    ids = [[gid * 10] for gid in range(len(plan.groups))]
+    assert plan.select_transfer_block_ids(ids) == tuple([gid * 10]
+                                                        for gid in plan.transfer_group_ids)
+    with pytest.raises(PlanError, match="expected block ids for"):
+        plan.select_transfer_block_ids(ids[:-1])
+    for tensor in plan.tensors:
+        assert plan.num_blocks_of(tensor) * plan.pools[tensor.pool].block_bytes == tensor.size
