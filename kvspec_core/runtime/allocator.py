@@ -204,6 +204,11 @@ class KVCacheAllocator:
             self.rules[gid].prefix_cacheable for gid in self._holding
         )
         self._hit_order = sorted(self._holding, key=lambda gid: self.rules[gid].hit_priority)
+        self._state_groups = [
+            gid for gid in self._holding if getattr(self.rules[gid], "resumes_at_checkpoints", False)
+        ]
+        self._positional_order = [gid for gid in self._hit_order if gid not in self._state_groups]
+        self._common_block_tokens = math.lcm(*holding_tokens)
         self._running: dict[str | int, _Running] = {}
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
@@ -287,6 +292,10 @@ class KVCacheAllocator:
         produce logits). Each family's rules state what resuming needs; groups are asked in
         turn, each at most the current hit, until none lowers it (a fixed point), so the
         answer never includes a position some group cannot resume from.
+
+        When state groups (Mamba) hold the hit below where the prompt shares cached
+        attention content, ``checkpoint_at`` names that position: an engine that ends a
+        prefill step exactly there saves the state, and later requests resume from it.
         """
         if request.request_id in self._running:
             raise AllocatorError(
@@ -300,13 +309,36 @@ class KVCacheAllocator:
             return CachedPrefix(request_id=request.request_id, num_tokens=0, block_ids=empty,
                                 epochs=epochs)
         fine = self._hasher.hashes(request, max_tokens)
-        hit = max_tokens
         found: dict[int, list[int]] = {}
         settled: dict[int, int] = {}
+        # Groups that resume from any cached block first; then, from where they agree,
+        # the state groups that resume only where a checkpoint was saved. Fixed points
+        # from any upper bound are the largest common position below it, so the two
+        # phases give the same hit as one, and the first phase's answer is where the
+        # prompt shares cached content with earlier ones.
+        shared = self._fixed_point(self._positional_order, max_tokens, fine, found, settled)
+        hit = self._fixed_point(self._hit_order, shared, fine, found, settled)
+        checkpoint_at = None
+        if self._state_groups and hit < shared:
+            aligned = shared // self._common_block_tokens * self._common_block_tokens
+            if aligned > hit:
+                checkpoint_at = aligned
+        block_ids = tuple(
+            tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
+        )
+        return CachedPrefix(
+            request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
+            checkpoint_at=checkpoint_at,
+        )
+
+    def _fixed_point(self, order: list[int], hit: int, fine: list[bytes],
+                     found: dict[int, list[int]], settled: dict[int, int]) -> int:
+        """Ask ``order``'s groups in turn, each at most the current hit, until none lowers
+        it; ``found`` / ``settled`` keep each group's last answer."""
         while True:
-            pending = [gid for gid in self._hit_order if settled.get(gid) != hit]
+            pending = [gid for gid in order if settled.get(gid) != hit]
             if not pending:
-                break
+                return hit
             for gid in pending:
                 tokens = self._block_tokens[gid]
                 stride = self._hash_stride[gid]
@@ -322,12 +354,6 @@ class KVCacheAllocator:
                 position = len(blocks) * tokens
                 hit = min(hit, position)
                 settled[gid] = position
-        block_ids = tuple(
-            tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
-        )
-        return CachedPrefix(
-            request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs
-        )
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(

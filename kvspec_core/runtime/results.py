@@ -21,12 +21,17 @@ class CachedPrefix:
         num_tokens: tokens already computed (the hit); a multiple of every group's block.
         block_ids: per group, the block table of the hit (``0`` = null entries).
         epochs: per pool, the eviction epoch when it was found (staleness check).
+        checkpoint_at: where the prompt shares cached content with earlier prompts but
+            some state group (Mamba) saved no checkpoint; end a prefill step exactly there
+            (allocate ``checkpoint_at - num_tokens`` tokens first) so the state is saved
+            and later requests sharing the prefix resume from it. ``None`` otherwise.
     """
 
     request_id: str | int
     num_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
     epochs: tuple[int, ...]
+    checkpoint_at: int | None = None
 
 
 @attrs.frozen(kw_only=True)

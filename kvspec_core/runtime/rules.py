@@ -39,6 +39,10 @@ class FamilyRules(Protocol):
             is not cannot resume from any prefix, so the whole request's hit is 0.
         hit_priority: groups with lower values are asked for hits first; put families whose
             hit is a plain prefix scan (full attention) first so that others scan less.
+
+    Optional attribute ``resumes_at_checkpoints`` (default ``False``): ``True`` for state
+    families that resume only where a step ended (Mamba); the allocator then tells the
+    engine where ending a prefill step would save a reusable checkpoint.
     """
 
     block_tokens: int

@@ -2,7 +2,9 @@
 
 Engine model (one event at a time, no batching of compute):
 
-* ``admit``: find the cached prefix and allocate slots for the whole prompt. A "not now"
+* ``admit``: find the cached prefix and allocate slots for the whole prompt (in two steps
+  when the allocator names a ``checkpoint_at`` position, so that state groups save a
+  checkpoint where the prompt shares content with earlier ones). A "not now"
   for lack of blocks queues the request; queued requests retry, in arrival order, after
   every finish. A request over the admission cap (longer than ``max_model_len``) can never
   run and is rejected.
@@ -42,6 +44,7 @@ class SimulationReport:
     wait_retries: int = 0
     rejected: int = 0
     preemptions: int = 0
+    checkpoint_splits: int = 0
     truncated: int = 0
     peak_used_blocks: int = 0
     usable_blocks: int = 0
@@ -85,11 +88,20 @@ def simulate(
 
     def try_admit(request: Request) -> str:
         prefix = allocator.find_cached_prefix(request)
-        result = allocator.allocate_slots(
-            request, len(request.token_ids) - prefix.num_tokens, prefix=prefix
-        )
+        remaining = len(request.token_ids) - prefix.num_tokens
+        split = prefix.checkpoint_at
+        first = split - prefix.num_tokens if split is not None else remaining
+        result = allocator.allocate_slots(request, first, prefix=prefix)
         if not result:
             return result.reason  # type: ignore[union-attr]
+        if split is not None:
+            # The first step ended where the prompt shares content with earlier prompts,
+            # so the state groups saved a checkpoint there; now the rest of the prompt.
+            rest = allocator.allocate_slots(request, remaining - first)
+            if not rest:
+                allocator.free(request.request_id)
+                return rest.reason  # type: ignore[union-attr]
+            report.checkpoint_splits += 1
         if request.request_id in admitted:
             report.readmissions += 1
         else:

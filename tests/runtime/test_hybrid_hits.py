@@ -142,3 +142,26 @@ def test_three_families_and_three_page_sizes_agree_on_one_position() -> None:
     prefix = run(allocator, shadow, Request("b", SHARED + [3]), [])
     assert prefix.num_tokens == 16
     assert [len(ids) for ids in prefix.block_ids] == [4, 8, 2]
+
+
+def test_checkpoint_hint_turns_a_zero_hit_into_reuse() -> None:
+    """vLLM #45238: with one-step prefills a Mamba hybrid keeps no state inside the shared
+    prefix, so every later request resumes from nothing although attention matches. The
+    allocator names where the prompt shares cached content; ending a step there saves the
+    state, and the requests after it resume from it."""
+    allocator, shadow = mamba_hybrid()
+    run(allocator, shadow, Request("a", SHARED + [100, 101]), [])
+    second = Request("b", SHARED + [200, 201, 202])
+    prefix = allocator.find_cached_prefix(second)
+    assert (prefix.num_tokens, prefix.checkpoint_at) == (0, 20)
+    run(allocator, shadow, second, [20, 3])  # the step ends at the named position
+    third = Request("c", SHARED + [300, 301, 302])
+    found = run(allocator, shadow, third, [])
+    assert found.num_tokens == 20 and found.checkpoint_at is None
+
+
+def test_no_checkpoint_hint_without_state_groups() -> None:
+    allocator = make_allocator([full(4), sliding(4, 8)], 40, ctx=context(in_flight=32))
+    shadow = Shadow(allocator)
+    run(allocator, shadow, Request("a", SHARED + [1]), [])
+    assert allocator.find_cached_prefix(Request("b", SHARED + [2])).checkpoint_at is None

@@ -33,6 +33,9 @@ class MambaRules(FullAttentionRules):
     """Rules of one Mamba-state group."""
 
     hit_priority = 2
+    #: Resumes only where a step ended on a block boundary (see the allocator's
+    #: ``CachedPrefix.checkpoint_at``), not from any cached token range.
+    resumes_at_checkpoints = True
 
     def __init__(self, spec: MambaSpec, ctx: SizingContext) -> None:  # type: ignore[override]
         super().__init__(spec, ctx)
