@@ -390,7 +390,7 @@ class KVCachePlan:
                 )
                 for item in data["tensors"]
             )
-            return cls(
+            plan = cls(
                 groups=groups, pools=pools, tensors=tensors, layout=data["layout"],
                 context=SizingContext(**data["context"]),
                 budget_bytes=data["budget_bytes"], host_budget_bytes=data["host_budget_bytes"],
@@ -401,8 +401,33 @@ class KVCachePlan:
                 max_concurrency=float(data["max_concurrency"]),
                 memoryless_layers=data["memoryless_layers"],
             )
-        except (KeyError, TypeError, AttributeError) as error:
+        except (KeyError, TypeError, AttributeError, ValueError) as error:
+            if isinstance(error, ConfigError):
+                raise
             raise ConfigError(
                 f"not a serialised KV-cache plan: missing or malformed field ({error!r}); "
                 "pass a dict written by KVCachePlan.to_dict"
             ) from error
+        plan._check_consistent()
+        return plan
+
+    def _check_consistent(self) -> None:
+        """Refuse a plan whose pools, tensors or figures do not follow from its groups and
+        block counts (hand-edited or corrupted data would mislay the cache)."""
+        from kvspec_core.errors import KVSpecError
+        from kvspec_core.planner.planner import rebuild_with_blocks
+
+        try:
+            expected = rebuild_with_blocks(
+                self, [pool.num_blocks for pool in self.pools], budget_bytes=self.budget_bytes,
+                host_budget_bytes=self.host_budget_bytes,
+            )
+        except (KVSpecError, TypeError, ValueError, IndexError) as error:
+            raise ConfigError(f"inconsistent KV-cache plan: {error}") from error
+        for field in attrs.fields(type(self)):
+            if getattr(expected, field.name) != getattr(self, field.name):
+                raise ConfigError(
+                    f"inconsistent KV-cache plan: field {field.name!r} does not follow from its "
+                    f"groups and block counts (expected {getattr(expected, field.name)!r:.200}); "
+                    "re-plan instead of editing a plan"
+                )

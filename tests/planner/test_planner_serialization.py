@@ -94,3 +94,18 @@ def test_transfer_facts_follow_the_groups() -> None:
         plan.select_transfer_block_ids(ids[:-1])
     for tensor in plan.tensors:
         assert plan.num_blocks_of(tensor) * plan.pools[tensor.pool].block_bytes == tensor.size
+
+
+def test_edited_plans_are_refused_as_inconsistent() -> None:
+    data = json.loads(json.dumps(_plans()[0].to_dict()))
+    data["tensors"][0]["offset"] += 4096
+    with pytest.raises(ConfigError, match="field 'tensors'"):
+        KVCachePlan.from_dict(data, manager_with_test_kinds())
+    data = json.loads(json.dumps(_plans()[0].to_dict()))
+    data["pools"][0]["num_blocks"] = "many"
+    with pytest.raises(ConfigError):
+        KVCachePlan.from_dict(data, manager_with_test_kinds())
+    data = json.loads(json.dumps(_plans()[0].to_dict()))
+    data["pools"][0]["num_blocks"] = 1
+    with pytest.raises(ConfigError, match="inconsistent"):
+        KVCachePlan.from_dict(data, manager_with_test_kinds())
