@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_testkit import (
     ChunkSpec,
+    HostSpec,
     RawSpec,
     StateSpec,
     WindowSpec,
@@ -40,7 +41,7 @@ def attention_fields(draw: st.DrawFn, block_size: int) -> dict:
 @st.composite
 def layer_spec(draw: st.DrawFn) -> KVSpec:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    family = draw(st.sampled_from(["full", "window", "chunk", "state", "raw"]))
+    family = draw(st.sampled_from(["full", "window", "chunk", "state", "raw", "host"]))
     if family == "state":
         return StateSpec(block_size=block_size, state_bytes=8 * draw(st.integers(1, 64)),
                          states_per_request=draw(st.integers(1, 3)))
@@ -50,6 +51,8 @@ def layer_spec(draw: st.DrawFn) -> KVSpec:
     fields = draw(attention_fields(block_size))
     if family == "full":
         return FullAttentionSpec(**fields)
+    if family == "host":
+        return HostSpec(**fields)
     if family == "window":
         return WindowSpec(window=draw(st.integers(1, 24)), **fields)
     return ChunkSpec(chunk=draw(st.integers(1, 24)), **fields)
@@ -82,19 +85,24 @@ def test_random_hybrid_plans_are_sound(specs, layout, extra, max_len, in_flight)
     manager = manager_with_test_kinds()
     ctx = SizingContext(max_model_len=max_len, max_in_flight_tokens=in_flight)
     try:
-        probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout)
+        probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout,
+                              host_budget_bytes=1 << 40)
     except PlanError as error:
         # Only padded pages under a layout that puts heads outside the page are refused.
         assert layout in ("LHBNC", "BHLNC") and "padded" in str(error)
         return
-    device = [p for p in probe.pools if not p.host_resident]
-    need = bytes_for_one_request([p.blocks_per_request for p in device],
-                                 [p.block_bytes for p in device])
-    budget = need + extra * 8
-    plan = plan_kv_cache(specs, budget, ctx, manager, layout=layout)
+    def need(host: bool) -> int:
+        pools = [p for p in probe.pools if p.host_resident == host]
+        return bytes_for_one_request([p.blocks_per_request for p in pools],
+                                     [p.block_bytes for p in pools])
+
+    budget = need(False) + extra * 8
+    host_budget = need(True) + extra * 4
+    plan = plan_kv_cache(specs, budget, ctx, manager, layout=layout,
+                         host_budget_bytes=host_budget)
 
     # Within budget, one request fits, block sizes untouched, every live layer planned once.
-    assert plan.bytes_allocated <= budget
+    assert plan.bytes_allocated <= budget and plan.host_bytes_allocated <= host_budget
     assert plan.bytes_allocated + plan.padding_breakdown[2][1] == budget
     assert plan.num_blocks == sum(pool.num_blocks for pool in plan.pools)
     for pool in plan.pools:
@@ -114,10 +122,12 @@ def test_random_hybrid_plans_are_sound(specs, layout, extra, max_len, in_flight)
 def test_aliased_layers_never_share_bytes_across_block_ids(specs, layout, extra) -> None:
     manager = manager_with_test_kinds()
     ctx = SizingContext(max_model_len=16, max_in_flight_tokens=4)
-    probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout)
+    probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout,
+                          host_budget_bytes=1 << 40)
     need = bytes_for_one_request([p.blocks_per_request for p in probe.pools],
                                  [p.block_bytes for p in probe.pools])
-    plan = plan_kv_cache(specs, need + extra, ctx, manager, layout=layout)
+    plan = plan_kv_cache(specs, need + extra, ctx, manager, layout=layout,
+                         host_budget_bytes=need + extra)
     for tensor in plan.tensors:
         for position, layer in enumerate(tensor.layers):
             for other in plan.aliased_layers(layer):
