@@ -51,7 +51,7 @@ def replay(events: list[tuple], allocator: KVCacheAllocator) -> dict[str, float 
     requests: dict[int, Request] = {}
     waiting: collections.OrderedDict[int, Request] = collections.OrderedDict()
     pool = allocator.pools[0]
-    no_new_blocks = allocator._no_new_blocks
+    no_new_blocks = allocator.no_new_blocks
     allocate_slots = allocator.allocate_slots
     find_cached_prefix = allocator.find_cached_prefix
     hit_tokens = prompt_tokens = peak = waits = dropped = decode_stalls = 0

@@ -238,7 +238,16 @@ class KVCacheAllocator:
             specs.append(spec)
             pools.append(int(getattr(group, "pool", 0)))
         sizes = [int(pool.num_blocks) for pool in plan.pools]
-        return cls(specs, sizes, ctx, pool_of_group=pools, manager=manager, **options)
+        allocator = cls(specs, sizes, ctx, pool_of_group=pools, manager=manager, **options)
+        for index, group in enumerate(plan.groups):
+            planned = getattr(group, "blocks_per_request", None)
+            if planned is not None and planned != allocator.admission_caps[index]:
+                raise AllocatorError(
+                    f"plan group {index} ({group.spec.kind}) was sized for {planned} blocks per "
+                    f"request but its spec admits {allocator.admission_caps[index]} under this "
+                    "context; build the allocator with the context the plan was made with"
+                )
+        return allocator
 
     # ----------------------------------------------------------------- queries
     @property
@@ -250,6 +259,12 @@ class KVCacheAllocator:
             cached_blocks=sum(pool.num_cached_blocks for pool in self.pools),
             usable_blocks=sum(pool.num_usable_blocks for pool in self.pools),
         )
+
+    @property
+    def no_new_blocks(self) -> Allocated:
+        """What :meth:`allocate_slots` returns when a step needs no new block (the same
+        object every time, so ``result is allocator.no_new_blocks`` is a cheap test)."""
+        return self._no_new_blocks
 
     @property
     def num_running(self) -> int:
@@ -379,6 +394,7 @@ class KVCacheAllocator:
         if (
             num_new_tokens >= 0
             and lookahead >= 0
+            and prefix is None
             and known + lookahead < state.end_limit
             and known < state.known_limit
             and computed < state.computed_limit

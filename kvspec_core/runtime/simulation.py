@@ -166,7 +166,7 @@ def simulate(
                 continue  # recomputed with its tokens when it is admitted again
             result = allocator.allocate_slots(request, 1)
             if result:
-                if result.new_block_ids != allocator._no_new_blocks.new_block_ids:
+                if result is not allocator.no_new_blocks:
                     note_usage()
                 continue
             allocator.free(rid)

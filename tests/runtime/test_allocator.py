@@ -154,6 +154,8 @@ def test_bad_arguments_are_refused() -> None:
         allocator.allocate_slots(first, 0, lookahead=-2)
     with pytest.raises(AllocatorError, match="already running"):
         allocator.find_cached_prefix(first)
+    with pytest.raises(AllocatorError, match="already running"):
+        allocator.allocate_slots(first, 1, prefix=prefix)
     with pytest.raises(AllocatorError, match="is unknown"):
         allocator.block_ids("zzz")
 
@@ -249,6 +251,9 @@ def test_from_plan_reads_groups_and_pools() -> None:
     )
     allocator = KVCacheAllocator.from_plan(plan, PluginManager())
     assert allocator.specs[0].block_size == 4 and allocator.pools[0].num_blocks == 9
+    plan.groups[0].blocks_per_request = 99  # sized under another context
+    with pytest.raises(AllocatorError, match="sized for 99 blocks"):
+        KVCacheAllocator.from_plan(plan, PluginManager())
     with pytest.raises(AllocatorError, match="SizingContext"):
         KVCacheAllocator.from_plan(types.SimpleNamespace(groups=[], pools=[]), PluginManager())
 
