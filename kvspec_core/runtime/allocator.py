@@ -606,13 +606,18 @@ class KVCacheAllocator:
 
     def _cache_new_blocks(self, state: _Running, known: int) -> None:
         request = state.request
-        known = min(known, len(request.token_ids))
+        available = len(request.token_ids)
         for gid in self._holding:
-            if known < state.cache_at[gid]:
+            if min(known, available) < state.cache_at[gid]:
                 continue
             rules = self.rules[gid]
-            start, stop = rules.cache_range(state.num_cached[gid], known)
             tokens = self._block_tokens[gid]
+            if gid in self._state_groups and known > available:
+                # The step ends past the tokens the engine appended (drafts): the state
+                # it saves is not the state of a known prefix, so nothing is cached.
+                start = stop = known // tokens
+            else:
+                start, stop = rules.cache_range(state.num_cached[gid], min(known, available))
             if stop > start:
                 stride = self._hash_stride[gid]
                 fine = self._hasher.hashes(request, stop * tokens)

@@ -83,3 +83,14 @@ def test_longest_hit_returns_the_latest_saved_state() -> None:
     assert rules.longest_hit(hashes, cache, 6) == [0, 0, 0, 9]
     assert rules.longest_hit(hashes, cache, 3) == [0, 7]
     assert rules.longest_hit(hashes, cache, 1) == []
+
+
+def test_a_step_past_the_appended_tokens_saves_no_checkpoint() -> None:
+    # 16 tokens scheduled but only 14 known (drafts): the state at 16 is not the state of
+    # a known prefix, so it is not cached; attention caches its full known blocks.
+    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
+                                 pool_of_group=[0, 1], manager=manager())
+    request = Request("a", list(range(14)))
+    assert allocator.allocate_slots(request, 16)
+    assert allocator.usage.cached_blocks == 3
+    assert allocator.find_cached_prefix(Request("b", list(range(17)))).num_tokens == 0

@@ -49,12 +49,13 @@ def test_next_skip_position_is_where_one_more_block_is_dropped(
 
 
 @settings(max_examples=80)
-@given(window=st.integers(1, 30), block=st.integers(1, 6),
+@given(window=st.integers(1, 30), block=st.integers(1, 6), extra=st.integers(0, 5),
        cached=st.lists(st.booleans(), max_size=24), limit=st.integers(0, 24))
 def test_longest_hit_is_the_largest_resumable_position(
-    window: int, block: int, cached: list[bool], limit: int
+    window: int, block: int, extra: int, cached: list[bool], limit: int
 ) -> None:
-    rules = SlidingWindowRules(window_spec(window, block), CTX)
+    rules = SlidingWindowRules(window_spec(window, block, extra), CTX)
+    window += extra  # a resumed request must hold the retained tokens too
     hashes = [bytes([index]) for index in range(len(cached))]
     cache = {hashes[i]: 100 + i for i, present in enumerate(cached) if present}
     limit = min(limit, len(cached))

@@ -2,9 +2,9 @@
 
 * ``sliding_window``: a step starting at computed length ``c`` attends to positions from
   ``c - window + 1``; blocks entirely below ``c - window + 1 - extra_retained_tokens`` are
-  freed. Resuming at ``p`` needs the blocks of the last ``window - 1`` positions before ``p``
-  (``cdiv(window - 1, block_tokens)`` blocks), or every block before ``p`` when ``p`` is within
-  the first window; earlier entries of the hit are null blocks.
+  freed. Resuming at ``p`` needs the blocks of the last ``window - 1 + extra_retained_tokens``
+  positions before ``p`` (what the request would hold had it computed them itself), or
+  every block before ``p`` when ``p`` is within that reach; earlier entries are null blocks.
 * ``kpool_tail``: one block for the request's life, never cached.
 * ``reference_sliding_window`` (R-SWA): its gap eviction depends on where the prompt ends,
   which the positional rules cannot express yet, so it keeps every block, exactly like full
@@ -33,8 +33,9 @@ class SlidingWindowRules(FullAttentionRules):
         super().__init__(spec, ctx)
         self.window = spec.sliding_window
         self.extra = spec.extra_retained_tokens
-        #: Cached blocks a hit past the first window needs right before the hit position.
-        self.window_blocks = cdiv(self.window - 1, self.block_tokens)
+        #: Cached blocks a hit past the first window needs right before the hit position:
+        #: the window, plus the retained tokens a speculative re-prefill reads.
+        self.window_blocks = cdiv(self.window - 1 + self.extra, self.block_tokens)
 
     def skipped_tokens(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1 - self.extra)
