@@ -25,6 +25,7 @@ from kvspec_core.runtime.results import (
     NotNow,
     Usage,
 )
+from kvspec_core.runtime.simulation import SimulationReport, simulate
 from kvspec_core.runtime.rules import (
     NEVER,
     CrossAttentionRules,
@@ -57,8 +58,10 @@ __all__ = [
     "PrefixHasher",
     "Request",
     "RulesFactory",
+    "SimulationReport",
     "SingleBlockRules",
     "Usage",
     "block_tokens_of",
     "rules_for",
+    "simulate",
 ]

@@ -208,6 +208,7 @@ class KVCacheAllocator:
             gid for gid in self._holding if getattr(self.rules[gid], "resumes_at_checkpoints", False)
         ]
         self._positional_order = [gid for gid in self._hit_order if gid not in self._state_groups]
+        self._is_state_group = [gid in self._state_groups for gid in range(len(self.specs))]
         self._common_block_tokens = math.lcm(*holding_tokens)
         self._running: dict[str | int, _Running] = {}
         self._freed: OrderedDict[str | int, None] = OrderedDict()
@@ -543,12 +544,27 @@ class KVCacheAllocator:
 
     def _grow(self, state: _Running, num_new_tokens: int, lookahead: int) -> Allocated | NotNow:
         request = state.request
-        self._check_counts(request, num_new_tokens, lookahead)
+        if (
+            type(num_new_tokens) is not int or type(lookahead) is not int
+            or num_new_tokens < 0 or lookahead < 0
+        ):
+            self._check_counts(request, num_new_tokens, lookahead)
         computed = state.computed
         known = computed + num_new_tokens
         if known > self.max_model_len:
             return self._over_length(request, known)
         total = min(known + lookahead, self.max_model_len)
+        if total < state.end_limit and computed < state.computed_limit:
+            # Only a block became full: nothing to allocate or free, just cache it.
+            state.computed = known
+            known_limit = self.max_model_len + 1
+            if self._cacheable:
+                self._cache_new_blocks(state, known)
+                for gid in self._holding:
+                    if state.cache_at[gid] < known_limit:
+                        known_limit = state.cache_at[gid]
+            state.known_limit = known_limit
+            return self._no_new_blocks
         pools = self.pools
         need = [0] * len(pools)
         freed = [0] * len(pools)
@@ -612,7 +628,7 @@ class KVCacheAllocator:
                 continue
             rules = self.rules[gid]
             tokens = self._block_tokens[gid]
-            if gid in self._state_groups and known > available:
+            if self._is_state_group[gid] and known > available:
                 # The step ends past the tokens the engine appended (drafts): the state
                 # it saves is not the state of a known prefix, so nothing is cached.
                 start = stop = known // tokens
