@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.coordinator import PrefixCoordinator
 from kvspec_core.runtime.events import BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.pool import BlockPool
@@ -203,13 +204,12 @@ class KVCacheAllocator:
         self._cacheable = self.enable_prefix_caching and all(
             self.rules[gid].prefix_cacheable for gid in self._holding
         )
-        self._hit_order = sorted(self._holding, key=lambda gid: self.rules[gid].hit_priority)
-        self._state_groups = [
-            gid for gid in self._holding if getattr(self.rules[gid], "resumes_at_checkpoints", False)
+        self._coordinator = PrefixCoordinator(
+            self.rules, self._holding, self._hash_stride, self._caches
+        )
+        self._is_state_group = [
+            gid in self._coordinator.state_groups for gid in range(len(self.specs))
         ]
-        self._positional_order = [gid for gid in self._hit_order if gid not in self._state_groups]
-        self._is_state_group = [gid in self._state_groups for gid in range(len(self.specs))]
-        self._common_block_tokens = math.lcm(*holding_tokens)
         self._running: dict[str | int, _Running] = {}
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
@@ -325,20 +325,7 @@ class KVCacheAllocator:
             return CachedPrefix(request_id=request.request_id, num_tokens=0, block_ids=empty,
                                 epochs=epochs)
         fine = self._hasher.hashes(request, max_tokens)
-        found: dict[int, list[int]] = {}
-        settled: dict[int, int] = {}
-        # Groups that resume from any cached block first; then, from where they agree,
-        # the state groups that resume only where a checkpoint was saved. Fixed points
-        # from any upper bound are the largest common position below it, so the two
-        # phases give the same hit as one, and the first phase's answer is where the
-        # prompt shares cached content with earlier ones.
-        shared = self._fixed_point(self._positional_order, max_tokens, fine, found, settled)
-        hit = self._fixed_point(self._hit_order, shared, fine, found, settled)
-        checkpoint_at = None
-        if self._state_groups and hit < shared:
-            aligned = shared // self._common_block_tokens * self._common_block_tokens
-            if aligned > hit:
-                checkpoint_at = aligned
+        hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens)
         block_ids = tuple(
             tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
         )
@@ -346,30 +333,6 @@ class KVCacheAllocator:
             request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
             checkpoint_at=checkpoint_at,
         )
-
-    def _fixed_point(self, order: list[int], hit: int, fine: list[bytes],
-                     found: dict[int, list[int]], settled: dict[int, int]) -> int:
-        """Ask ``order``'s groups in turn, each at most the current hit, until none lowers
-        it; ``found`` / ``settled`` keep each group's last answer."""
-        while True:
-            pending = [gid for gid in order if settled.get(gid) != hit]
-            if not pending:
-                return hit
-            for gid in pending:
-                tokens = self._block_tokens[gid]
-                stride = self._hash_stride[gid]
-                max_blocks = hit // tokens
-                hashes = fine[stride - 1 : max_blocks * stride : stride]
-                blocks = self.rules[gid].longest_hit(hashes, self._caches[gid], max_blocks)
-                if len(blocks) > max_blocks:
-                    raise AllocatorError(
-                        f"{self.rules[gid]!r}.longest_hit returned {len(blocks)} blocks for "
-                        f"at most {max_blocks}"
-                    )
-                found[gid] = blocks
-                position = len(blocks) * tokens
-                hit = min(hit, position)
-                settled[gid] = position
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(
