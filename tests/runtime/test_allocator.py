@@ -284,3 +284,20 @@ def test_shadow_checks_hits_of_a_simple_replay() -> None:
         result = allocator.allocate_slots(request, 7 - prefix.num_tokens, prefix=prefix)
         shadow.record(request, result)
         assert prefix.num_tokens == (0 if index == 0 else 6)
+
+
+def test_invalid_construction_is_refused() -> None:
+    ctx = context()
+    manager = PluginManager()
+    with pytest.raises(AllocatorError, match="at least one"):
+        KVCacheAllocator([], 8, ctx, manager=manager)
+    with pytest.raises(AllocatorError, match="is not a KVSpec"):
+        KVCacheAllocator(["full"], 8, ctx, manager=manager)  # type: ignore[list-item]
+    with pytest.raises(AllocatorError, match="SizingContext"):
+        KVCacheAllocator([full(4)], 8, {"max_model_len": 8}, manager=manager)  # type: ignore[arg-type]
+    with pytest.raises(AllocatorError, match="names pool 1"):
+        KVCacheAllocator([full(4)], 8, ctx, pool_of_group=[1], manager=manager)
+    with pytest.raises(AllocatorError, match="2 entries for 1 groups"):
+        KVCacheAllocator([full(4)], 8, ctx, pool_of_group=[0, 0], manager=manager)
+    with pytest.raises(AllocatorError, match="num_blocks=1"):
+        KVCacheAllocator([full(4)], 1, ctx, manager=manager)

@@ -42,11 +42,11 @@ tokens = st.lists(st.integers(0, 2), min_size=0, max_size=24)
 class AllocatorMachine(RuleBasedStateMachine):
     running = Bundle("running")
 
-    @initialize(name=st.sampled_from(sorted(CONFIGS)))
-    def build(self, name: str) -> None:
+    @initialize(name=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(["segmented", "lru"]))
+    def build(self, name: str, eviction: str) -> None:
         specs, blocks, pools = CONFIGS[name]
         self.name = name
-        self.allocator = make_allocator(specs, blocks, pools)
+        self.allocator = make_allocator(specs, blocks, pools, eviction=eviction)
         self.shadow = Shadow(self.allocator)
         self.prefill_left: dict[int, int] = {}
         self.next_id = 0
