@@ -641,7 +641,7 @@ class KVCacheAllocator:
             raise AllocatorError(self._not_running_message(request_id))
         per_pool: list[list[int]] = [[] for _ in self.pools]
         for gid, table in enumerate(state.blocks):
-            per_pool[self._pool_of[gid]].extend(block for block in reversed(table) if block)
+            per_pool[self._pool_of[gid]] += [block for block in reversed(table) if block]
         for pool, blocks in zip(self.pools, per_pool):
             pool.check_release(blocks)
         for pool, blocks in zip(self.pools, per_pool):
