@@ -4,6 +4,7 @@ allocator's rules (what each family needs to resume, and what each block really 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -142,3 +143,24 @@ class Shadow:
                     )
             for index in needed_indices(spec, block_tokens, hit):
                 assert ids[index], f"group {group} ({spec.kind}) lacks block {index} at {hit}"
+        assert hit == self.best_hit(request), "a longer prefix every group can resume from exists"
+
+    def best_hit(self, request: Request) -> int:
+        """By brute force: the largest position every group has its needed blocks cached
+        for (the allocator must find exactly this one)."""
+        allocator = self.allocator
+        holding = [g for g, cap in enumerate(allocator.admission_caps) if cap > 0]
+        step = math.lcm(*(allocator._block_tokens[g] for g in holding))
+        last = len(request.token_ids) - 1
+        if last < allocator.hash_block_size:
+            return 0
+        fine = allocator._hasher.hashes(request, last)
+        for position in range(last // step * step, 0, -step):
+            if all(
+                fine[(index + 1) * allocator._hash_stride[g] - 1] in allocator._caches[g]
+                for g in holding
+                for index in needed_indices(allocator.specs[g], allocator._block_tokens[g],
+                                            position)
+            ):
+                return position
+        return 0
