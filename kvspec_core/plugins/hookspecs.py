@@ -76,9 +76,11 @@ def kvspec_layer_spec(layer: LayerConfig) -> KVSpec | None:
 def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
     """Register runtime allocator rules for kinds this plugin registered (since contract 1).
 
-    ``rules`` implements :class:`kvspec_core.runtime.rules.FamilyRules` (tokens that can be
-    dropped, longest resumable cache hit, blocks to allocate). Kinds without rules use full
-    attention's. Not firstresult.
+    ``rules`` is a factory ``rules(spec, ctx)`` (typically the rules class) returning an
+    object that implements :class:`kvspec_core.runtime.rules.FamilyRules` for one group
+    (tokens that can be dropped, longest resumable cache hit, blocks to allocate). Kinds
+    without rules use their nearest registered ancestor kind's, else full attention's. Not
+    firstresult.
     """
 
 
