@@ -57,7 +57,8 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def _progress(total: int, enabled: bool) -> tuple[Callable[[], None] | None, Callable[[], None]]:
+def _progress(total: int | None, enabled: bool
+              ) -> tuple[Callable[[], None] | None, Callable[[], None]]:
     """(per-event tick, close): tqdm on stderr when installed, else a plain counter."""
     if not enabled:
         return None, lambda: None
@@ -69,12 +70,13 @@ def _progress(total: int, enabled: bool) -> tuple[Callable[[], None] | None, Cal
         bar = tqdm(total=total, unit="event", file=sys.stderr, mininterval=0.5)
         return lambda: bar.update(), bar.close
     state = {"done": 0}
-    step = max(1, total // 20)
+    step = max(1, total // 20) if total else 10_000
+    of_total = f"/{total}" if total else ""
 
     def tick() -> None:
         state["done"] += 1
         if state["done"] % step == 0 or state["done"] == total:
-            print(f"\rreplaying: {state['done']}/{total} events", end="", file=sys.stderr)
+            print(f"\rreplaying: {state['done']}{of_total} events", end="", file=sys.stderr)
 
     return tick, lambda: print(file=sys.stderr)
 
@@ -89,8 +91,9 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     )
     planned = prepared.plan(budget, manager)
     allocator = KVCacheAllocator.from_plan(planned.plan, manager)
-    events = list(make_trace(seed=args.seed, num_requests=args.requests))
-    tick, close = _progress(len(events), not args.no_progress)
+    # Streamed, so any --requests fits in memory; the bar counts events as they come.
+    events = make_trace(seed=args.seed, num_requests=args.requests)
+    tick, close = _progress(None, not args.no_progress)
     start = time.perf_counter()
     try:
         report = simulate(

@@ -76,6 +76,12 @@ def test_progress_falls_back_to_a_counter_without_tqdm(
         tick()
     close()
     assert "replaying: 40/40 events" in capsys.readouterr().err
+    tick, close = simulate_cmd._progress(None, True)
+    assert tick is not None
+    for _ in range(20_000):
+        tick()
+    close()
+    assert "replaying: 20000 events" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared trace generator not present")
