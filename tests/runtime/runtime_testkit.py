@@ -92,6 +92,7 @@ class Shadow:
     def __init__(self, allocator: KVCacheAllocator) -> None:
         self.allocator = allocator
         self.writer: dict[tuple[int, int], list[int]] = {}
+        self.tenant: dict[tuple[int, int], object] = {}
         self.state_at: dict[tuple[int, int], int] = {}
 
     def key(self, group: int, block: int) -> tuple[int, int]:
@@ -104,6 +105,7 @@ class Shadow:
         for group, new_ids in enumerate(result.new_block_ids):
             for block in new_ids:
                 self.writer[self.key(group, block)] = request.token_ids
+                self.tenant[self.key(group, block)] = (request.cache_salt, request.lora_name)
                 self.state_at.pop(self.key(group, block), None)
         for group, spec in enumerate(allocator.specs):
             if spec.kind != "mamba" or known == 0:
@@ -132,6 +134,8 @@ class Shadow:
                 if not block:
                     continue
                 writer = self.writer[self.key(group, block)]
+                assert self.tenant[self.key(group, block)] == (
+                    request.cache_salt, request.lora_name), "a hit crossed tenants or adapters"
                 end = (index + 1) * block_tokens
                 assert len(writer) >= end and writer[:end] == tokens[:end], (
                     f"group {group} block {block} at index {index} holds other tokens"

@@ -61,17 +61,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         return usage, tables
 
     @rule(target=running, prefix=st.sampled_from(PREFIXES + ([],)), suffix=tokens,
-          first_chunk=st.integers(1, 8))
-    def admit(self, prefix: list[int], suffix: list[int], first_chunk: int):
+          first_chunk=st.integers(1, 8), tenant=st.sampled_from([None, None, "t1"]),
+          split=st.booleans())
+    def admit(self, prefix: list[int], suffix: list[int], first_chunk: int,
+              tenant: str | None, split: bool):
         prompt = list(prefix) + suffix
         if not prompt:
             prompt = [0]
-        request = Request(self.next_id, prompt)
+        request = Request(self.next_id, prompt, cache_salt=tenant)
         self.next_id += 1
         found = self.allocator.find_cached_prefix(request)
         self.shadow.check_hit(request, found)
         event(f"{self.name}: prefix hit {'yes' if found.num_tokens else 'no'}")
         chunk = min(first_chunk, len(prompt) - found.num_tokens)
+        if split and found.checkpoint_at is not None:
+            # End the first step where the allocator says a state checkpoint pays off.
+            event("split at checkpoint_at")
+            chunk = found.checkpoint_at - found.num_tokens
         before = self._snapshot(None)
         result = self.allocator.allocate_slots(request, chunk, prefix=found)
         if isinstance(result, NotNow):
@@ -137,7 +143,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=400,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

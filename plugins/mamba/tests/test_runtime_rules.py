@@ -94,3 +94,14 @@ def test_a_step_past_the_appended_tokens_saves_no_checkpoint() -> None:
     assert allocator.allocate_slots(request, 16)
     assert allocator.usage.cached_blocks == 3
     assert allocator.find_cached_prefix(Request("b", list(range(17)))).num_tokens == 0
+
+
+def test_a_start_state_inside_a_block_is_never_cached_as_its_boundary_state() -> None:
+    # Steps end at 10 and 15: block 2 holds the state at 10 when the second step starts
+    # from it; it is not the state at 12 and must not be found as such.
+    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
+                                 pool_of_group=[0, 1], manager=manager())
+    first = Request("a", list(range(20)))
+    assert allocator.allocate_slots(first, 10)
+    assert allocator.allocate_slots(first, 5)
+    assert allocator.find_cached_prefix(Request("b", list(range(13)) + [99])).num_tokens == 0
