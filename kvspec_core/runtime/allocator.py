@@ -454,6 +454,7 @@ class KVCacheAllocator:
             if real:
                 taken = pool.take(real)
                 table.extend(taken)
+                state.num_real[gid] += real
                 new_ids[gid] = tuple(taken)
             if prefix is not None:
                 # Hit blocks are cached already; caching resumes after them.

@@ -81,6 +81,24 @@ def needed_indices(spec: KVSpec, block_tokens: int, position: int) -> range:
     return range(0, end)
 
 
+def live_indices(spec: KVSpec, block_tokens: int, computed: int) -> range:
+    """Block indices a running request with ``computed`` tokens must still hold for its
+    next step (independent of the allocator's rules)."""
+    if computed == 0:
+        return range(0)
+    kind = spec.kind
+    end = -(-computed // block_tokens)
+    if kind == "sliding_window":
+        start = max(0, computed - spec.sliding_window + 1)  # type: ignore[attr-defined]
+        return range(start // block_tokens, end)
+    if kind == "chunked_local_attention":
+        chunk = spec.attention_chunk_size  # type: ignore[attr-defined]
+        return range(computed // chunk * chunk // block_tokens, end)
+    if kind == "mamba":
+        return range(end - 1, end)
+    return range(0, end)
+
+
 class Shadow:
     """What every block physically holds, tracked from allocations alone.
 

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
-from runtime_testkit import Shadow, chunked, full, make_allocator, mamba, sliding
+from runtime_testkit import Shadow, chunked, full, live_indices, make_allocator, mamba, sliding
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import NotNow, Request
@@ -128,8 +128,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        if hasattr(self, "allocator"):
-            self.allocator.check_invariants()
+        if not hasattr(self, "allocator"):
+            return
+        allocator = self.allocator
+        allocator.check_invariants()
+        for rid in allocator._running:
+            computed = allocator.num_computed_tokens(rid)
+            for group, table in enumerate(allocator.block_ids(rid)):
+                spec = allocator.specs[group]
+                # Never more than the planner's cap, never a block the next step needs freed.
+                assert sum(1 for block in table if block) <= allocator.admission_caps[group]
+                for index in live_indices(spec, allocator._block_tokens[group], computed):
+                    assert table[index], f"request {rid} lost block {index} of group {group}"
 
     def teardown(self) -> None:
         if not hasattr(self, "allocator"):

@@ -105,3 +105,17 @@ def test_a_start_state_inside_a_block_is_never_cached_as_its_boundary_state() ->
     assert allocator.allocate_slots(first, 10)
     assert allocator.allocate_slots(first, 5)
     assert allocator.find_cached_prefix(Request("b", list(range(13)) + [99])).num_tokens == 0
+
+
+def test_speculative_slots_beyond_the_cap_are_not_now() -> None:
+    # Without speculative blocks a request holds 2 states; a step from 4 to 8 with one
+    # lookahead slot would need the start state plus two more.
+    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
+                                 pool_of_group=[0, 1], manager=manager())
+    request = Request("a", list(range(12)))
+    assert allocator.allocate_slots(request, 4)
+    before = allocator.block_ids("a")
+    result = allocator.allocate_slots(request, 4, lookahead=1)
+    assert not result and result.reason == "over_admission_cap" and result.group == 1
+    assert allocator.block_ids("a") == before
+    assert allocator.allocate_slots(request, 4)
