@@ -32,6 +32,7 @@ class InvalidFieldTypeError(KVSpecError, TypeError):
         self.owner = owner
         self.field = field
         self.value = value
+        self.allowed = allowed
         super().__init__(
             f"{owner}.{field}={value!r} has type {type(value).__name__}: {allowed}"
         )

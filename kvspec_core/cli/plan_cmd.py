@@ -13,7 +13,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kvspec_core.cli.sizes import format_size, parse_size
+from kvspec_core.byte_sizes import format_size
+from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvspec_core.cli.plan_cmd import DEFAULT_KV_CACHE_DTYPE, _positive_int
-from kvspec_core.cli.sizes import format_size, parse_size
+from kvspec_core.byte_sizes import format_size
+from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS

@@ -1,4 +1,4 @@
-"""Parsing and printing byte sizes: ``40GiB``, ``512MiB``, ``80GB``, ``1.5TiB`` or plain bytes."""
+"""Parsing byte sizes: ``40GiB``, ``512MiB``, ``80GB``, ``1.5TiB`` or plain bytes."""
 
 from __future__ import annotations
 
@@ -50,15 +50,3 @@ def parse_size(text: str, *, what: str = "--memory") -> int:
         raise SizeError(f"{what} {text!r} exceeds the largest size accepted (1 EiB)")
     return value
 
-
-def format_size(num_bytes: int | float) -> str:
-    """``num_bytes`` in the largest binary unit that keeps it >= 1 (``40.00 GiB``)."""
-    if abs(num_bytes) < 1024:
-        return f"{int(num_bytes)} B"
-    value = float(num_bytes)
-    unit = "B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if abs(value) < 1024:
-            break
-    return f"{value:.2f} {unit}"

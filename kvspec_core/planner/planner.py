@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from kvspec_core.byte_sizes import format_size
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import CapacityError, InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner.budget import bytes_for_one_request, concurrency_of, split_budget
@@ -155,10 +156,6 @@ def _largest_fitting(skeleton: _Skeleton, ctx: SizingContext, budget: int,
     return low
 
 
-def _gib(value: int) -> str:
-    return f"{value / (1 << 30):.2f} GiB"
-
-
 def _capacity_error(skeleton: _Skeleton, ctx: SizingContext, host: bool, need: int,
                     available: int, budget: int, host_budget: int | None) -> CapacityError:
     largest = _largest_fitting(skeleton, ctx, budget, host_budget, ctx.max_model_len - 1) \
@@ -169,8 +166,8 @@ def _capacity_error(skeleton: _Skeleton, ctx: SizingContext, host: bool, need: i
         "no max_model_len fits; raise the budget, use a smaller KV dtype or more parallelism")
     return CapacityError(
         f"one request of max_model_len={ctx.max_model_len} tokens needs {need} bytes "
-        f"({_gib(need)}, one null block per pool included), but the {where} is {available} "
-        f"bytes ({_gib(available)}); {fix}"
+        f"({format_size(need)}, one null block per pool included), but the {where} is {available} "
+        f"bytes ({format_size(available)}); {fix}"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvspec_core.errors import ConfigError, InvalidFieldError, InvalidFieldTypeError
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES
 from kvspec_core.models.layer import LayerConfig
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
@@ -41,6 +42,9 @@ def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
         register(kind, rules)
 
 
+#: Config field declaring how many leading tokens are kept as attention sinks.
+SINK_LEN_FIELD = "attention_sink_len"
+
 _CORE_LAYER_TYPES = {
     "full_attention": FullAttentionSpec,
     "cross_attention": CrossAttentionSpec,
@@ -53,16 +57,14 @@ def kvspec_layer_spec(layer: LayerConfig) -> KVSpec | None:
     spec_class = _CORE_LAYER_TYPES.get(layer.layer_type)
     if spec_class is None or layer.attention is None:
         return None
-    shape = layer.attention
-    common = dict(
-        block_size=layer.options.block_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_size=shape.head_size,
-        head_size_v=shape.head_size_v,
-        dtype=shape.dtype,
-        kv_quant_mode=shape.kv_quant_mode,
-        max_tp_shards=shape.total_kv_heads,
-    )
-    if spec_class is FullAttentionSpec and layer.get("attention_sink_len") is not None:
-        return SinkFullAttentionSpec(sink_len=int(layer.get("attention_sink_len")), **common)
+    common = layer.attention_spec_fields()
+    sink_len = layer.get(SINK_LEN_FIELD)
+    if spec_class is FullAttentionSpec and sink_len is not None:
+        try:
+            return SinkFullAttentionSpec(sink_len=sink_len, **common)
+        except (InvalidFieldError, InvalidFieldTypeError) as error:
+            raise ConfigError(
+                f"layer {layer.name}: config field {SINK_LEN_FIELD!r}={sink_len!r} is invalid: "
+                f"{error.allowed}"
+            ) from error
     return spec_class(**common)

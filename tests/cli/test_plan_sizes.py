@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvspec_core.cli.sizes import MAX_SIZE_BYTES, UNITS, SizeError, format_size, parse_size
+from kvspec_core.byte_sizes import format_size
+from kvspec_core.cli.sizes import MAX_SIZE_BYTES, UNITS, SizeError, parse_size
 from kvspec_core.errors import KVSpecError
 
 

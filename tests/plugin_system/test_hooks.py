@@ -147,3 +147,14 @@ def test_hook_kvspec_layer_spec_faults_name_the_plugin() -> None:
     with registered(manager, Confused(), "confused"):
         with pytest.raises(PluginError, match="'confused' returned 'a spec, honest'"):
             manager.layer_specs(layer("full_attention"))
+
+
+def test_hook_kvspec_layer_spec_core_sinks() -> None:
+    manager = PluginManager()
+    sink = attrs.evolve(layer("full_attention"), config={"attention_sink_len": 4})
+    [(_, spec)] = manager.layer_specs(sink)
+    assert spec.kind == "sink_full_attention" and spec.sink_len == 4
+    from kvspec_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.layers.0.*'attention_sink_len'='four'"):
+        manager.layer_specs(attrs.evolve(layer("full_attention"), config={"attention_sink_len": "four"}))
