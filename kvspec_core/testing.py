@@ -4,18 +4,23 @@
 * ``kvspec_loaded_manager`` fixture: a fresh manager with installed plugins loaded.
 * :func:`registered` context manager: register a plugin object for one block only.
 * :func:`check_spec_protocol`: the protocol checks every spec of a plugin must pass.
+* :func:`model_layers_of` / :func:`model_layer`: the :class:`LayerConfig` objects the core's
+  config ingestion builds from a real ``config.json``, exactly as plugins receive them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 from contextlib import contextmanager
 
 import attrs
 import pytest
 
 from kvspec_core.context import SizingContext
+from kvspec_core.models.ingest import model_layers
+from kvspec_core.models.layer import LayerConfig, PlanOptions
 from kvspec_core.plugins.manager import PluginInfo, PluginManager
 from kvspec_core.specs import KVSpec, spec_from_dict, spec_to_dict
 
@@ -80,3 +85,37 @@ def check_spec_protocol(
         if memory < previous:
             raise AssertionError(f"per-request memory decreased at max_model_len={max_len}")
         previous = memory
+
+
+def model_layers_of(
+    config: Mapping[str, Any], manager: PluginManager, options: PlanOptions | None = None
+) -> tuple[LayerConfig, ...]:
+    """Every cache-holding layer the core builds from ``config`` (a parsed ``config.json``,
+    nested ``text_config`` included) under ``options`` (default :class:`PlanOptions`): typed,
+    with attention geometry resolved on one TP rank, exactly what ``kvspec_layer_spec`` hooks
+    receive. ``manager`` resolves the KV-cache dtype, so register the plugin that provides a
+    non-core one first."""
+    return model_layers(config, options if options is not None else PlanOptions(), manager).layers
+
+
+def model_layer(
+    config: Mapping[str, Any],
+    index: int,
+    manager: PluginManager,
+    *,
+    options: PlanOptions | None = None,
+) -> LayerConfig:
+    """The layer at model position ``index`` (``LayerConfig.index``, not the position among
+    cache-holding layers) as the core builds it from ``config``; see :func:`model_layers_of`.
+
+    Raises ``LookupError`` naming the cache-holding indices when ``index`` is not one of them
+    (out of range, or an MLP-only layer the core skips)."""
+    layers = model_layers_of(config, manager, options)
+    for layer in layers:
+        if layer.index == index:
+            return layer
+    indices = [layer.index for layer in layers]
+    raise LookupError(
+        f"the config has no cache-holding layer at index {index}; its cache-holding layers are "
+        f"at {indices[:8]}{'...' if len(indices) > 8 else ''} ({len(indices)} in all)"
+    )

@@ -17,10 +17,15 @@ import kvspec_chunked_local.plugin as chunked_local_plugin
 DATA = Path(__file__).parent / "data"
 
 
+def llama4_config() -> dict[str, Any]:
+    """Llama-4-Scout's whole ``config.json`` (layers nested in ``text_config``), as the core's
+    ingestion (:func:`kvspec_core.testing.model_layer`) reads it."""
+    return json.loads((DATA / "meta-llama__Llama-4-Scout-17B-16E-Instruct.json").read_text())
+
+
 def llama4_text_config() -> dict[str, Any]:
     """The text config of Llama-4-Scout (the core hands plugins the text config)."""
-    config = json.loads((DATA / "meta-llama__Llama-4-Scout-17B-16E-Instruct.json").read_text())
-    return dict(config["text_config"])
+    return dict(llama4_config()["text_config"])
 
 
 def manager_with_plugin() -> PluginManager:
@@ -33,7 +38,10 @@ def manager_with_plugin() -> PluginManager:
 def layer_from_config(
     config: dict[str, Any], index: int, layer_type: str, *, block_size: int = 16, tp: int = 1
 ) -> LayerConfig:
-    """A :class:`LayerConfig` as the core builds it: attention geometry on one TP rank."""
+    """A hand-built :class:`LayerConfig` for a deliberately invalid config, which the core's
+    ingestion would not type as chunked. It is not exactly what the core builds: the core
+    names Llama-4's layers ``model.layers.N``, not ``language_model.model.layers.N``. Layers of
+    valid configs come from :func:`kvspec_core.testing.model_layer`."""
     total_kv_heads = config["num_key_value_heads"]
     head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     dtype = dtype_from_name(config.get("torch_dtype", "bfloat16"))

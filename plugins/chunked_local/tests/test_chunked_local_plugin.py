@@ -12,11 +12,17 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kvspec_core import PluginManager, SizingContext
+from kvspec_core import PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import ConfigError, MissingFamilyError
 
 import kvspec_chunked_local.plugin as chunked_local_plugin
-from chunked_local_testkit import layer_from_config, llama4_text_config, manager_with_plugin
+from chunked_local_testkit import (
+    layer_from_config,
+    llama4_config,
+    llama4_text_config,
+    manager_with_plugin,
+)
+from kvspec_core.testing import model_layer
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +65,10 @@ def test_no_source_or_test_imports_another_family_plugin() -> None:
 
 
 def test_llama4_scout_chunked_layer() -> None:
-    layer = layer_from_config(llama4_text_config(), 0, "chunked_attention")
-    (plugin, spec), = manager_with_plugin().layer_specs(layer)
+    manager = manager_with_plugin()
+    layer = model_layer(llama4_config(), 0, manager)
+    assert layer.layer_type == "chunked_attention"
+    (plugin, spec), = manager.layer_specs(layer)
     assert plugin == "chunked_local" and type(spec) is ChunkedLocalAttentionSpec
     assert (spec.attention_chunk_size, spec.num_kv_heads, spec.head_size, spec.block_size) == (
         8192, 8, 128, 16)
@@ -71,7 +79,8 @@ def test_llama4_scout_chunked_layer() -> None:
 
 
 def test_llama4_scout_at_tp4_block_64() -> None:
-    layer = layer_from_config(llama4_text_config(), 1, "chunked_attention", block_size=64, tp=4)
+    layer = model_layer(llama4_config(), 1, manager_with_plugin(),
+                        options=PlanOptions(block_size=64, tensor_parallel_size=4))
     spec = chunked_local_plugin.kvspec_layer_spec(layer)
     assert (spec.num_kv_heads, spec.max_tp_shards, spec.block_size) == (2, 8, 64)
     assert spec.page_size_bytes == 64 * 2 * 256 * 2
@@ -79,7 +88,8 @@ def test_llama4_scout_at_tp4_block_64() -> None:
 
 @pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention", "mamba"])
 def test_other_layer_types_are_left_to_other_families(layer_type: str) -> None:
-    layer = layer_from_config(llama4_text_config(), 3, layer_type)
+    # A real layer relabelled: only the type tells the plugin to leave it.
+    layer = attrs.evolve(model_layer(llama4_config(), 3, PluginManager()), layer_type=layer_type)
     assert chunked_local_plugin.kvspec_layer_spec(layer) is None
 
 
@@ -93,7 +103,6 @@ def test_missing_or_invalid_chunk_names_field_and_layer(chunk: object) -> None:
 
 
 def test_chunked_layer_without_attention_geometry_is_refused() -> None:
-    layer = attrs.evolve(layer_from_config(llama4_text_config(), 2, "chunked_attention"),
-                         attention=None)
+    layer = attrs.evolve(model_layer(llama4_config(), 2, PluginManager()), attention=None)
     with pytest.raises(ConfigError, match="layers.2 is a chunked_attention layer"):
         chunked_local_plugin.kvspec_layer_spec(layer)

@@ -1,5 +1,6 @@
 """Helpers shared by this plugin's tests (named uniquely so the test folders of several
-plugins can run in one pytest session)."""
+plugins can run in one pytest session). Layers of real configs come from the core's own
+ingestion: :func:`kvspec_core.testing.model_layer`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from typing import Any
 
 import torch
 
-from kvspec_core import AttentionShape, LayerConfig, PlanOptions, PluginManager
-from kvspec_core.dtypes import dtype_from_name
+from kvspec_core import PluginManager
 
 import kvspec_sliding_window.plugin as sliding_window_plugin
 
@@ -27,32 +27,6 @@ def manager_with_plugin() -> PluginManager:
     manager = PluginManager()
     manager.register(sliding_window_plugin, "sliding_window")
     return manager
-
-
-def layer_from_config(
-    config: dict[str, Any], index: int, layer_type: str, *, block_size: int = 16, tp: int = 1
-) -> LayerConfig:
-    """A :class:`LayerConfig` as the core builds it: attention geometry on one TP rank."""
-    total_kv_heads = config["num_key_value_heads"]
-    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dtype = dtype_from_name(config.get("torch_dtype", "bfloat16"))
-    shape = AttentionShape(
-        num_kv_heads=max(1, total_kv_heads // tp),
-        total_kv_heads=total_kv_heads,
-        head_size=head_size,
-        head_size_v=head_size,
-        dtype=dtype,
-        replicated=tp > total_kv_heads,
-    )
-    return LayerConfig(
-        index=index,
-        name=f"model.layers.{index}",
-        layer_type=layer_type,
-        config=config,
-        options=PlanOptions(block_size=block_size, tensor_parallel_size=tp),
-        model_dtype=dtype,
-        attention=shape,
-    )
 
 
 def swa_fields(**overrides: Any) -> dict[str, Any]:

@@ -13,12 +13,13 @@ import attrs
 import pytest
 import torch
 
-from kvspec_core import PluginManager, SizingContext
+from kvspec_core import PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import ConfigError, MissingFamilyError
 
 import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_sliding_window import SlidingWindowSpec
-from sliding_window_testkit import layer_from_config, load_config, manager_with_plugin
+from kvspec_core.testing import model_layer
+from sliding_window_testkit import load_config, manager_with_plugin
 
 KINDS = ["kpool_tail", "reference_sliding_window", "sliding_window"]
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,8 @@ def test_no_source_or_test_imports_another_family_plugin() -> None:
 def test_sliding_layers_of_real_models(name: str, index: int, window: int, kv_heads: int,
                                        head_size: int) -> None:
     manager = manager_with_plugin()
-    layer = layer_from_config(load_config(name), index, "sliding_attention")
+    layer = model_layer(load_config(name), index, manager)
+    assert layer.layer_type == "sliding_attention"
     claims = manager.layer_specs(layer)
     assert [plugin for plugin, _ in claims] == ["sliding_window"]
     spec = claims[0][1]
@@ -93,9 +95,10 @@ def test_sliding_layers_of_real_models(name: str, index: int, window: int, kv_he
 
 
 def test_gpt_oss_sliding_layer_at_tp2_with_block_32() -> None:
-    layer = layer_from_config(load_config("openai__gpt-oss-20b"), 0, "sliding_attention",
-                              block_size=32, tp=2)
-    (_, spec), = manager_with_plugin().layer_specs(layer)
+    manager = manager_with_plugin()
+    layer = model_layer(load_config("openai__gpt-oss-20b"), 0, manager,
+                        options=PlanOptions(block_size=32, tensor_parallel_size=2))
+    (_, spec), = manager.layer_specs(layer)
     assert (spec.num_kv_heads, spec.max_tp_shards, spec.block_size) == (4, 8, 32)
     assert spec.page_size_bytes == 32 * 4 * (64 + 64) * 2
     ctx = SizingContext(max_model_len=131072, max_in_flight_tokens=16384)
@@ -105,14 +108,19 @@ def test_gpt_oss_sliding_layer_at_tp2_with_block_32() -> None:
 @pytest.mark.parametrize("layer_type", ["full_attention", "chunked_attention", "mamba",
                                         "mla_attention", "linear_attention"])
 def test_other_layer_types_are_left_to_other_families(layer_type: str) -> None:
-    layer = layer_from_config(load_config("mistralai__Mistral-7B-v0.1"), 0, layer_type)
+    # A real sliding layer relabelled: only the type tells the plugin to leave it.
+    real = model_layer(load_config("mistralai__Mistral-7B-v0.1"), 0, PluginManager())
+    layer = attrs.evolve(real, layer_type=layer_type)
     assert sliding_window_plugin.kvspec_layer_spec(layer) is None
 
 
 @pytest.mark.parametrize("window", [None, 0, -4096, "4096", 4096.0, True, [4096, 4096]])
 def test_missing_or_invalid_window_names_field_and_layer(window: object) -> None:
-    config = dict(load_config("mistralai__Mistral-7B-v0.1"), sliding_window=window)
-    layer = layer_from_config(config, 7, "sliding_attention")
+    config = load_config("mistralai__Mistral-7B-v0.1")
+    # The core would not type a layer without a valid window as sliding, so the bad value is
+    # put into the config of a layer it did build.
+    real = model_layer(config, 7, PluginManager())
+    layer = attrs.evolve(real, config=dict(real.config, sliding_window=window))
     with pytest.raises(ConfigError) as caught:
         manager_with_plugin().layer_specs(layer)
     assert "'sliding_window'" in str(caught.value) and "model.layers.7" in str(caught.value)
@@ -120,7 +128,7 @@ def test_missing_or_invalid_window_names_field_and_layer(window: object) -> None
 
 def test_sliding_layer_without_attention_geometry_is_refused() -> None:
     layer = attrs.evolve(
-        layer_from_config(load_config("mistralai__Mistral-7B-v0.1"), 3, "sliding_attention"),
+        model_layer(load_config("mistralai__Mistral-7B-v0.1"), 3, PluginManager()),
         attention=None,
     )
     with pytest.raises(ConfigError, match="model.layers.3 is a sliding_attention layer"):
@@ -130,9 +138,9 @@ def test_sliding_layer_without_attention_geometry_is_refused() -> None:
 def test_quantised_cache_dtype_flows_into_the_spec() -> None:
     manager = manager_with_plugin()
     fp8 = manager.kv_dtypes.get("fp8")
-    layer = layer_from_config(load_config("mistralai__Mistral-7B-v0.1"), 0, "sliding_attention")
-    shape = attrs.evolve(layer.attention, dtype=fp8.storage_dtype, kv_quant_mode=fp8.quant_mode,
-                         kv_cache_dtype="fp8")
-    spec = sliding_window_plugin.kvspec_layer_spec(attrs.evolve(layer, attention=shape))
+    layer = model_layer(load_config("mistralai__Mistral-7B-v0.1"), 0, manager,
+                        options=PlanOptions(kv_cache_dtype="fp8"))
+    assert layer.attention.kv_cache_dtype == "fp8"
+    spec = sliding_window_plugin.kvspec_layer_spec(layer)
     assert spec.kv_quant_mode == fp8.quant_mode
     assert spec.page_size_bytes == 16 * 8 * 256 * 1 and spec.dtype == torch.float8_e4m3fn

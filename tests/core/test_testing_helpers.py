@@ -1,0 +1,169 @@
+"""The helpers ``kvspec_core.testing`` gives plugin authors: real layers, registration, the
+spec protocol checks."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import attrs
+import pytest
+import torch
+
+from kvspec_core import FullAttentionSpec, PlanOptions, PluginManager
+from kvspec_core.errors import UnknownNameError
+from kvspec_core.models.catalog import load_preset
+from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
+from kvspec_core.models.ingest import model_layers
+from kvspec_core.testing import check_spec_protocol, model_layer, model_layers_of, registered
+
+
+# --------------------------------------------------------------------------- real layers
+def test_model_layers_of_is_what_the_core_ingestion_builds() -> None:
+    config = load_preset("llama-3.1-8b")
+    manager = PluginManager()
+    options = PlanOptions(block_size=32, tensor_parallel_size=2)
+    layers = model_layers_of(config, manager, options)
+    expected = model_layers(config, options, manager).layers
+    assert len(layers) == len(expected) == 32
+    for got, want in zip(layers, expected):
+        assert (got.index, got.name, got.layer_type, got.options, got.model_dtype,
+                got.attention) == (want.index, want.name, want.layer_type, want.options,
+                                   want.model_dtype, want.attention)
+    # Llama-3.1-8B: 8 KV heads of 128 split over 2 ranks.
+    assert (layers[0].attention.num_kv_heads, layers[0].attention.total_kv_heads) == (4, 8)
+
+
+def test_model_layer_picks_by_model_index_with_default_options() -> None:
+    config = load_preset("gemma-2-9b")
+    layer = model_layer(config, 3, PluginManager())
+    assert (layer.index, layer.name, layer.layer_type) == (3, "model.layers.3", "full_attention")
+    assert layer.options == PlanOptions()
+    assert isinstance(layer.config, MappingProxyType)
+    assert layer.attention is not None and layer.attention.head_size == 256
+    assert model_layer(config, 2, PluginManager()).layer_type == "sliding_attention"
+
+
+def test_model_layer_reads_a_nested_text_config() -> None:
+    layer = model_layer(load_preset("llama-4-scout"), 0, PluginManager())
+    assert (layer.name, layer.layer_type) == ("model.layers.0", "chunked_attention")
+    assert layer.config["attention_chunk_size"] == 8192
+
+
+def test_model_layer_refuses_an_index_without_a_cache_layer() -> None:
+    manager = PluginManager()
+    with pytest.raises(LookupError, match="no cache-holding layer at index 32"):
+        model_layer(load_preset("llama-3.1-8b"), 32, manager)
+    # Nemotron-H's MLP-only layers hold no cache, so the core builds none for them.
+    with pytest.raises(LookupError, match="index 1;"):
+        model_layer(load_preset("nemotron-h-56b"), 1, manager)
+
+
+def test_model_layer_refuses_a_kv_dtype_the_manager_lacks() -> None:
+    with pytest.raises(UnknownNameError, match="int2_magic"):
+        model_layer(load_preset("llama-3.1-8b"), 0, PluginManager(),
+                    options=PlanOptions(kv_cache_dtype="int2_magic"))
+
+
+# --------------------------------------------------------------------------- registered()
+class _NoOpPlugin:
+    """A plugin object implementing no hook: registration alone is what is tested."""
+
+    kvspec_contract_version = CONTRACT_VERSION
+
+
+def test_registered_unregisters_after_the_block() -> None:
+    manager = PluginManager()
+    with registered(manager, _NoOpPlugin(), "noop") as info:
+        assert info.name == "noop" and manager.is_loaded("noop")
+    assert not manager.is_loaded("noop")
+
+
+def test_registered_unregisters_when_the_block_raises() -> None:
+    manager = PluginManager()
+    with pytest.raises(RuntimeError, match="boom"):
+        with registered(manager, _NoOpPlugin(), "noop"):
+            raise RuntimeError("boom")
+    assert not manager.is_loaded("noop")
+
+
+def test_registered_tolerates_the_block_unregistering_itself() -> None:
+    manager = PluginManager()
+    with registered(manager, _NoOpPlugin(), "noop"):
+        manager.unregister("noop")
+    assert not manager.is_loaded("noop")
+
+
+# --------------------------------------------------------------------------- check_spec_protocol
+def _full(**overrides: object) -> FullAttentionSpec:
+    fields: dict = dict(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    fields.update(overrides)
+    return FullAttentionSpec(**fields)
+
+
+def test_a_core_spec_passes_the_protocol() -> None:
+    check_spec_protocol(_full(), PluginManager())
+
+
+@attrs.frozen(kw_only=True)
+class _TwoFormulaSpec(FullAttentionSpec):
+    """Startup sizing that disagrees with the admission cap (one block too many)."""
+
+    kind = "two_formula_test"
+
+    def max_memory_usage_bytes(self, ctx):  # type: ignore[no-untyped-def]
+        return super().max_memory_usage_bytes(ctx) + self.page_size_bytes
+
+
+@attrs.frozen(kw_only=True)
+class _MergeLosingSpec(FullAttentionSpec):
+    """Merging equal copies returns another spec."""
+
+    kind = "merge_losing_test"
+
+    @classmethod
+    def merge(cls, specs, layer_names):  # type: ignore[no-untyped-def, override]
+        return attrs.evolve(specs[0], block_size=specs[0].block_size * 2)
+
+
+@attrs.frozen(kw_only=True)
+class _ShrinkingSpec(FullAttentionSpec):
+    """Per-request memory that falls once ``max_model_len`` passes 4096."""
+
+    kind = "shrinking_test"
+
+    def max_blocks_per_request(self, ctx):  # type: ignore[no-untyped-def]
+        return 1 if ctx.max_model_len > 4096 else super().max_blocks_per_request(ctx)
+
+    def max_memory_usage_bytes(self, ctx):  # type: ignore[no-untyped-def]
+        return self.max_blocks_per_request(ctx) * self.page_size_bytes
+
+
+class _Kinds:
+    """Registers the broken test kinds, as a plugin would."""
+
+    kvspec_contract_version = CONTRACT_VERSION
+
+    @staticmethod
+    @hookimpl
+    def kvspec_register_spec_kinds(register):  # type: ignore[no-untyped-def]
+        for cls in (_TwoFormulaSpec, _MergeLosingSpec, _ShrinkingSpec):
+            register(cls)
+
+
+@pytest.mark.parametrize("spec_class, message", [
+    (_TwoFormulaSpec, "startup sizing and runtime admission must use one formula"),
+    (_MergeLosingSpec, "merging equal specs changed the spec"),
+    (_ShrinkingSpec, "per-request memory decreased at max_model_len=131072"),
+])
+def test_a_spec_breaking_a_rule_is_reported(spec_class: type, message: str) -> None:
+    manager = PluginManager()
+    with registered(manager, _Kinds(), "broken_kinds"):
+        with pytest.raises(AssertionError, match=message):
+            check_spec_protocol(spec_class(block_size=16, num_kv_heads=8, head_size=128,
+                                           dtype=torch.bfloat16), manager)
+
+
+def test_an_unregistered_kind_is_refused() -> None:
+    with pytest.raises(Exception, match="two_formula_test"):
+        check_spec_protocol(_TwoFormulaSpec(block_size=16, num_kv_heads=8, head_size=128,
+                                            dtype=torch.bfloat16), PluginManager())
