@@ -42,14 +42,16 @@ def manager_with_plugin() -> PluginManager:
 
 
 def state_layer(config: dict[str, Any], layer_type: str = "mamba", *, index: int = 0,
-                block_size: int = 16, tp: int = 1,
-                model_dtype: torch.dtype = torch.bfloat16) -> LayerConfig:
-    """A state layer as the core hands it to plugins (no attention geometry)."""
+                block_size: int = 16, tp: int = 1) -> LayerConfig:
+    """A hand-built bf16 state layer (no attention geometry) for configs the core's ingestion
+    would not build from: synthetic field layouts, invalid fields, a TP the model's attention
+    layers refuse, another layer type. Layers of real configs come from
+    :func:`kvspec_core.testing.model_layer`."""
     return LayerConfig(
         index=index,
         name=f"model.layers.{index}",
         layer_type=layer_type,
         config=config,
         options=PlanOptions(block_size=block_size, tensor_parallel_size=tp),
-        model_dtype=model_dtype,
+        model_dtype=torch.bfloat16,
     )

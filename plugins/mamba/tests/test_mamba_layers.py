@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvspec_core import SizingContext
+from kvspec_core import PlanOptions, SizingContext
 from kvspec_core.errors import ConfigError
 
 import kvspec_mamba.plugin as mamba_plugin
 from kvspec_mamba import MambaSpec, mamba_spec
+from kvspec_core.testing import model_layer
 from mamba_testkit import (
     JAMBA,
     NEMOTRON_H_56B,
@@ -26,14 +27,27 @@ BF16, FP32 = torch.bfloat16, torch.float32
 
 
 def spec_of(config: dict[str, Any], layer_type: str = "mamba", **options: Any) -> MambaSpec:
+    """The spec of a hand-built state layer (synthetic or deliberately invalid configs)."""
     spec = mamba_spec(state_layer(config, layer_type, **options))
+    assert isinstance(spec, MambaSpec)
+    return spec
+
+
+def core_spec_of(config: dict[str, Any], layer_type: str = "mamba", *, block_size: int = 16,
+                 tp: int = 1) -> MambaSpec:
+    """The spec of the model's first layer as the core's ingestion builds it (Jamba,
+    Nemotron-H and Qwen3-Next all start with a state layer)."""
+    layer = model_layer(config, 0, manager_with_plugin(),
+                        options=PlanOptions(block_size=block_size, tensor_parallel_size=tp))
+    assert layer.layer_type == layer_type
+    spec = mamba_spec(layer)
     assert isinstance(spec, MambaSpec)
     return spec
 
 
 # --------------------------------------------------------------------------- pinned facts
 def test_jamba_1_5_mini() -> None:
-    spec = spec_of(load_config(JAMBA))
+    spec = core_spec_of(load_config(JAMBA))
     assert spec.shapes == ((3, 8192), (8192, 16))
     assert spec.dtypes == (BF16, BF16)
     assert spec.page_size_bytes == 311_296
@@ -41,7 +55,7 @@ def test_jamba_1_5_mini() -> None:
 
 
 def test_nemotron_h_8b() -> None:
-    spec = spec_of(nemotron_h_8b_config())
+    spec = core_spec_of(nemotron_h_8b_config())
     assert spec.shapes == ((3, 10240), (128, 64, 128))
     assert spec.dtypes == (BF16, FP32)  # Nemotron-H keeps its SSM state in float32
     assert spec.page_size_bytes == 3 * 10240 * 2 + 128 * 64 * 128 * 4
@@ -49,7 +63,7 @@ def test_nemotron_h_8b() -> None:
 
 
 def test_nemotron_h_56b() -> None:
-    spec = spec_of(load_config(NEMOTRON_H_56B))
+    spec = core_spec_of(load_config(NEMOTRON_H_56B))
     # I = 256 heads x 64 = 16384; conv channels I + 2 x 8 groups x 256 state = 20480.
     assert spec.shapes == ((3, 20480), (256, 64, 256))
     assert spec.dtypes == (BF16, FP32)
@@ -57,7 +71,7 @@ def test_nemotron_h_56b() -> None:
 
 
 def test_qwen3_next_80b() -> None:
-    spec = spec_of(load_config(QWEN3_NEXT), "linear_attention")
+    spec = core_spec_of(load_config(QWEN3_NEXT), "linear_attention")
     assert spec.shapes == ((3, 8192), (32, 128, 128))
     assert spec.dtypes == (BF16, BF16)
     assert spec.page_size_bytes == 3 * 8192 * 2 + 32 * 128 * 128 * 2 == 1_097_728
@@ -66,7 +80,7 @@ def test_qwen3_next_80b() -> None:
 
 def test_block_size_is_the_requested_one_never_inflated() -> None:
     for block_size in (16, 64, 1024):
-        spec = spec_of(load_config(NEMOTRON_H_56B), block_size=block_size)
+        spec = core_spec_of(load_config(NEMOTRON_H_56B), block_size=block_size)
         assert spec.block_size == block_size
         assert spec.page_size_bytes == 16_900_096
 
@@ -77,7 +91,7 @@ def test_block_size_is_the_requested_one_never_inflated() -> None:
     (8, ((3, 1024), (1024, 16))),
 ])
 def test_jamba_under_tp(tp: int, shapes: tuple) -> None:
-    assert spec_of(load_config(JAMBA), tp=tp).shapes == shapes
+    assert core_spec_of(load_config(JAMBA), tp=tp).shapes == shapes
 
 
 @pytest.mark.parametrize("tp, shapes", [
@@ -87,7 +101,7 @@ def test_jamba_under_tp(tp: int, shapes: tuple) -> None:
     (16, ((3, 1024 + 2 * 1 * 256), (16, 64, 256))),
 ])
 def test_nemotron_h_under_tp(tp: int, shapes: tuple) -> None:
-    assert spec_of(load_config(NEMOTRON_H_56B), tp=tp).shapes == shapes
+    assert core_spec_of(load_config(NEMOTRON_H_56B), tp=tp).shapes == shapes
 
 
 @pytest.mark.parametrize("tp, shapes", [
@@ -96,7 +110,7 @@ def test_nemotron_h_under_tp(tp: int, shapes: tuple) -> None:
     (16, ((3, 2 * 1 * 128 + 2 * 128), (2, 128, 128))),
 ])
 def test_qwen3_next_under_tp(tp: int, shapes: tuple) -> None:
-    assert spec_of(load_config(QWEN3_NEXT), "linear_attention", tp=tp).shapes == shapes
+    assert core_spec_of(load_config(QWEN3_NEXT), "linear_attention", tp=tp).shapes == shapes
 
 
 @pytest.mark.parametrize("name, layer_type, tp, field", [
@@ -170,12 +184,12 @@ def test_inconsistent_mamba2_head_geometry_is_refused() -> None:
 ])
 def test_ssm_dtype_from_the_config(name: str, value: str, ssm_dtype: torch.dtype) -> None:
     layer_type = "linear_attention" if name == QWEN3_NEXT else "mamba"
-    spec = spec_of(dict(load_config(name), mamba_ssm_cache_dtype=value), layer_type)
+    spec = core_spec_of(dict(load_config(name), mamba_ssm_cache_dtype=value), layer_type)
     assert spec.dtypes == (BF16, ssm_dtype)
 
 
 def test_conv_state_follows_the_model_dtype() -> None:
-    spec = spec_of(load_config(JAMBA), model_dtype=torch.float16)
+    spec = core_spec_of(dict(load_config(JAMBA), torch_dtype="float16"))
     assert spec.dtypes == (torch.float16, torch.float16)
     assert spec.page_size_bytes == 311_296
 
@@ -200,7 +214,7 @@ def test_missing_field_is_refused_naming_it(name: str, layer_type: str, field: s
 
 
 def test_integral_float_sizes_are_read_as_ints() -> None:
-    assert spec_of(dict(load_config(JAMBA), mamba_expand=2.0)).shapes == ((3, 8192), (8192, 16))
+    assert core_spec_of(dict(load_config(JAMBA), mamba_expand=2.0)).shapes == ((3, 8192), (8192, 16))
 
 
 @pytest.mark.parametrize("value", [0, -16, 16.5, "16", True, 1e300])
@@ -223,7 +237,9 @@ def test_other_layer_types_are_left_to_other_families(layer_type: str) -> None:
 # --------------------------------------------------------------------------- through the core
 def test_the_manager_gets_exactly_one_claim() -> None:
     manager = manager_with_plugin()
-    claims = manager.layer_specs(state_layer(load_config(QWEN3_NEXT), "linear_attention"))
+    layer = model_layer(load_config(QWEN3_NEXT), 0, manager)
+    assert layer.layer_type == "linear_attention"
+    claims = manager.layer_specs(layer)
     assert [plugin for plugin, _ in claims] == ["mamba"]
     spec = claims[0][1]
     align = SizingContext(max_model_len=262144, mamba_cache_mode="align")

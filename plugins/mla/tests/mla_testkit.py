@@ -40,7 +40,10 @@ def mla_layer(
     tp: int = 1,
     attention: AttentionShape | None = None,
 ) -> LayerConfig:
-    """A :class:`LayerConfig` for layer ``index`` of ``config``, as the core hands it over."""
+    """A hand-built :class:`LayerConfig` for layer ``index`` of ``config``, for the odd layers
+    the core's ingestion never builds: another layer type, an invalid config, or (by default)
+    no resolved attention geometry. Layers of valid configs come from
+    :func:`kvspec_core.testing.model_layer`."""
     return LayerConfig(
         index=index,
         name=f"model.layers.{index}",

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvspec_core import AttentionShape, PluginManager
+from kvspec_core import AttentionShape, PlanOptions, PluginManager
 from kvspec_core.errors import ConfigError, MissingFamilyError
 from kvspec_core.kv_dtypes import BUILTIN_QUANT_MODES
 
 import kvspec_mla.plugin as mla_plugin
 from kvspec_mla import MLAAttentionSpec, SlidingWindowMLASpec
+from kvspec_core.testing import model_layer, model_layers_of
 from mla_testkit import load_config, manager_with_mla, mla_layer
 
 MLA_KINDS = ["circular_buffer", "hidden_state_cache", "mla_attention", "sliding_window_mla"]
@@ -87,8 +88,8 @@ def test_deepseek_v2_lite_stores_576_values_x_2_bytes_x_27_layers_per_token() ->
     config = load_config()
     manager = manager_with_mla()
     specs = []
-    for index in range(config["num_hidden_layers"]):
-        ((owner, spec),) = manager.layer_specs(mla_layer(config, index))
+    for layer in model_layers_of(config, manager):
+        ((owner, spec),) = manager.layer_specs(layer)
         assert owner == "mla"
         specs.append(spec)
     assert len(specs) == 27
@@ -106,7 +107,9 @@ def test_deepseek_v2_lite_stores_576_values_x_2_bytes_x_27_layers_per_token() ->
 def test_the_latent_is_replicated_across_tensor_parallelism() -> None:
     config = load_config()
     for tp in (1, 2, 8, 16):
-        spec = mla_plugin.kvspec_layer_spec(mla_layer(config, tp=tp))
+        layer = model_layer(config, 0, manager_with_mla(),
+                            options=PlanOptions(tensor_parallel_size=tp))
+        spec = mla_plugin.kvspec_layer_spec(layer)
         assert (spec.num_kv_heads, spec.max_tp_shards) == (1, 1)
         assert spec.page_size_bytes == 16 * 576 * 2
 
@@ -121,8 +124,9 @@ def test_the_latent_is_replicated_across_tensor_parallelism() -> None:
 ])
 def test_kv_cache_dtype_choice(kv_cache_dtype: str, dtype: torch.dtype,
                                cache_dtype_str: str | None, per_token: int) -> None:
-    spec = mla_plugin.kvspec_layer_spec(
-        mla_layer(load_config(), block_size=64, kv_cache_dtype=kv_cache_dtype))
+    options = PlanOptions(block_size=64, kv_cache_dtype=kv_cache_dtype)
+    spec = mla_plugin.kvspec_layer_spec(model_layer(load_config(), 0, manager_with_mla(),
+                                                    options=options))
     assert spec.dtype == dtype
     assert spec.cache_dtype_str == cache_dtype_str
     assert spec.page_size_bytes == 64 * per_token
