@@ -6,12 +6,20 @@
 * :func:`check_spec_protocol`: the protocol checks every spec of a plugin must pass.
 * :func:`model_layers_of` / :func:`model_layer`: the :class:`LayerConfig` objects the core's
   config ingestion builds from a real ``config.json``, exactly as plugins receive them.
+* :func:`manager_with`: a fresh manager holding the core and one plugin.
+* :func:`plugins_cli_report`: what ``kvspec plugins --json`` reports for given plugins.
+* :func:`kvspec_imports_outside`: ``kvspec_*`` imports of source files beyond the allowed ones.
 """
 
 from __future__ import annotations
 
+import ast
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 from contextlib import contextmanager
 
@@ -36,6 +44,14 @@ def kvspec_loaded_manager() -> PluginManager:
     """A fresh plugin manager with every installed (and allowed) plugin loaded."""
     manager = PluginManager()
     manager.load_entry_points()
+    return manager
+
+
+def manager_with(plugin: object, name: str) -> PluginManager:
+    """A fresh manager holding the core's families and ``plugin`` registered as ``name``
+    (installed plugins are not loaded, so a plugin's tests see no other family)."""
+    manager = PluginManager()
+    manager.register(plugin, name)
     return manager
 
 
@@ -119,3 +135,36 @@ def model_layer(
         f"the config has no cache-holding layer at index {index}; its cache-holding layers are "
         f"at {indices[:8]}{'...' if len(indices) > 8 else ''} ({len(indices)} in all)"
     )
+
+
+def plugins_cli_report(allowed: str, *, timeout: float = 120) -> dict[str, Any]:
+    """The parsed output of ``python -m kvspec_core plugins --json`` run in a subprocess with
+    ``KVSPEC_PLUGINS=allowed`` (a comma-separated list of plugin names); raises
+    ``subprocess.CalledProcessError`` when the command fails."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvspec_core", "plugins", "--json"],
+        capture_output=True, text=True, env={**os.environ, "KVSPEC_PLUGINS": allowed},
+        timeout=timeout, check=True,
+    )
+    return json.loads(result.stdout)
+
+
+def kvspec_imports_outside(paths: Iterable[Path], allowed: Iterable[str]) -> list[str]:
+    """``"<file>: <module>"`` for every ``import``/``from`` of a top-level ``kvspec_*`` package
+    not in ``allowed``, across the Python files ``paths``; empty when a plugin depends only on
+    what it declares. Parsed, not pattern-matched, so imports inside functions count too."""
+    permitted = set(allowed)
+    found: list[str] = []
+    for path in paths:
+        for node in ast.walk(ast.parse(Path(path).read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top.startswith("kvspec_") and top not in permitted:
+                    found.append(f"{path}: {module}")
+    return found

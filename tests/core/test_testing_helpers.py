@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import subprocess
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
@@ -14,7 +17,15 @@ from kvspec_core.errors import UnknownNameError
 from kvspec_core.models.catalog import load_preset
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
 from kvspec_core.models.ingest import model_layers
-from kvspec_core.testing import check_spec_protocol, model_layer, model_layers_of, registered
+from kvspec_core.testing import (
+    check_spec_protocol,
+    kvspec_imports_outside,
+    manager_with,
+    model_layer,
+    model_layers_of,
+    plugins_cli_report,
+    registered,
+)
 
 
 # --------------------------------------------------------------------------- real layers
@@ -91,6 +102,43 @@ def test_registered_tolerates_the_block_unregistering_itself() -> None:
     with registered(manager, _NoOpPlugin(), "noop"):
         manager.unregister("noop")
     assert not manager.is_loaded("noop")
+
+
+def test_manager_with_holds_only_the_core_and_the_plugin() -> None:
+    manager = manager_with(_NoOpPlugin(), "noop")
+    assert manager.is_loaded("noop")
+    assert [info.name for info in manager.plugins] == ["core", "noop"]
+    assert manager_with(_NoOpPlugin(), "noop") is not manager
+
+
+# --------------------------------------------------------------------------- CLI and imports
+def test_plugins_cli_report_loads_only_the_allowed_plugins() -> None:
+    report = plugins_cli_report("no_such_plugin")
+    assert report["plugins"] == []
+    assert "failed" in report
+
+
+def test_plugins_cli_report_raises_when_the_command_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.executable", "false")
+    with pytest.raises(subprocess.CalledProcessError):
+        plugins_cli_report("no_such_plugin")
+
+
+def test_kvspec_imports_outside_lists_each_foreign_kvspec_import(tmp_path: Path) -> None:
+    source = tmp_path / "module.py"
+    source.write_text(
+        "import os\n"
+        "import kvspec_core.specs\n"
+        "from kvspec_mine import thing\n"
+        "from . import sibling\n"
+        "import kvspec_other.plugin as other\n"
+        "def later():\n"
+        "    from kvspec_third.x import y\n"
+    )
+    found = kvspec_imports_outside([source], {"kvspec_core", "kvspec_mine"})
+    assert found == [f"{source}: kvspec_other.plugin", f"{source}: kvspec_third.x"]
+    assert kvspec_imports_outside([source], {"kvspec_core", "kvspec_mine", "kvspec_other",
+                                             "kvspec_third"}) == []
 
 
 # --------------------------------------------------------------------------- check_spec_protocol

@@ -11,6 +11,7 @@ import torch
 
 from kvspec_core import AttentionShape, LayerConfig, PlanOptions, PluginManager
 from kvspec_core.dtypes import dtype_from_name
+from kvspec_core.testing import manager_with
 
 import kvspec_chunked_local.plugin as chunked_local_plugin
 
@@ -30,9 +31,7 @@ def llama4_text_config() -> dict[str, Any]:
 
 def manager_with_plugin() -> PluginManager:
     """A fresh manager holding only the core and this plugin."""
-    manager = PluginManager()
-    manager.register(chunked_local_plugin, "chunked_local")
-    return manager
+    return manager_with(chunked_local_plugin, "chunked_local")
 
 
 def layer_from_config(

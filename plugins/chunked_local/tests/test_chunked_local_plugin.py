@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
@@ -14,6 +9,7 @@ import pytest
 
 from kvspec_core import PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import ConfigError, MissingFamilyError
+from kvspec_core.testing import kvspec_imports_outside, model_layer, plugins_cli_report
 
 import kvspec_chunked_local.plugin as chunked_local_plugin
 from chunked_local_testkit import (
@@ -22,7 +18,6 @@ from chunked_local_testkit import (
     llama4_text_config,
     manager_with_plugin,
 )
-from kvspec_core.testing import model_layer
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -45,23 +40,16 @@ def test_another_family_is_missing_and_named_with_its_install_line() -> None:
 
 
 def test_plugins_json_cli_lists_the_kind() -> None:
-    env = dict(os.environ, KVSPEC_PLUGINS="chunked_local")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvspec_core", "plugins", "--json"],
-        capture_output=True, text=True, env=env, check=True, timeout=60,
-    )
-    entries = {entry["name"]: entry for entry in json.loads(result.stdout)["plugins"]}
+    report = plugins_cli_report("chunked_local")
+    entries = {entry["name"]: entry for entry in report["plugins"]}
     assert entries["chunked_local"]["distribution"] == "kvspec-chunked-local"
     assert entries["chunked_local"]["spec_kinds"] == ["chunked_local_attention"]
     assert "kvspec_layer_spec" in entries["chunked_local"]["hooks"]
 
 
 def test_no_source_or_test_imports_another_family_plugin() -> None:
-    others = re.compile(r"^\s*(from|import)\s+kvspec_(mla|mamba|sliding_window|hisparse)\b", re.M)
-    for path in PLUGIN_ROOT.rglob("*.py"):
-        if "build" in path.parts:
-            continue
-        assert not others.search(path.read_text()), f"{path} imports another family plugin"
+    paths = [path for path in PLUGIN_ROOT.rglob("*.py") if "build" not in path.parts]
+    assert not kvspec_imports_outside(paths, {"kvspec_core", "kvspec_chunked_local"})
 
 
 def test_llama4_scout_chunked_layer() -> None:

@@ -8,15 +8,14 @@ from typing import Any
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager
+from kvspec_core.testing import manager_with
 
 import kvspec_hisparse.plugin as hisparse_plugin
 
 
 def manager_with_hisparse() -> PluginManager:
     """A fresh manager holding only the core and kvspec-hisparse."""
-    manager = PluginManager()
-    manager.register(hisparse_plugin, "hisparse")
-    return manager
+    return manager_with(hisparse_plugin, "hisparse")
 
 
 def latent_like(**overrides: Any) -> FullAttentionSpec:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import ast
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvspec_core import PluginManager
 from kvspec_core.errors import MissingFamilyError
+from kvspec_core.testing import kvspec_imports_outside, plugins_cli_report
 
 import kvspec_hisparse.plugin as hisparse_plugin
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
@@ -41,12 +37,7 @@ def test_a_manager_without_mamba_names_its_distribution() -> None:
 
 
 def test_plugins_cli_json_shows_the_kinds() -> None:
-    env = {**os.environ, "KVSPEC_PLUGINS": "hisparse"}
-    result = subprocess.run(
-        [sys.executable, "-m", "kvspec_core", "plugins", "--json"],
-        capture_output=True, text=True, env=env, timeout=120, check=True,
-    )
-    report = json.loads(result.stdout)
+    report = plugins_cli_report("hisparse")
     (entry,) = [plugin for plugin in report["plugins"] if plugin["name"] == "hisparse"]
     assert (entry["distribution"], entry["version"]) == ("kvspec-hisparse", "0.1.0")
     assert entry["spec_kinds"] == KINDS
@@ -56,12 +47,5 @@ def test_plugins_cli_json_shows_the_kinds() -> None:
 def test_tests_and_sources_import_no_other_plugin() -> None:
     allowed = {"kvspec_core", "kvspec_hisparse"}
     sources = Path(hisparse_plugin.__file__).parent
-    for path in [*Path(__file__).parent.glob("*.py"), *sources.glob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [alias.name for alias in node.names] if isinstance(node, ast.Import)
-                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            )
-            for name in names:
-                top = name.split(".")[0]
-                assert not top.startswith("kvspec_") or top in allowed, f"{path.name}: {name}"
+    paths = [*Path(__file__).parent.glob("*.py"), *sources.glob("*.py")]
+    assert not kvspec_imports_outside(paths, allowed)

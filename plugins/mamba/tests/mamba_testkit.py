@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvspec_core import LayerConfig, PlanOptions, PluginManager
+from kvspec_core.testing import manager_with
 
 import kvspec_mamba.plugin as mamba_plugin
 
@@ -36,9 +37,7 @@ def nemotron_h_8b_config() -> dict[str, Any]:
 
 def manager_with_plugin() -> PluginManager:
     """A fresh manager holding only the core and this plugin."""
-    manager = PluginManager()
-    manager.register(mamba_plugin, "mamba")
-    return manager
+    return manager_with(mamba_plugin, "mamba")
 
 
 def state_layer(config: dict[str, Any], layer_type: str = "mamba", *, index: int = 0,

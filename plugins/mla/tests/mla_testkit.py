@@ -11,6 +11,7 @@ import torch
 
 from kvspec_core import AttentionShape, LayerConfig, PlanOptions, PluginManager
 from kvspec_core.dtypes import dtype_from_name
+from kvspec_core.testing import manager_with
 
 import kvspec_mla.plugin as mla_plugin
 
@@ -25,9 +26,7 @@ def load_config(name: str = DEEPSEEK_V2_LITE) -> dict[str, Any]:
 
 def manager_with_mla() -> PluginManager:
     """A fresh manager holding only the core and kvspec-mla."""
-    manager = PluginManager()
-    manager.register(mla_plugin, "mla")
-    return manager
+    return manager_with(mla_plugin, "mla")
 
 
 def mla_layer(

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +10,15 @@ import torch
 from kvspec_core import AttentionShape, PlanOptions, PluginManager
 from kvspec_core.errors import ConfigError, MissingFamilyError
 from kvspec_core.kv_dtypes import BUILTIN_QUANT_MODES
+from kvspec_core.testing import (
+    kvspec_imports_outside,
+    model_layer,
+    model_layers_of,
+    plugins_cli_report,
+)
 
 import kvspec_mla.plugin as mla_plugin
 from kvspec_mla import MLAAttentionSpec, SlidingWindowMLASpec
-from kvspec_core.testing import model_layer, model_layers_of
 from mla_testkit import load_config, manager_with_mla, mla_layer
 
 MLA_KINDS = ["circular_buffer", "hidden_state_cache", "mla_attention", "sliding_window_mla"]
@@ -56,12 +56,7 @@ def test_a_manager_without_mamba_names_its_distribution() -> None:
 
 
 def test_plugins_cli_json_shows_the_kinds() -> None:
-    env = {**os.environ, "KVSPEC_PLUGINS": "mla,sliding_window"}
-    result = subprocess.run(
-        [sys.executable, "-m", "kvspec_core", "plugins", "--json"],
-        capture_output=True, text=True, env=env, timeout=120, check=True,
-    )
-    report = json.loads(result.stdout)
+    report = plugins_cli_report("mla,sliding_window")
     (entry,) = [plugin for plugin in report["plugins"] if plugin["name"] == "mla"]
     assert entry["distribution"] == "kvspec-mla"
     assert entry["version"] == "0.1.0"
@@ -71,16 +66,7 @@ def test_plugins_cli_json_shows_the_kinds() -> None:
 
 def test_tests_import_no_plugin_but_the_declared_dependency() -> None:
     allowed = {"kvspec_core", "kvspec_mla", "kvspec_sliding_window"}
-    for path in Path(__file__).parent.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = (
-                [alias.name for alias in node.names] if isinstance(node, ast.Import)
-                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            )
-            for name in names:
-                top = name.split(".")[0]
-                assert not top.startswith("kvspec_") or top in allowed, f"{path.name}: {name}"
+    assert not kvspec_imports_outside(Path(__file__).parent.glob("*.py"), allowed)
 
 
 # --------------------------------------------------------------------------- layer hook

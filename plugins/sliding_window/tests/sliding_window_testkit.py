@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvspec_core import PluginManager
+from kvspec_core.testing import manager_with
 
 import kvspec_sliding_window.plugin as sliding_window_plugin
 
@@ -24,9 +25,7 @@ def load_config(name: str) -> dict[str, Any]:
 
 def manager_with_plugin() -> PluginManager:
     """A fresh manager holding only the core and this plugin."""
-    manager = PluginManager()
-    manager.register(sliding_window_plugin, "sliding_window")
-    return manager
+    return manager_with(sliding_window_plugin, "sliding_window")
 
 
 def swa_fields(**overrides: Any) -> dict[str, Any]:
