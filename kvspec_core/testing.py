@@ -4,6 +4,8 @@
 * ``kvspec_loaded_manager`` fixture: a fresh manager with installed plugins loaded.
 * :func:`registered` context manager: register a plugin object for one block only.
 * :func:`check_spec_protocol`: the protocol checks every spec of a plugin must pass.
+* :func:`check_sizing_invariants`: sizing monotonicity and the one-formula rule at one
+  context, for plugins' hypothesis tests.
 * :func:`model_layers_of` / :func:`model_layer`: the :class:`LayerConfig` objects the core's
   config ingestion builds from a real ``config.json``, exactly as plugins receive them.
 * :func:`manager_with`: a fresh manager holding the core and one plugin.
@@ -90,17 +92,59 @@ def check_spec_protocol(
     previous = -1
     for max_len in sorted(max_model_lens):
         ctx = SizingContext(max_model_len=max_len)
-        memory = spec.max_memory_usage_bytes(ctx)
-        cap = spec.max_blocks_per_request(ctx)
-        if memory != cap * spec.page_size_bytes:
-            raise AssertionError(
-                f"max_memory_usage_bytes={memory} but max_blocks_per_request={cap} × "
-                f"page_size_bytes={spec.page_size_bytes} at max_model_len={max_len}: startup "
-                "sizing and runtime admission must use one formula"
-            )
+        memory = _checked_startup_memory(spec, ctx, f"max_model_len={max_len}")
         if memory < previous:
             raise AssertionError(f"per-request memory decreased at max_model_len={max_len}")
         previous = memory
+
+
+def check_sizing_invariants(
+    spec: KVSpec, ctx: SizingContext, *, longer_by: int, busier_by: int
+) -> None:
+    """Sizing rules every spec keeps around ``ctx``; raises ``AssertionError`` naming the
+    broken one. Meant for hypothesis tests drawing ``spec``, ``ctx`` and the two increments.
+
+    * per-request memory and the block-table width never decrease when ``max_model_len``
+      grows by ``longer_by``;
+    * the admission cap never decreases when ``max_in_flight_tokens`` grows by ``busier_by``;
+    * at ``ctx`` and at both grown contexts, startup sizing equals admission cap × page size.
+    """
+    longer = attrs.evolve(ctx, max_model_len=ctx.max_model_len + longer_by)
+    busier = attrs.evolve(ctx, max_in_flight_tokens=ctx.max_in_flight_tokens + busier_by)
+    memory, longer_memory = spec.max_memory_usage_bytes(ctx), spec.max_memory_usage_bytes(longer)
+    if longer_memory < memory:
+        raise AssertionError(
+            f"per-request memory fell from {memory} to {longer_memory} when max_model_len grew "
+            f"from {ctx.max_model_len} to {longer.max_model_len}"
+        )
+    width = spec.block_table_width(ctx, ctx.max_model_len)
+    longer_width = spec.block_table_width(longer, longer.max_model_len)
+    if longer_width < width:
+        raise AssertionError(
+            f"block-table width fell from {width} to {longer_width} when max_model_len grew "
+            f"from {ctx.max_model_len} to {longer.max_model_len}"
+        )
+    cap, busier_cap = spec.max_blocks_per_request(ctx), spec.max_blocks_per_request(busier)
+    if busier_cap < cap:
+        raise AssertionError(
+            f"admission cap fell from {cap} to {busier_cap} when max_in_flight_tokens grew from "
+            f"{ctx.max_in_flight_tokens} to {busier.max_in_flight_tokens}"
+        )
+    for context in (ctx, longer, busier):
+        _checked_startup_memory(spec, context, repr(context))
+
+
+def _checked_startup_memory(spec: KVSpec, ctx: SizingContext, where: str) -> int:
+    """``spec``'s startup memory at ``ctx``, refused unless it is admission cap × page size."""
+    memory = spec.max_memory_usage_bytes(ctx)
+    cap = spec.max_blocks_per_request(ctx)
+    if memory != cap * spec.page_size_bytes:
+        raise AssertionError(
+            f"max_memory_usage_bytes={memory} but max_blocks_per_request={cap} × "
+            f"page_size_bytes={spec.page_size_bytes} at {where}: startup sizing and runtime "
+            "admission must use one formula"
+        )
+    return memory
 
 
 def model_layers_of(

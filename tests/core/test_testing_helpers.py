@@ -12,12 +12,13 @@ import attrs
 import pytest
 import torch
 
-from kvspec_core import FullAttentionSpec, PlanOptions, PluginManager
+from kvspec_core import FullAttentionSpec, PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import UnknownNameError
 from kvspec_core.models.catalog import load_preset
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
 from kvspec_core.models.ingest import model_layers
 from kvspec_core.testing import (
+    check_sizing_invariants,
     check_spec_protocol,
     kvspec_imports_outside,
     manager_with,
@@ -142,10 +143,13 @@ def test_kvspec_imports_outside_lists_each_foreign_kvspec_import(tmp_path: Path)
 
 
 # --------------------------------------------------------------------------- check_spec_protocol
-def _full(**overrides: object) -> FullAttentionSpec:
-    fields: dict = dict(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-    fields.update(overrides)
-    return FullAttentionSpec(**fields)
+def _full() -> FullAttentionSpec:
+    return _llama_like(FullAttentionSpec)
+
+
+def _llama_like(spec_class: type) -> FullAttentionSpec:
+    """Llama-like geometry (8 KV heads of 128, bf16, block 16) in ``spec_class``."""
+    return spec_class(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
 
 
 def test_a_core_spec_passes_the_protocol() -> None:
@@ -186,6 +190,29 @@ class _ShrinkingSpec(FullAttentionSpec):
         return self.max_blocks_per_request(ctx) * self.page_size_bytes
 
 
+@attrs.frozen(kw_only=True)
+class _BusyShrinkingSpec(FullAttentionSpec):
+    """An admission cap that falls once more than 1000 tokens are in flight."""
+
+    kind = "busy_shrinking_test"
+
+    def max_blocks_per_request(self, ctx):  # type: ignore[no-untyped-def]
+        return 1 if ctx.max_in_flight_tokens > 1000 else super().max_blocks_per_request(ctx)
+
+    def max_memory_usage_bytes(self, ctx):  # type: ignore[no-untyped-def]
+        return self.max_blocks_per_request(ctx) * self.page_size_bytes
+
+
+@attrs.frozen(kw_only=True)
+class _NarrowingTableSpec(FullAttentionSpec):
+    """A block-table row that narrows once ``max_model_len`` passes 4096."""
+
+    kind = "narrowing_table_test"
+
+    def block_table_width(self, ctx, max_len):  # type: ignore[no-untyped-def]
+        return 1 if max_len > 4096 else super().block_table_width(ctx, max_len)
+
+
 class _Kinds:
     """Registers the broken test kinds, as a plugin would."""
 
@@ -207,11 +234,32 @@ def test_a_spec_breaking_a_rule_is_reported(spec_class: type, message: str) -> N
     manager = PluginManager()
     with registered(manager, _Kinds(), "broken_kinds"):
         with pytest.raises(AssertionError, match=message):
-            check_spec_protocol(spec_class(block_size=16, num_kv_heads=8, head_size=128,
-                                           dtype=torch.bfloat16), manager)
+            check_spec_protocol(_llama_like(spec_class), manager)
 
 
 def test_an_unregistered_kind_is_refused() -> None:
     with pytest.raises(Exception, match="two_formula_test"):
-        check_spec_protocol(_TwoFormulaSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                            dtype=torch.bfloat16), PluginManager())
+        check_spec_protocol(_llama_like(_TwoFormulaSpec), PluginManager())
+
+
+
+
+def test_a_core_spec_keeps_the_sizing_invariants() -> None:
+    ctx = SizingContext(max_model_len=1000, max_in_flight_tokens=512, dcp_size=2)
+    check_sizing_invariants(_full(), ctx, longer_by=1 << 20, busier_by=1 << 16)
+    check_sizing_invariants(_full(), ctx, longer_by=0, busier_by=0)
+
+
+@pytest.mark.parametrize("spec_class, message", [
+    (_TwoFormulaSpec, "startup sizing and runtime admission must use one formula"),
+    (_ShrinkingSpec, "per-request memory fell from 4128768 to 65536 when max_model_len grew "
+                     "from 1000 to 5000"),
+    (_NarrowingTableSpec, "block-table width fell from 63 to 1 when max_model_len grew"),
+    (_BusyShrinkingSpec, "admission cap fell from 63 to 1 when max_in_flight_tokens grew from "
+                         "512 to 1512"),
+])
+def test_a_spec_breaking_a_sizing_invariant_is_reported(spec_class: type, message: str) -> None:
+    # 1000 tokens in blocks of 16 is 63 blocks of 16 × 8 × 128 × 2 × 2 = 65536 bytes.
+    ctx = SizingContext(max_model_len=1000, max_in_flight_tokens=512)
+    with pytest.raises(AssertionError, match=message):
+        check_sizing_invariants(_llama_like(spec_class), ctx, longer_by=4000, busier_by=1000)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import MergeError
+from kvspec_core.testing import check_sizing_invariants
 
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
 
@@ -54,15 +56,9 @@ contexts = st.builds(
 @given(spec=specs, ctx=contexts, more=st.integers(0, 1 << 20))
 def test_sizing_is_monotone_and_one_formula(spec: ChunkedLocalAttentionSpec, ctx: SizingContext,
                                             more: int) -> None:
-    longer = SizingContext(max_model_len=ctx.max_model_len + more,
-                           max_in_flight_tokens=ctx.max_in_flight_tokens, dcp_size=ctx.dcp_size)
-    busier = SizingContext(max_model_len=ctx.max_model_len,
-                           max_in_flight_tokens=ctx.max_in_flight_tokens + more,
-                           dcp_size=ctx.dcp_size)
-    assert spec.max_memory_usage_bytes(longer) >= spec.max_memory_usage_bytes(ctx)
-    assert spec.max_blocks_per_request(busier) >= spec.max_blocks_per_request(ctx)
+    check_sizing_invariants(spec, ctx, longer_by=more, busier_by=more)
+    longer = attrs.evolve(ctx, max_model_len=ctx.max_model_len + more)
+    busier = attrs.evolve(ctx, max_in_flight_tokens=ctx.max_in_flight_tokens + more)
     for context in (ctx, longer, busier):
-        assert spec.max_memory_usage_bytes(context) == (
-            spec.max_blocks_per_request(context) * spec.page_size_bytes)
         assert spec.max_blocks_per_request(context) <= spec.block_table_width(
             context, context.max_model_len) + 1

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvspec_core import SizingContext
 from kvspec_core.context import MAMBA_CACHE_MODES
 from kvspec_core.errors import MergeError
+from kvspec_core.testing import check_sizing_invariants
 
 from kvspec_mamba import MambaSpec
 
@@ -61,16 +62,4 @@ contexts = st.builds(
 @given(spec=specs, ctx=contexts, more=st.integers(0, 1 << 20))
 def test_sizing_is_monotone_and_one_formula(spec: MambaSpec, ctx: SizingContext,
                                             more: int) -> None:
-    longer = SizingContext(max_model_len=ctx.max_model_len + more,
-                           max_in_flight_tokens=ctx.max_in_flight_tokens, dcp_size=ctx.dcp_size,
-                           mamba_cache_mode=ctx.mamba_cache_mode)
-    busier = SizingContext(max_model_len=ctx.max_model_len,
-                           max_in_flight_tokens=ctx.max_in_flight_tokens + more,
-                           dcp_size=ctx.dcp_size, mamba_cache_mode=ctx.mamba_cache_mode)
-    assert spec.max_memory_usage_bytes(longer) >= spec.max_memory_usage_bytes(ctx)
-    assert spec.max_blocks_per_request(busier) >= spec.max_blocks_per_request(ctx)
-    assert spec.block_table_width(longer, longer.max_model_len) >= spec.block_table_width(
-        ctx, ctx.max_model_len)
-    for context in (ctx, longer, busier):
-        assert spec.max_memory_usage_bytes(context) == (
-            spec.max_blocks_per_request(context) * spec.page_size_bytes)
+    check_sizing_invariants(spec, ctx, longer_by=more, busier_by=more)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvspec_core import SizingContext
 from kvspec_core.errors import MergeError
 from kvspec_core.specs import KVSpec
+from kvspec_core.testing import check_sizing_invariants
 
 from kvspec_mla import (
     CircularBufferSpec,
@@ -108,29 +109,16 @@ def test_sliding_mla_merge_is_symmetric(a: SlidingWindowMLASpec, b: SlidingWindo
 
 
 @PROFILE
-@given(spec=any_spec, ctx=contexts, more=st.integers(0, 1 << 22))
-def test_max_memory_never_decreases_as_max_model_len_grows(spec: KVSpec, ctx: SizingContext,
-                                                           more: int) -> None:
-    longer = attrs.evolve(ctx, max_model_len=ctx.max_model_len + more)
-    assert spec.max_memory_usage_bytes(ctx) <= spec.max_memory_usage_bytes(longer)
-    assert spec.block_table_width(ctx, ctx.max_model_len) <= spec.block_table_width(
-        longer, longer.max_model_len)
+@given(spec=any_spec, ctx=contexts, longer_by=st.integers(0, 1 << 22),
+       busier_by=st.integers(0, 1 << 17))
+def test_sizing_is_monotone_and_one_formula(spec: KVSpec, ctx: SizingContext, longer_by: int,
+                                            busier_by: int) -> None:
+    check_sizing_invariants(spec, ctx, longer_by=longer_by, busier_by=busier_by)
 
 
 @PROFILE
-@given(spec=any_spec, ctx=contexts, more=st.integers(0, 1 << 17))
-def test_admission_cap_never_decreases_as_in_flight_tokens_grow(spec: KVSpec,
-                                                                ctx: SizingContext,
-                                                                more: int) -> None:
-    busier = attrs.evolve(ctx, max_in_flight_tokens=ctx.max_in_flight_tokens + more)
-    assert spec.max_blocks_per_request(ctx) <= spec.max_blocks_per_request(busier)
-
-
-@PROFILE
-@given(spec=any_spec, ctx=contexts)
-def test_startup_sizing_equals_cap_times_page(spec: KVSpec, ctx: SizingContext) -> None:
-    assert spec.max_memory_usage_bytes(ctx) == spec.max_blocks_per_request(ctx) * (
-        spec.page_size_bytes)
+@given(spec=any_spec)
+def test_page_is_padded_below_one_alignment_step(spec: KVSpec) -> None:
     assert spec.page_size_bytes >= spec.unpadded_page_size_bytes
     alignment = getattr(spec, "alignment", None)
     if alignment is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import MergeError
+from kvspec_core.testing import check_sizing_invariants
 
 from kvspec_sliding_window import KpoolTailSpec, ReferenceSlidingWindowSpec, SlidingWindowSpec
 
@@ -73,16 +75,10 @@ contexts = st.builds(
 def test_sizing_is_monotone_and_one_formula(cls: type, data: st.DataObject, ctx: SizingContext,
                                             more: int) -> None:
     spec = data.draw(specs_of(cls))
-    longer = SizingContext(max_model_len=ctx.max_model_len + more,
-                           max_in_flight_tokens=ctx.max_in_flight_tokens, dcp_size=ctx.dcp_size)
-    busier = SizingContext(max_model_len=ctx.max_model_len,
-                           max_in_flight_tokens=ctx.max_in_flight_tokens + more,
-                           dcp_size=ctx.dcp_size)
-    assert spec.max_memory_usage_bytes(longer) >= spec.max_memory_usage_bytes(ctx)
-    assert spec.max_blocks_per_request(busier) >= spec.max_blocks_per_request(ctx)
+    check_sizing_invariants(spec, ctx, longer_by=more, busier_by=more)
+    longer = attrs.evolve(ctx, max_model_len=ctx.max_model_len + more)
+    busier = attrs.evolve(ctx, max_in_flight_tokens=ctx.max_in_flight_tokens + more)
     for context in (ctx, longer, busier):
-        assert spec.max_memory_usage_bytes(context) == (
-            spec.max_blocks_per_request(context) * spec.page_size_bytes)
         # A request never holds more blocks than its block-table row has entries.
         assert spec.max_blocks_per_request(context) <= spec.block_table_width(
             context, context.max_model_len) + 1
