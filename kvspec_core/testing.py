@@ -21,9 +21,9 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from contextlib import contextmanager
 
 import attrs
 import pytest
