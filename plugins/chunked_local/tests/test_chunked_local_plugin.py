@@ -13,9 +13,7 @@ from kvspec_core.testing import kvspec_imports_outside, model_layer, plugins_cli
 
 import kvspec_chunked_local.plugin as chunked_local_plugin
 from chunked_local_testkit import (
-    layer_from_config,
     llama4_config,
-    llama4_text_config,
     manager_with_plugin,
 )
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
@@ -83,11 +81,14 @@ def test_other_layer_types_are_left_to_other_families(layer_type: str) -> None:
 
 @pytest.mark.parametrize("chunk", [None, 0, -1, "8192", 8192.0, False])
 def test_missing_or_invalid_chunk_names_field_and_layer(chunk: object) -> None:
-    config = dict(llama4_text_config(), attention_chunk_size=chunk)
+    # The layer the core builds from the real config, then handed a broken chunk field (the
+    # core would not type a layer as chunked from such a config in the first place).
+    real = model_layer(llama4_config(), 5, PluginManager())
+    config = dict(real.config, attention_chunk_size=chunk)
     with pytest.raises(ConfigError) as caught:
-        manager_with_plugin().layer_specs(layer_from_config(config, 5, "chunked_attention"))
+        manager_with_plugin().layer_specs(attrs.evolve(real, config=config))
     assert "'attention_chunk_size'" in str(caught.value)
-    assert "language_model.model.layers.5" in str(caught.value)
+    assert "model.layers.5" in str(caught.value)
 
 
 def test_chunked_layer_without_attention_geometry_is_refused() -> None:
