@@ -42,3 +42,40 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = "./scripts/dev-setup && .venv/bin/python -m pytest"
     assert command in README
     assert command in (ROOT / ".ci" / "run").read_text()
+
+
+def _console_examples() -> list[tuple[str, str]]:
+    examples = []
+    for block in re.findall(r"```console\n(.*?)```", README, re.S):
+        command, _, output = block.partition("\n")
+        assert command.startswith("$ kvspec "), command
+        examples.append((command[len("$ kvspec "):], output))
+    return examples
+
+
+#: Output that depends on the machine's speed.
+_TIMING = re.compile(r"in \d+(\.\d+)? s\b")
+
+
+@pytest.mark.parametrize(("arguments", "expected"), _console_examples(),
+                         ids=[a for a, _ in _console_examples()])
+def test_cli_examples_show_real_output(arguments: str, expected: str,
+                                       capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvspec_core.cli.main import main
+
+    for name in ("KVSPEC_PLUGINS", "KVSPEC_STRICT_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    main(arguments.split())
+    captured = capsys.readouterr()
+    assert _TIMING.sub("in T s", captured.out + captured.err) == _TIMING.sub("in T s", expected)
+
+
+def test_python_example_runs() -> None:
+    block = re.search(r"<!-- python-example -->\n```python\n(.*?)```", README, re.S)
+    assert block is not None
+    exec(compile(block.group(1), "README.md", "exec"), {})
+
+
+def test_readme_has_no_unfilled_placeholders() -> None:
+    assert "BENCH_" not in README and "<!-- cli-examples -->" not in README
