@@ -60,21 +60,17 @@ class AttentionSpec(KVSpec):
     page_size_padded: int | None = attrs.field(default=None, validator=optional(positive_int))
     num_head_slots: int | None = attrs.field(default=None, validator=optional(positive_int))
     state_content_bytes: int | None = attrs.field(default=None, validator=optional(positive_int))
-    tokens_per_state: int | Fraction = attrs.field(  # type: ignore[assignment]
+    tokens_per_state: int | Fraction = attrs.field(
         default=1, validator=_positive_tokens_per_state
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.page_size_padded is not None and self.page_size_padded < self.unpadded_page_size_bytes:
-            raise InvalidFieldError(
-                type(self).__name__, "page_size_padded", self.page_size_padded,
-                f"must be >= the unpadded page size {self.unpadded_page_size_bytes}",
-            )
         if self.num_states < 1:
             raise InvalidFieldError(
                 type(self).__name__, "tokens_per_state", self.tokens_per_state,
                 f"must leave at least one state per block of {self.block_size} tokens",
             )
+        super().__attrs_post_init__()
 
     @property
     def num_heads(self) -> int:
@@ -85,12 +81,6 @@ class AttentionSpec(KVSpec):
         if self.state_content_bytes is not None:
             return self.state_content_bytes
         return self.kv_quant_mode.content_bytes(self.head_size, self.head_size_v, self.dtype)
-
-    @property
-    def page_size_bytes(self) -> int:
-        if self.page_size_padded is not None:
-            return self.page_size_padded
-        return self.unpadded_page_size_bytes
 
     @property
     def view_dtype(self) -> torch.dtype | None:

@@ -16,6 +16,7 @@ import torch
 
 from kvspec_core._math import cdiv
 from kvspec_core.context import SizingContext
+from kvspec_core.errors import InvalidFieldError
 from kvspec_core.specs.merging import merge_by_rules
 from kvspec_core.validation import is_bool, optional, positive_int
 
@@ -81,9 +82,24 @@ class KVSpec:
         return self.num_heads * self.num_states * self.state_content_size_bytes
 
     @property
+    def page_size_padded(self) -> int | None:
+        """Page size after padding, ``None`` when unpadded; specs that pad declare a field
+        of this name, which the page size and the post-init check below honour."""
+        return None
+
+    @property
     def page_size_bytes(self) -> int:
         """Bytes one page occupies, padding included."""
-        return self.unpadded_page_size_bytes
+        padded = self.page_size_padded
+        return padded if padded is not None else self.unpadded_page_size_bytes
+
+    def __attrs_post_init__(self) -> None:
+        padded = self.page_size_padded
+        if padded is not None and padded < self.unpadded_page_size_bytes:
+            raise InvalidFieldError(
+                type(self).__name__, "page_size_padded", padded,
+                f"must be >= the unpadded page size {self.unpadded_page_size_bytes}",
+            )
 
     @property
     def view_dtype(self) -> torch.dtype | None:

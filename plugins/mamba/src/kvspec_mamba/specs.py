@@ -108,11 +108,7 @@ class MambaSpec(KVSpec):
                 type(self).__name__, "shapes", self.shapes,
                 f"make a state of {real} bytes, above the limit of {MAX_FIELD_VALUE}",
             )
-        if self.page_size_padded is not None and self.page_size_padded < real:
-            raise InvalidFieldError(
-                type(self).__name__, "page_size_padded", self.page_size_padded,
-                f"must be >= the real state size {real}",
-            )
+        super().__attrs_post_init__()
 
     # ----------------------------------------------------------------- page geometry
     @property
@@ -127,12 +123,6 @@ class MambaSpec(KVSpec):
     @property
     def state_content_size_bytes(self) -> int:
         return sum(prod(shape) * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes))
-
-    @property
-    def page_size_bytes(self) -> int:
-        if self.page_size_padded is not None:
-            return self.page_size_padded
-        return self.unpadded_page_size_bytes
 
     @property
     def block_table_token_alignment(self) -> int | None:
