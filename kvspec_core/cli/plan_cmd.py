@@ -14,11 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
+from kvspec_core.cli.arguments import (
+    DEFAULT_KV_CACHE_DTYPE,
+    add_model_arguments,
+    plan_options,
+)
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.models.catalog import resolve_model
-from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
-from kvspec_core.models.layer import PlanOptions
 from kvspec_core.errors import CapacityError
 from kvspec_core.models.planning import (
     ModelPlan,
@@ -28,20 +31,6 @@ from kvspec_core.models.planning import (
 )
 from kvspec_core.planner.plan import PlannedGroup
 from kvspec_core.plugins.manager import PluginManager
-from kvspec_core.validation import MAX_FIELD_VALUE
-
-DEFAULT_KV_CACHE_DTYPE = "auto"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 1 <= value <= MAX_FIELD_VALUE:
-        raise argparse.ArgumentTypeError(f"{text!r} must be an integer in [1, {MAX_FIELD_VALUE}]")
-    return value
-
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -50,41 +39,15 @@ def add_parser(subparsers: Any) -> None:
         description="Plan the KV cache of MODEL within --memory bytes: groups, pools, blocks, "
         "padding and how many max-length requests fit at once.",
     )
-    parser.add_argument(
-        "model", metavar="MODEL",
-        help="a preset name (see `kvspec models`), a config.json path, or a folder holding one",
+    add_model_arguments(
+        parser, repeatable_kv_dtype=True,
+        kv_dtype_help="KV-cache dtype (default auto: the model's dtype); repeat to plot "
+        "several, the plan uses the first",
     )
-    parser.add_argument("--memory", required=True, metavar="SIZE",
-                        help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes")
-    parser.add_argument("--max-model-len", type=_positive_int, metavar="N",
-                        help="longest request in tokens (default: the config's "
-                        "max_position_embeddings)")
-    parser.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
-                        help="tokens per attention block (default 16; never inflated)")
-    parser.add_argument("--kv-cache-dtype", action="append", metavar="D",
-                        help="KV-cache dtype (default auto: the model's dtype); repeat to "
-                        "plot several, the plan uses the first")
-    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
-                        help="tensor parallel size (default 1)")
-    parser.add_argument("--dcp", type=_positive_int, default=1, metavar="N",
-                        help="decode context parallel size (default 1)")
-    parser.add_argument("--max-in-flight-tokens", type=_positive_int,
-                        default=DEFAULT_MAX_IN_FLIGHT_TOKENS, metavar="N",
-                        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE",
                         help="write a PNG of max concurrency against context length, one "
                         "curve per --kv-cache-dtype (needs kvspec-core[plot])")
     parser.set_defaults(handler=run)
-
-
-def _options(args: argparse.Namespace, kv_cache_dtype: str) -> PlanOptions:
-    return PlanOptions(
-        block_size=args.block_size,
-        kv_cache_dtype=kv_cache_dtype,
-        tensor_parallel_size=args.tp,
-        decode_context_parallel_size=args.dcp,
-    )
 
 
 def _tokens_per_request(group: PlannedGroup) -> int | None:
@@ -237,7 +200,7 @@ def _write_plot(args: argparse.Namespace, resolved: Any, budget: int, result: Mo
     lengths = context_lengths(result.context.max_model_len, args.block_size)
     curves = {
         dtype: concurrency_curve(
-            resolved.config, budget, _options(args, dtype), manager, lengths,
+            resolved.config, budget, plan_options(args, dtype), manager, lengths,
             name=resolved.name, max_in_flight_tokens=args.max_in_flight_tokens,
         )
         for dtype in dtypes
@@ -256,7 +219,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         load_pyplot()  # fail before planning when matplotlib is missing
     resolved = resolve_model(args.model)
     prepared = prepare_model(
-        resolved.config, _options(args, dtypes[0]), manager,
+        resolved.config, plan_options(args, dtypes[0]), manager,
         name=resolved.name, max_model_len=args.max_model_len,
         max_in_flight_tokens=args.max_in_flight_tokens,
     )

@@ -15,13 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvspec_core.cli.plan_cmd import DEFAULT_KV_CACHE_DTYPE, _positive_int
 from kvspec_core.byte_sizes import format_size
+from kvspec_core.cli.arguments import add_model_arguments, plan_options, positive_int
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.models.catalog import resolve_model
-from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
-from kvspec_core.models.layer import PlanOptions
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime.allocator import KVCacheAllocator
@@ -36,25 +34,11 @@ def add_parser(subparsers: Any) -> None:
         description="Plan MODEL within --memory, then replay the benchmark request trace "
         "through the runtime allocator: prefix-hit rate, peak usage, admissions that waited.",
     )
-    parser.add_argument("model", metavar="MODEL",
-                        help="a preset name (see `kvspec models`), a config.json path, or a "
-                        "folder holding one")
-    parser.add_argument("--memory", required=True, metavar="SIZE",
-                        help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes")
+    add_model_arguments(parser, kv_dtype_help="KV-cache dtype (default auto: the model's dtype)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="trace seed (0)")
-    parser.add_argument("--requests", type=_positive_int, default=2000, metavar="N",
+    parser.add_argument("--requests", type=positive_int, default=2000, metavar="N",
                         help="requests in the trace (default 2000)")
-    parser.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
-                        help="tokens per attention block (default 16)")
-    parser.add_argument("--max-model-len", type=_positive_int, metavar="N",
-                        help="longest request (default: the config's)")
-    parser.add_argument("--max-in-flight-tokens", type=_positive_int,
-                        default=DEFAULT_MAX_IN_FLIGHT_TOKENS, metavar="N",
-                        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})")
-    parser.add_argument("--kv-cache-dtype", default=DEFAULT_KV_CACHE_DTYPE, metavar="D",
-                        help="KV-cache dtype (default auto: the model's dtype)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=run)
 
 
@@ -85,7 +69,7 @@ def _progress(total: int | None, enabled: bool
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
     budget = parse_size(args.memory)
     resolved = resolve_model(args.model)
-    options = PlanOptions(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
+    options = plan_options(args, args.kv_cache_dtype)
     prepared = prepare_model(
         resolved.config, options, manager, name=resolved.name,
         max_model_len=args.max_model_len, max_in_flight_tokens=args.max_in_flight_tokens,

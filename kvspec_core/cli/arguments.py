@@ -1,0 +1,62 @@
+"""Arguments shared by the commands that plan a model (``plan``, ``simulate``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
+from kvspec_core.models.layer import PlanOptions
+from kvspec_core.validation import MAX_FIELD_VALUE
+
+DEFAULT_KV_CACHE_DTYPE = "auto"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int in ``[1, MAX_FIELD_VALUE]``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_FIELD_VALUE:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer in [1, {MAX_FIELD_VALUE}]")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, kv_dtype_help: str,
+                        repeatable_kv_dtype: bool = False) -> None:
+    """MODEL, ``--memory`` and the planning options (block size, KV dtype, TP, DCP, lengths),
+    plus ``--json``."""
+    parser.add_argument(
+        "model", metavar="MODEL",
+        help="a preset name (see `kvspec models`), a config.json path, or a folder holding one",
+    )
+    parser.add_argument("--memory", required=True, metavar="SIZE",
+                        help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes")
+    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
+                        help="longest request in tokens (default: the config's "
+                        "max_position_embeddings)")
+    parser.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                        help="tokens per attention block (default 16; never inflated)")
+    if repeatable_kv_dtype:
+        parser.add_argument("--kv-cache-dtype", action="append", metavar="D", help=kv_dtype_help)
+    else:
+        parser.add_argument("--kv-cache-dtype", default=DEFAULT_KV_CACHE_DTYPE, metavar="D",
+                            help=kv_dtype_help)
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                        help="tensor parallel size (default 1)")
+    parser.add_argument("--dcp", type=positive_int, default=1, metavar="N",
+                        help="decode context parallel size (default 1)")
+    parser.add_argument("--max-in-flight-tokens", type=positive_int,
+                        default=DEFAULT_MAX_IN_FLIGHT_TOKENS, metavar="N",
+                        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def plan_options(args: argparse.Namespace, kv_cache_dtype: str) -> PlanOptions:
+    """The :class:`PlanOptions` the parsed arguments ask for, with ``kv_cache_dtype``."""
+    return PlanOptions(
+        block_size=args.block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=args.tp,
+        decode_context_parallel_size=args.dcp,
+    )
