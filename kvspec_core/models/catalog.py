@@ -65,7 +65,9 @@ def preset_text(name: str) -> str:
     """The bundled config.json text of preset ``name``."""
     if name not in PRESET_SOURCES:
         raise unknown_preset_error(name)
-    resource = resources.files("kvspec_core.models").joinpath(_PRESET_FOLDER, f"{name}.json")
+    # One name per joinpath: Traversable.joinpath takes several only from Python 3.11.
+    folder = resources.files("kvspec_core.models").joinpath(_PRESET_FOLDER)
+    resource = folder.joinpath(f"{name}.json")
     return resource.read_text(encoding="utf-8")
 
 

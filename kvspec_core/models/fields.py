@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -25,7 +25,7 @@ DEFAULT_MODEL_DTYPE = torch.bfloat16
 DTYPE_FIELDS = ("torch_dtype", "dtype")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -48,13 +48,13 @@ def int_field(
     needed_for: str = "",
 ) -> int:
     """``value`` (read from ``config[field]``) as an int in ``[minimum, maximum]``."""
-    if not is_int(value) or not minimum <= value <= maximum:  # type: ignore[operator]
+    if not is_int(value) or not minimum <= value <= maximum:
         purpose = f" (needed for {needed_for})" if needed_for else ""
         raise ConfigError(
             f"config field {field!r} is {value!r}{purpose}; it must be an int in "
             f"[{minimum}, {maximum}]. Fix {field!r} in the model config"
         )
-    return int(value)  # type: ignore[arg-type]
+    return int(value)
 
 
 def require_int(

@@ -158,7 +158,7 @@ def group_layers(
     classes: dict[tuple[object, ...], list[int]] = {}
     for index, (layers, spec) in enumerate(buckets):
         classes.setdefault(pool_key(GroupDraft(tuple(layers), spec), layout), []).append(index)
-    size_of_bucket = {}
+    size_of_bucket: dict[int, int] = {}
     for members in classes.values():
         size = _class_group_size([len(buckets[i][0]) for i in members], limit)
         size_of_bucket.update((index, size) for index in members)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -27,6 +27,20 @@ def _tuple_of_str(value: Any) -> tuple[str, ...]:
 
 def _tuple_of_int(value: Any) -> tuple[int, ...]:
     return tuple(int(item) for item in value)
+
+
+# One converter per element type (rather than ``converter=tuple``) so type checkers see
+# ``KVCachePlan``'s constructor take iterables of the right element type.
+def _tuple_of_groups(items: Iterable[PlannedGroup]) -> tuple[PlannedGroup, ...]:
+    return tuple(items)
+
+
+def _tuple_of_pools(items: Iterable[Pool]) -> tuple[Pool, ...]:
+    return tuple(items)
+
+
+def _tuple_of_tensors(items: Iterable[KVCacheTensor]) -> tuple[KVCacheTensor, ...]:
+    return tuple(items)
 
 
 def real_page_bytes(spec: KVSpec) -> int:
@@ -165,9 +179,9 @@ class KVCachePlan:
     beyond real content: page padding, block alignment, and budget left idle.
     """
 
-    groups: tuple[PlannedGroup, ...] = attrs.field(converter=tuple)
-    pools: tuple[Pool, ...] = attrs.field(converter=tuple)
-    tensors: tuple[KVCacheTensor, ...] = attrs.field(converter=tuple)
+    groups: tuple[PlannedGroup, ...] = attrs.field(converter=_tuple_of_groups)
+    pools: tuple[Pool, ...] = attrs.field(converter=_tuple_of_pools)
+    tensors: tuple[KVCacheTensor, ...] = attrs.field(converter=_tuple_of_tensors)
     layout: str
     context: SizingContext
     budget_bytes: int

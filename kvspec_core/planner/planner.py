@@ -15,6 +15,7 @@ from kvspec_core.errors import CapacityError, InvalidFieldError, InvalidFieldTyp
 from kvspec_core.planner.budget import bytes_for_one_request, concurrency_of, split_budget
 from kvspec_core.planner.geometry import (
     Segment,
+    SegmentPlacement,
     cell_shape,
     lcm_alignment,
     place_segments,
@@ -196,7 +197,7 @@ def _assemble(
     tensors = []
     for pool, draft in zip(pools, skeleton.pools):
         _, placements = place_segments(draft.segments, layout, draft.alignment, pool.num_blocks)
-        slot_place = []
+        slot_place: list[tuple[SegmentPlacement, int]] = []
         for segment, placement in zip(draft.segments, placements):
             slot_place.extend((placement, within) for within in range(segment.count))
         for group_id in draft.group_ids:
@@ -225,8 +226,10 @@ def _assemble(
     )
 
 
-def _group_tensors(group: PlannedGroup, pool: Pool, slot_place: list, layout: KVCacheLayout
-                   ) -> list[KVCacheTensor]:
+def _group_tensors(
+    group: PlannedGroup, pool: Pool, slot_place: Sequence[tuple[SegmentPlacement, int]],
+    layout: KVCacheLayout,
+) -> list[KVCacheTensor]:
     """One tensor per run of consecutive layers with one spec and one segment."""
     tensors: list[KVCacheTensor] = []
     specs = group.layer_specs

@@ -72,15 +72,15 @@ class PrefixHasher:
         if target == done + 1 and not request.mm_inputs:
             # One new block (a decode step completed it): skip the general loop.
             try:
-                data = array("I", request.token_ids[start:stop])
+                block = array("I", request.token_ids[start:stop])
             except (OverflowError, TypeError) as error:
                 raise AllocatorError(
                     f"request {request.request_id!r}: token ids in [{start}, {stop}) must be "
                     f"ints in [0, 2**32) to be hashed: {error}"
                 ) from error
             if not _NATIVE_LITTLE:
-                data.byteswap()
-            hashes.append(blake2b(parent + data.tobytes(), digest_size=DIGEST_SIZE).digest())
+                block.byteswap()
+            hashes.append(blake2b(parent + block.tobytes(), digest_size=DIGEST_SIZE).digest())
             return hashes
         try:
             packed = array("I", request.token_ids[start:stop])

@@ -149,7 +149,7 @@ class BlockPool:
                 removed.setdefault(block_group[block], []).append(block_hash[block])  # type: ignore[arg-type]
             for gid, digests in removed.items():
                 self._events.append(BlockRemoved(group=gid, block_hashes=tuple(digests)))
-        victims = []
+        victims: list[int] = []
         append = victims.append
         protected = self._protected
         for _ in range(count):
@@ -157,13 +157,13 @@ class BlockPool:
             append(block)
             reused[block] = 0
             # Only the block a hash maps to is ever marked cached (see cache_blocks).
-            del caches[block_group[block]][block_hash[block]]  # type: ignore[index]
+            del caches[block_group[block]][block_hash[block]]  # type: ignore[arg-type]
             block_hash[block] = None
         self.epoch += 1
         return victims
 
     def _eviction_order(self, count: int) -> list[int]:
-        order = []
+        order: list[int] = []
         for segment in (self._evictable, self._protected):
             for block in segment:
                 if len(order) == count:
@@ -212,11 +212,11 @@ class BlockPool:
                 "it negative (double free)"
             )
         if len(set(blocks)) != len(blocks):
-            counts: dict[int, int] = {}
+            times_released: dict[int, int] = {}
             for block in blocks:
                 if block:
-                    counts[block] = counts.get(block, 0) + 1
-            for block, times in counts.items():
+                    times_released[block] = times_released.get(block, 0) + 1
+            for block, times in times_released.items():
                 if times > refs[block]:
                     raise AllocatorError(
                         f"block {block} released {times} times but has ref count {refs[block]}"

@@ -154,17 +154,17 @@ def simulate(
         elif kind == "decode":
             if rid in stopped:
                 continue
-            request = running.get(rid) or waiting.get(rid)
-            if request is None:
+            decoding = running.get(rid) or waiting.get(rid)
+            if decoding is None:
                 continue
-            if len(request.token_ids) >= max_len:
+            if len(decoding.token_ids) >= max_len:
                 report.truncated += 1
                 stopped.add(rid)
                 continue
-            request.append_token(event[2])
+            decoding.append_token(event[2])
             if rid in waiting:
                 continue  # recomputed with its tokens when it is admitted again
-            result = allocator.allocate_slots(request, 1)
+            result = allocator.allocate_slots(decoding, 1)
             if result:
                 if result is not allocator.no_new_blocks:
                     note_usage()
@@ -172,7 +172,7 @@ def simulate(
             allocator.free(rid)
             del running[rid]
             report.preemptions += 1
-            wait(request, first=True)
+            wait(decoding, first=True)
         else:
             stopped.discard(rid)
             if rid in running:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import attrs
 
@@ -11,8 +11,9 @@ from kvspec_core._math import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import MergeError
 from kvspec_core.specs.attention import AttentionSpec
-from kvspec_core.specs.base import SpecT
 from kvspec_core.validation import is_bool, non_negative_int, optional, positive_int
+
+FullSpecT = TypeVar("FullSpecT", bound="FullAttentionSpec")
 
 
 @attrs.frozen(kw_only=True)
@@ -38,8 +39,10 @@ class FullAttentionSpec(AttentionSpec):
         return cdiv(self.tokens_held_per_rank(ctx, ctx.max_model_len), self.block_size)
 
     @classmethod
-    def merge(cls: type[SpecT], specs: Sequence[SpecT], layer_names: Sequence[str] = ()) -> SpecT:
-        merged = super().merge(specs, layer_names)  # type: ignore[misc]
+    def merge(
+        cls: type[FullSpecT], specs: Sequence[FullSpecT], layer_names: Sequence[str] = ()
+    ) -> FullSpecT:
+        merged = super().merge(specs, layer_names)
         if merged.sliding_window is not None and merged.attention_chunk_size is not None:
             raise MergeError(
                 "layers cannot share one full-attention group: some record sliding_window="

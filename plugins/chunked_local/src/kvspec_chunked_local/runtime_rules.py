@@ -24,7 +24,7 @@ class ChunkedLocalRules(FullAttentionRules):
 
     hit_priority = 1
 
-    def __init__(self, spec: ChunkedLocalAttentionSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+    def __init__(self, spec: ChunkedLocalAttentionSpec, ctx: SizingContext) -> None:
         super().__init__(spec, ctx)
         self.chunk = spec.attention_chunk_size
 

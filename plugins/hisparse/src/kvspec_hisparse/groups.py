@@ -32,7 +32,7 @@ ROLE_INDEXER = "hisparse_indexer"
 GROUP_ROLES = (ROLE_SOURCE, ROLE_INDEXER)
 
 
-def _check_inner(instance: Any, attribute: Any, value: object) -> None:
+def _check_inner(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, KVSpec) or isinstance(value, (HiSparseGroupSpec, RawPageSpec)):
         raise InvalidFieldTypeError(
             type(instance).__name__, attribute.name, value,
@@ -156,7 +156,7 @@ class HiSparseGroupSpec(KVSpec):
         return self.inner.block_table_width(ctx, max_len)
 
     # ----------------------------------------------------------------- derivation and merge
-    def with_block_size(self, block_size: int) -> HiSparseGroupSpec:  # type: ignore[override]
+    def with_block_size(self, block_size: int) -> HiSparseGroupSpec:
         return attrs.evolve(
             self, inner=self.inner.with_block_size(block_size), block_size=block_size
         )

@@ -27,7 +27,7 @@ from kvspec_hisparse.specs import HiSparseHotSpec, HiSparseResidentSpec
 class HotCacheRules(FullAttentionRules):
     """A fixed set of blocks per request, allocated once: what the admission cap says."""
 
-    def __init__(self, spec: HiSparseHotSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+    def __init__(self, spec: HiSparseHotSpec, ctx: SizingContext) -> None:
         super().__init__(spec, ctx)
         self.prefix_cacheable = False
         self.blocks_per_request = spec.blocks_per_request
@@ -47,7 +47,7 @@ class HotCacheRules(FullAttentionRules):
 class ResidentRules(FullAttentionRules):
     """Device pages of the tokens in flight; computed tokens' pages are host-backed."""
 
-    def __init__(self, spec: HiSparseResidentSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+    def __init__(self, spec: HiSparseResidentSpec, ctx: SizingContext) -> None:
         super().__init__(spec, ctx)
         self.prefix_cacheable = False
 

@@ -37,7 +37,7 @@ class MambaRules(FullAttentionRules):
     #: ``CachedPrefix.checkpoint_at``), not from any cached token range.
     resumes_at_checkpoints = True
 
-    def __init__(self, spec: MambaSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+    def __init__(self, spec: MambaSpec, ctx: SizingContext) -> None:
         super().__init__(spec, ctx)
         self.block_tokens = spec.block_size  # states are replicated across DCP ranks
         self.align = ctx.mamba_cache_mode == "align"

@@ -29,7 +29,7 @@ class SlidingWindowRules(FullAttentionRules):
 
     hit_priority = 1
 
-    def __init__(self, spec: SlidingWindowSpec, ctx: SizingContext) -> None:  # type: ignore[override]
+    def __init__(self, spec: SlidingWindowSpec, ctx: SizingContext) -> None:
         super().__init__(spec, ctx)
         self.window = spec.sliding_window
         self.extra = spec.extra_retained_tokens
