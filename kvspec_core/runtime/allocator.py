@@ -445,10 +445,13 @@ class KVCacheAllocator:
         state = _Running(request, known, blocks)
         state.num_skipped = num_skipped
         new_ids: list[tuple[int, ...]] = [()] * group_count
+        # Revive every group's hit blocks before any group takes new ones: groups sharing
+        # a pool would otherwise evict (and take) each other's not-yet-revived hit blocks.
+        for gid, _, _ in plans:
+            self._group_pools[gid].touch(blocks[gid])
         for gid, nulls, real in plans:
             table = blocks[gid]
             pool = self._group_pools[gid]
-            pool.touch(table)
             if nulls:
                 table.extend([0] * nulls)
             if real:
@@ -662,12 +665,19 @@ class KVCacheAllocator:
         for pool in self.pools:
             pool.check_invariants()
         expected = [dict() for _ in self.pools]  # type: list[dict[int, int]]
+        owner = [dict() for _ in self.pools]  # type: list[dict[int, int]]
         for state in self._running.values():
             for gid, table in enumerate(state.blocks):
                 counts = expected[self._pool_of[gid]]
+                owners = owner[self._pool_of[gid]]
                 for block in table:
                     if block:
                         counts[block] = counts.get(block, 0) + 1
+                        if owners.setdefault(block, gid) != gid:
+                            raise AllocatorError(
+                                f"pool {self._pool_of[gid]} block {block} is in the tables "
+                                f"of groups {owners[block]} and {gid}"
+                            )
         for index, pool in enumerate(self.pools):
             for block in range(1, pool.num_blocks):
                 if pool.ref_counts[block] != expected[index].get(block, 0):

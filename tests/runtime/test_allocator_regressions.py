@@ -1,0 +1,40 @@
+"""Regressions found in review: each test failed before its fix."""
+
+from __future__ import annotations
+
+from runtime_testkit import full, make_allocator
+
+from kvspec_core.runtime import KVCacheAllocator, Request
+
+
+def _admit(allocator: KVCacheAllocator, request: Request):
+    prefix = allocator.find_cached_prefix(request)
+    return prefix, allocator.allocate_slots(
+        request, len(request.token_ids) - prefix.num_tokens, prefix=prefix
+    )
+
+
+def test_a_group_taking_blocks_never_evicts_another_groups_prefix_hit() -> None:
+    # Two groups share one pool of 8 usable blocks. "a" (prompt P) is freed before "b"
+    # (prompt Q), so a's blocks head the eviction order: group 0's, then group 1's. "c"
+    # hits P in both groups and needs every free block; group 0's new blocks must come
+    # from b's, never from the group-1 blocks c's own hit is about to reuse.
+    allocator = make_allocator([full(4), full(4)], 9)
+    shared = list(range(8))
+    for rid, tokens in (("a", shared), ("b", list(range(100, 108)))):
+        request = Request(rid, tokens)
+        assert allocator.allocate_slots(request, len(tokens))
+    allocator.free("a")
+    allocator.free("b")
+    request = Request("c", shared + list(range(200, 208)))
+    prefix, result = _admit(allocator, request)
+    assert prefix.num_tokens == 8 and result
+    tables = allocator.block_ids("c")
+    assert tables[0][:2] == prefix.block_ids[0] and tables[1][:2] == prefix.block_ids[1]
+    assert not set(tables[0]) & set(tables[1]), tables
+    pool = allocator.pools[0]
+    for block in prefix.block_ids[0] + prefix.block_ids[1]:
+        assert pool.ref_counts[block] == 1
+        assert pool.cached_hash(block) is not None
+    allocator.check_invariants()
+
