@@ -24,10 +24,11 @@ def plan_signature(plan: KVCachePlan) -> dict[str, Any]:
     return {
         "layout": plan.layout,
         "context": attrs.asdict(plan.context),
+        # A layer's slot fixes which bytes of a block it uses and which layers it aliases.
         "layers": [
-            [layer, group.id, spec_to_dict(spec)]
+            [layer, group.id, slot, spec_to_dict(spec)]
             for group in plan.groups
-            for layer, spec in zip(group.layers, group.layer_specs)
+            for slot, (layer, spec) in enumerate(zip(group.layers, group.layer_specs))
         ],
         "memoryless_layers": list(plan.memoryless_layers),
         "block_bytes": [pool.block_bytes for pool in plan.pools],
@@ -45,10 +46,11 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         other = rows_b.get(layer)
         if other is None:
             return f"layer {layer} is planned in one and not in the other"
-        if row[2] != other[2]:
-            return f"layer {layer} has spec {row[2]} vs {other[2]}"
-        if row[1] != other[1]:
-            return f"layer {layer} is in group {row[1]} vs group {other[1]}"
+        if row[3] != other[3]:
+            return f"layer {layer} has spec {row[3]} vs {other[3]}"
+        if row[1:3] != other[1:3]:
+            return (f"layer {layer} is at slot {row[2]} of group {row[1]} vs slot {other[2]} "
+                    f"of group {other[1]}")
     for layer in rows_b:
         if layer not in rows_a:
             return f"layer {layer} is planned in one and not in the other"

@@ -69,3 +69,14 @@ def test_two_gloo_ranks_agree_on_the_minimum_and_refuse_a_mismatch(tmp_path) -> 
         refused = outcome("mismatch", rank)
         assert "ranks 0 and 1" in refused["error"]
         assert "layer model.layers.2" in refused["error"]
+
+
+def test_reconcile_refuses_plans_whose_layers_sit_in_other_slots() -> None:
+    specs = layers([full(num_kv_heads=2, head_size=8, block_size=4)] * 3)
+    reordered = dict(reversed(list(specs.items())))
+    plans = [plan_kv_with_budget(specs, 96 << 10, CTX),
+             plan_kv_with_budget(reordered, 96 << 10, CTX)]
+    assert plans[0].groups[0].layers != plans[1].groups[0].layers
+    with pytest.raises(PlanError, match="plans 0 and 1 .* layer model.layers.0 is at slot 0 "
+                                        "of group 0 vs slot 2"):
+        reconcile_plans(plans)
