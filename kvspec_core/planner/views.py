@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from kvspec_core.dtypes import dtype_name
-from kvspec_core.errors import InvalidFieldError, PlanError
+from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner.geometry import cell_shape, view_extent
 from kvspec_core.planner.layouts import DIM_B, DIM_H, DIM_L, get_layout, layout_strides
 from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor
@@ -42,15 +42,17 @@ def _kernel_geometry(
     tensor: KVCacheTensor, spec: KVSpec, layout_name: str, kernel_block_size: int | None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``[L, B, H, N, C]`` byte shape and strides, manager blocks split into kernel blocks."""
-    if kernel_block_size is None or kernel_block_size == spec.block_size or tensor.raw:
+    if kernel_block_size is None:
         return tensor.shape, tensor.strides
-    layout = get_layout(layout_name)
     if isinstance(kernel_block_size, bool) or not isinstance(kernel_block_size, int) \
             or kernel_block_size < 1 or spec.block_size % kernel_block_size:
         raise PlanError(
             f"kernel block size {kernel_block_size!r} must be a positive divisor of the KV "
             f"cache block size {spec.block_size} (layers {', '.join(tensor.layers[:3])})"
         )
+    if kernel_block_size == spec.block_size or tensor.raw:
+        return tensor.shape, tensor.strides
+    layout = get_layout(layout_name)
     ratio = spec.block_size // kernel_block_size
     cell = cell_shape(spec, tensor.layers[0])
     if cell.padded_page is not None:
@@ -81,15 +83,38 @@ def _kernel_geometry(
     return shape, layout_strides(shape, layout, fixed=fixed)
 
 
+def _check_kernel_block_sizes(
+    plan: KVCachePlan, kernel_block_sizes: Mapping[int, int] | None
+) -> dict[int, int]:
+    if kernel_block_sizes is None:
+        return {}
+    if not isinstance(kernel_block_sizes, Mapping):
+        raise InvalidFieldTypeError("materialize", "kernel_block_sizes", kernel_block_sizes,
+                                    "expected a mapping of group id -> kernel block size")
+    group_ids = {group.id for group in plan.groups}
+    unknown = [key for key in kernel_block_sizes
+               if isinstance(key, bool) or not isinstance(key, int) or key not in group_ids]
+    if unknown:
+        raise InvalidFieldError("materialize", "kernel_block_sizes", unknown,
+                                f"keys must be group ids of the plan (0..{len(plan.groups) - 1})")
+    return dict(kernel_block_sizes)
+
+
+def _check_device(device: object) -> torch.device:
+    try:
+        return torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as error:
+        raise InvalidFieldError(
+            "materialize", "device", device, f"must name a torch device such as 'cpu' or "
+            f"'cuda:0' ({error})"
+        ) from error
+
+
 def plan_layer_views(
     plan: KVCachePlan, kernel_block_sizes: Mapping[int, int] | None = None
 ) -> list[LayerView]:
     """Every layer's view geometry, validated against its pool buffer (no allocation)."""
-    kernel_block_sizes = dict(kernel_block_sizes or {})
-    unknown = set(kernel_block_sizes) - {group.id for group in plan.groups}
-    if unknown:
-        raise InvalidFieldError("materialize", "kernel_block_sizes", sorted(unknown),
-                                f"keys must be group ids of the plan (0..{len(plan.groups) - 1})")
+    kernel_block_sizes = _check_kernel_block_sizes(plan, kernel_block_sizes)
     result = []
     for index, tensor in enumerate(plan.tensors):
         group = plan.groups[tensor.group]
@@ -175,6 +200,10 @@ def materialize(
     """Allocate one ``uint8`` buffer per pool on ``device`` (host-resident pools on the CPU)
     and view every layer as the plan says. ``kernel_block_sizes`` maps group ids to a kernel
     block size dividing the group's block size. Buffers are zeroed when the plan needs it."""
+    if not isinstance(plan, KVCachePlan):
+        raise InvalidFieldTypeError("materialize", "plan", type(plan).__name__,
+                                    "expected a KVCachePlan (KVCachePlan.from_dict reads a dict)")
+    target = _check_device(device)
     layer_views = plan_layer_views(plan, kernel_block_sizes)
     meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]
     for view in layer_views:
@@ -186,7 +215,6 @@ def materialize(
                 f"{view.offset} with byte strides {view.strides} in layout {plan.layout}: "
                 f"{error}; align the spec's pages (block_stride_alignment) to the dtype size"
             ) from error
-    target = torch.device(device)
     make = torch.zeros if plan.needs_zeroing else torch.empty
     buffers = [
         make(pool.size_bytes, dtype=torch.uint8,

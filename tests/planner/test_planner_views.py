@@ -9,7 +9,7 @@ import torch
 from planner_testkit import assert_views_sound, full, layers, manager_with_test_kinds
 
 from kvspec_core import SizingContext
-from kvspec_core.errors import InvalidFieldError, PlanError
+from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner import LAYOUTS, materialize, plan_kv_cache
 
 CTX = SizingContext(max_model_len=64, max_in_flight_tokens=8)
@@ -124,3 +124,34 @@ def test_layout_descriptor_is_json_and_matches_views(layout: str) -> None:
         assert info["dtype"] == "float16"
         assert view.storage_offset() * view.element_size() == info["byte_offset"]
         assert view.data_ptr() - buffers.buffers[info["pool"]].data_ptr() == info["byte_offset"]
+
+
+def test_materialize_refuses_bad_arguments_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(layers([full(**SMALL)] * 2), "LBNHC")
+    with pytest.raises(InvalidFieldTypeError, match="materialize.*plan"):
+        materialize(plan.to_dict())  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldTypeError, match="kernel_block_sizes.*mapping"):
+        materialize(plan, kernel_block_sizes=4)  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldError, match="kernel_block_sizes.*group ids"):
+        materialize(plan, kernel_block_sizes={"0": 4})  # type: ignore[dict-item]
+    allocations: list[object] = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):
+        if str(kwargs.get("device", "cpu")) != "meta":
+            allocations.append(kwargs.get("device"))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    with pytest.raises(InvalidFieldError, match="materialize.*device.*'no-such-device'"):
+        materialize(plan, device="no-such-device")
+    assert allocations == []
+
+
+def test_kernel_block_size_is_checked_even_when_it_changes_nothing() -> None:
+    plan = _plan(layers([full(**SMALL)] * 2), "LBNHC")
+    for bad in (8.0, True, 0):
+        with pytest.raises(PlanError, match="positive divisor"):
+            materialize(plan, kernel_block_sizes={0: bad})  # type: ignore[dict-item]
+    assert materialize(plan, kernel_block_sizes={0: 8}).layer_views["model.layers.0"] \
+        .kernel_block_size == 8
