@@ -9,6 +9,7 @@ lives in the model's Hugging Face config class. Those defaults are applied here,
 | gemma2 | sliding_window_pattern | 2 | ``Gemma2DecoderLayer``: layer i slides when ``not i % 2`` |
 | gemma3, gemma3_text | sliding_window_pattern / max_position_embeddings | 6 / 131072 | ``Gemma3TextConfig`` |
 | cohere2 | sliding_window_pattern | 4 | ``Cohere2Config`` |
+| qwen2, qwen2_moe, qwen3, qwen3_moe | use_sliding_window / max_window_layers | false / 28 | ``Qwen2Config`` & co. (``sliding_window`` unused unless switched on) |
 | jamba | attn_layer_period / attn_layer_offset | 8 / 4 | ``JambaConfig`` |
 | qwen3_next | full_attention_interval | 4 | ``Qwen3NextConfig`` |
 | llama4, llama4_text | no_rope_layer_interval | 4 | ``Llama4TextConfig`` (every 4th layer global NoPE) |
@@ -29,6 +30,7 @@ from typing import Any
 
 _GEMMA3 = MappingProxyType({"sliding_window_pattern": 6, "max_position_embeddings": 131072})
 _LLAMA4 = MappingProxyType({"no_rope_layer_interval": 4})
+_QWEN = MappingProxyType({"use_sliding_window": False, "max_window_layers": 28})
 
 #: model_type -> field defaults of its published config class.
 PUBLISHED_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
@@ -36,6 +38,10 @@ PUBLISHED_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "gemma3": _GEMMA3,
     "gemma3_text": _GEMMA3,
     "cohere2": MappingProxyType({"sliding_window_pattern": 4}),
+    "qwen2": _QWEN,
+    "qwen2_moe": _QWEN,
+    "qwen3": _QWEN,
+    "qwen3_moe": _QWEN,
     "jamba": MappingProxyType({"attn_layer_period": 8, "attn_layer_offset": 4}),
     "qwen3_next": MappingProxyType({"full_attention_interval": 4}),
     "llama4": _LLAMA4,

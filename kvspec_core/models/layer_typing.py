@@ -209,7 +209,13 @@ def _global_chunk_layers(config: Mapping[str, Any], count: int) -> set[int]:
 
 def _sliding_layers(config: Mapping[str, Any], count: int) -> set[int]:
     """Layers that slide, from the pattern fields (no ``layer_types``)."""
-    if config.get("sliding_window") is None or config.get("use_sliding_window") is False:
+    switch = config.get("use_sliding_window")
+    if switch is not None and not isinstance(switch, bool):
+        raise ConfigError(
+            f"config field 'use_sliding_window' is {switch!r}; it must be true or false (JSON "
+            "booleans). Fix 'use_sliding_window' in the model config"
+        )
+    if config.get("sliding_window") is None or switch is False:
         return set()
     pattern = optional_int(
         config, "sliding_window_pattern", "_sliding_window_pattern",
@@ -217,7 +223,7 @@ def _sliding_layers(config: Mapping[str, Any], count: int) -> set[int]:
     )
     if pattern is not None:
         return {i for i in range(count) if (i + 1) % pattern}
-    if config.get("use_sliding_window") is True and config.get("max_window_layers") is not None:
+    if switch is True and config.get("max_window_layers") is not None:
         first = require_int(
             config, "max_window_layers", needed_for="which layers slide", minimum=0,
             maximum=MAX_LAYERS,

@@ -179,3 +179,29 @@ def test_falcon_h1_layers_hold_attention_and_mamba_side_by_side() -> None:
     assert [(layer.index, layer.name, layer.layer_type) for layer in layers[:2]] == [
         (0, "model.layers.0.self_attn", "full_attention"), (0, "model.layers.0.mamba", "mamba")]
     assert type_string(config) == "FM" * 3
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen2_moe", "qwen3", "qwen3_moe"])
+def test_qwen_configs_without_use_sliding_window_do_not_slide(model_type: str) -> None:
+    # Qwen2Config / Qwen3Config (and their MoE variants) default use_sliding_window=False and
+    # then drop sliding_window, so a config that omits the switch runs full attention.
+    config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "use_sliding_window"}
+    config["model_type"] = model_type
+    assert type_string(config) == "F" * 28
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen2_moe", "qwen3", "qwen3_moe"])
+def test_qwen_sliding_without_max_window_layers_starts_at_the_published_28(
+    model_type: str,
+) -> None:
+    # The same config classes default max_window_layers=28: layers 28.. slide.
+    config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "max_window_layers"}
+    config.update(model_type=model_type, use_sliding_window=True, num_hidden_layers=32)
+    assert type_string(config) == "F" * 28 + "S" * 4
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, "yes"])
+def test_use_sliding_window_must_be_a_bool(value: object) -> None:
+    config = {**preset("mistral-7b"), "use_sliding_window": value}
+    with pytest.raises(ConfigError, match=r"'use_sliding_window' is .*true or false"):
+        typed(config)
