@@ -35,20 +35,38 @@ from kvspec_core.validation import MAX_FIELD_VALUE
 MAX_BUDGET_BYTES = 1 << 60
 
 
-def _check_budget(value: object, name: str) -> int:
+def _check_budget(value: object, owner: str, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidFieldTypeError("plan_kv_cache", name, value, "expected an int of bytes")
+        raise InvalidFieldTypeError(owner, name, value, "expected an int of bytes")
     if not 0 <= value <= MAX_BUDGET_BYTES:
         raise InvalidFieldError(
-            "plan_kv_cache", name, value, f"must be an int of bytes in [0, {MAX_BUDGET_BYTES}]"
+            owner, name, value, f"must be an int of bytes in [0, {MAX_BUDGET_BYTES}]"
         )
     return value
 
 
-def _check_context(ctx: object) -> SizingContext:
+@attrs.frozen
+class _Arguments:
+    budget: int
+    host_budget: int | None
+    ctx: SizingContext
+    layout: KVCacheLayout
+
+
+def _check_arguments(
+    owner: str, budget_bytes: object, host_budget_bytes: object, ctx: object,
+    manager: object, layout: str,
+) -> _Arguments:
+    """The arguments every planner entry point shares, refused naming ``owner`` and field."""
+    budget = _check_budget(budget_bytes, owner, "budget_bytes")
+    host_budget = None if host_budget_bytes is None else _check_budget(
+        host_budget_bytes, owner, "host_budget_bytes")
     if not isinstance(ctx, SizingContext):
-        raise InvalidFieldTypeError("plan_kv_cache", "ctx", ctx, "expected a SizingContext")
-    return ctx
+        raise InvalidFieldTypeError(owner, "ctx", ctx, "expected a SizingContext")
+    if not isinstance(manager, PluginManager):
+        raise InvalidFieldTypeError(owner, "manager", manager,
+                                    "expected a PluginManager (kvspec_core.load_plugins())")
+    return _Arguments(budget, host_budget, ctx, get_layout(layout))
 
 
 @attrs.frozen
@@ -290,11 +308,10 @@ def plan_kv_cache(
     ``ctx.max_model_len`` does not fit, naming needed and available bytes and the largest
     max model length that fits; :class:`PlanError` when the layout cannot hold the specs.
     """
-    budget = _check_budget(budget_bytes, "budget_bytes")
-    host_budget = None if host_budget_bytes is None else _check_budget(
-        host_budget_bytes, "host_budget_bytes")
-    ctx = _check_context(ctx)
-    skeleton = _skeleton(layer_specs, ctx, manager, get_layout(layout))
+    args = _check_arguments("plan_kv_cache", budget_bytes, host_budget_bytes, ctx, manager,
+                            layout)
+    budget, host_budget, ctx = args.budget, args.host_budget, args.ctx
+    skeleton = _skeleton(layer_specs, ctx, manager, args.layout)
     _host_check(skeleton, host_budget)
     _, per_pool = _demands(skeleton, ctx)
     blocks = [0] * len(skeleton.pools)
@@ -330,15 +347,13 @@ def largest_fitting_max_model_len(
     budget, by each family's own per-request formula; 0 if none does. Families whose demand
     stops growing (sliding window, Mamba) make every length fit: then ``upper`` is returned.
     """
-    budget = _check_budget(budget_bytes, "budget_bytes")
-    host_budget = None if host_budget_bytes is None else _check_budget(
-        host_budget_bytes, "host_budget_bytes")
-    ctx = _check_context(ctx)
+    args = _check_arguments("largest_fitting_max_model_len", budget_bytes, host_budget_bytes,
+                            ctx, manager, layout)
     if isinstance(upper, bool) or not isinstance(upper, int) or not 1 <= upper <= MAX_FIELD_VALUE:
         raise InvalidFieldError("largest_fitting_max_model_len", "upper", upper,
                                 f"must be an int in [1, {MAX_FIELD_VALUE}]")
-    skeleton = _skeleton(layer_specs, ctx, manager, get_layout(layout))
-    return _largest_fitting(skeleton, ctx, budget, host_budget, upper)
+    skeleton = _skeleton(layer_specs, args.ctx, manager, args.layout)
+    return _largest_fitting(skeleton, args.ctx, args.budget, args.host_budget, upper)
 
 
 def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int],

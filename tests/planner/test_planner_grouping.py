@@ -27,7 +27,7 @@ from kvspec_core.errors import (
     PlanError,
     UnknownNameError,
 )
-from kvspec_core.planner import LAYOUTS, materialize, plan_kv_cache
+from kvspec_core.planner import LAYOUTS, largest_fitting_max_model_len, materialize, plan_kv_cache
 from kvspec_core.specs import EncoderOnlyAttentionSpec, FullAttentionSpec, UniformTypeSpecs
 
 CTX = SizingContext(max_model_len=4096)
@@ -212,6 +212,12 @@ def test_invalid_inputs_are_refused_naming_the_field() -> None:
         plan_kv_cache(layers([window(8)]), 1 << 20, CTX, PluginManager())
     with pytest.raises(InvalidFieldTypeError, match="SizingContext"):
         plan_kv_cache(specs, 1 << 20, {"max_model_len": 5}, manager)  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldTypeError, match="plan_kv_cache.manager.*PluginManager"):
+        plan_kv_cache(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.manager"):
+        largest_fitting_max_model_len(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.budget"):
+        largest_fitting_max_model_len(specs, 1.5, CTX, manager)  # type: ignore[arg-type]
 
 
 def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
