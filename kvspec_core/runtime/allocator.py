@@ -356,7 +356,9 @@ class KVCacheAllocator:
         computed = state.computed
         known = computed + num_new_tokens
         if (
-            num_new_tokens >= 0
+            type(num_new_tokens) is int
+            and type(lookahead) is int
+            and num_new_tokens >= 0
             and lookahead >= 0
             and prefix is None
             and known + lookahead < state.end_limit

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from runtime_testkit import full, make_allocator
 
+from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import KVCacheAllocator, Request
 
 
@@ -37,4 +39,20 @@ def test_a_group_taking_blocks_never_evicts_another_groups_prefix_hit() -> None:
         assert pool.ref_counts[block] == 1
         assert pool.cached_hash(block) is not None
     allocator.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [1.0, True, 0.5])
+@pytest.mark.parametrize("argument", ["num_new_tokens", "lookahead"])
+def test_a_running_request_refuses_non_int_counts_on_every_path(argument: str, bad) -> None:
+    # A decode step that needs no new block takes the allocator's fast path; it must
+    # refuse what the slow path refuses, not count 0.5 tokens as computed.
+    allocator = make_allocator([full(4)], 16)
+    request = Request("a", list(range(5)))
+    assert allocator.allocate_slots(request, 5)
+    before = allocator.num_computed_tokens("a"), allocator.block_ids("a"), allocator.usage
+    counts = {"num_new_tokens": 1, "lookahead": 0, argument: bad}
+    with pytest.raises(AllocatorError, match=argument):
+        allocator.allocate_slots(request, counts["num_new_tokens"], counts["lookahead"])
+    assert (allocator.num_computed_tokens("a"), allocator.block_ids("a"),
+            allocator.usage) == before
 
