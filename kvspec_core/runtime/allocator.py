@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.coordinator import PrefixCoordinator
-from kvspec_core.runtime.events import BlockStored, KVCacheEvent
+from kvspec_core.runtime.events import AllBlocksCleared, BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.request import Request
@@ -660,7 +660,9 @@ class KVCacheAllocator:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their blocks, uncached)."""
         for pool in self.pools:
-            pool.reset_prefix_cache()
+            pool.reset_prefix_cache(record_event=False)
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         """Cross-check pools and block tables; raises :class:`AllocatorError` (tests)."""

@@ -256,9 +256,10 @@ class BlockPool:
                 stored += 1
         return stored
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, *, record_event: bool = True) -> None:
         """Forget every cached prefix. Blocks in use stay with their requests (uncached);
-        free cached blocks become plain free blocks."""
+        free cached blocks become plain free blocks. ``record_event=False`` leaves the
+        :class:`AllBlocksCleared` event to the caller (one per reset of several pools)."""
         block_hash = self._block_hash
         for cache in self.caches.values():
             for block in cache.values():
@@ -269,7 +270,7 @@ class BlockPool:
             segment.clear()
         self._reused = bytearray(self.num_blocks)
         self.epoch += 1
-        if self._events is not None:
+        if record_event and self._events is not None:
             self._events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:

@@ -6,7 +6,7 @@ import pytest
 from runtime_testkit import full, make_allocator
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime import KVCacheAllocator, Request
+from kvspec_core.runtime import AllBlocksCleared, KVCacheAllocator, Request
 
 
 def _admit(allocator: KVCacheAllocator, request: Request):
@@ -56,3 +56,11 @@ def test_a_running_request_refuses_non_int_counts_on_every_path(argument: str, b
     assert (allocator.num_computed_tokens("a"), allocator.block_ids("a"),
             allocator.usage) == before
 
+
+def test_one_reset_of_a_multi_pool_allocator_is_one_cleared_event() -> None:
+    allocator = make_allocator([full(4), full(4)], [8, 8], pool_of_group=[0, 1],
+                               enable_kv_events=True)
+    allocator.allocate_slots(Request("a", list(range(8))), 8)
+    allocator.take_events()
+    allocator.reset_prefix_cache()
+    assert allocator.take_events() == [AllBlocksCleared()]
