@@ -10,6 +10,10 @@ stored) and, having a single head, it is replicated across TP ranks.
 Tensor parallelism: each rank holds ``total // tp`` KV heads. When ``tp`` exceeds the KV
 heads, each rank holds one head and ranks share replicas (``replicated``), as engines do;
 that needs ``tp`` to be a multiple of the heads. Any other split is refused naming the field.
+
+Packed MLA cache formats (``*_ds_mla``: one latent record of NoPE values, RoPE values and
+scales per token) exist only for MLA layers; asking for one on any other attention layer is
+refused rather than sized as one byte per K/V element.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from kvspec_core.models.fields import first_present, int_field, require_int
 from kvspec_core.models.head_fields import HeadFields
 from kvspec_core.models.layer import AttentionShape
 from kvspec_core.models.layer_typing import MLA_ATTENTION, SLIDING_MLA_ATTENTION
+
+#: Name suffix of the packed DeepSeek MLA cache formats (``fp8_ds_mla``, ``nvfp4_ds_mla``).
+PACKED_MLA_SUFFIX = "_ds_mla"
 
 
 def _head_size(config: Mapping[str, Any], fields: HeadFields, where: str) -> int:
@@ -98,7 +105,14 @@ def resolve_attention_shape(
 
     ``where`` names the layer for error messages (``layer model.layers.3 (full_attention)``).
     """
-    if layer_type in (MLA_ATTENTION, SLIDING_MLA_ATTENTION):
+    is_mla = layer_type in (MLA_ATTENTION, SLIDING_MLA_ATTENTION)
+    if not is_mla and kv_dtype.name.endswith(PACKED_MLA_SUFFIX):
+        raise ConfigError(
+            f"KV-cache dtype {kv_cache_dtype!r} is a packed MLA latent format, but {where} is "
+            "not an MLA layer (the config has no 'kv_lora_rank'); choose a K/V cache dtype "
+            "such as 'auto', 'fp8' or 'nvfp4'"
+        )
+    if is_mla:
         kv_field, total = "kv_lora_rank", 1
         head_size = head_size_v = _mla_latent_width(config, where)
     else:

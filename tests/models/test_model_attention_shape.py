@@ -131,3 +131,17 @@ def test_bad_geometry_fields_are_refused_naming_the_layer(config: dict, message:
         typed(config)
     if "dtype" not in message:
         assert "model.layers.0" in str(caught.value)
+
+
+def test_packed_mla_formats_are_refused_on_non_mla_layers() -> None:
+    # A *_ds_mla record packs one MLA latent (NoPE + RoPE + scales); a K/V head cache has no
+    # such layout, so sizing it as raw bytes per element would be a number no engine uses.
+    # (fp8_ds_mla is registered by kvspec-mla; the core's nvfp4_ds_mla takes the same path.)
+    with pytest.raises(ConfigError, match=r"'nvfp4_ds_mla' is a packed MLA.*"
+                                          r"layer model.layers.0 \(full_attention\)"):
+        typed(preset("llama-3.1-8b"), kv_cache_dtype="nvfp4_ds_mla")
+
+
+def test_packed_mla_formats_stay_accepted_on_mla_layers() -> None:
+    shape = typed(preset("deepseek-v2-lite"), kv_cache_dtype="nvfp4_ds_mla").layers[0].attention
+    assert shape is not None and shape.head_size == 576
