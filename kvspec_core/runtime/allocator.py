@@ -611,17 +611,33 @@ class KVCacheAllocator:
                 pool = self._group_pools[gid]
                 pool.cache_blocks(gid, digests, table[start:stop])
                 if self._events is not None:
-                    self._events.append(
-                        BlockStored(
-                            group=gid,
-                            block_hashes=tuple(digests),
-                            parent_block_hash=fine[start * stride - 1] if start else None,
-                            block_size=tokens,
-                            token_ids=tuple(request.token_ids[start * tokens : stop * tokens]),
-                        )
-                    )
+                    self._record_stored(self._events, gid, request, fine, table, start, stop)
             state.num_cached[gid] = max(stop, state.num_cached[gid])
             state.cache_at[gid] = (state.num_cached[gid] + 1) * tokens
+
+    def _record_stored(self, events: list[KVCacheEvent], gid: int, request: Request,
+                       fine: Sequence[bytes], table: list[int], start: int, stop: int) -> None:
+        """One :class:`BlockStored` per run of real blocks in ``table[start:stop]``: a null
+        entry (a block the window skipped before its tokens were known) holds nothing."""
+        tokens = self._block_tokens[gid]
+        stride = self._hash_stride[gid]
+        index = start
+        while index < stop:
+            if not table[index]:
+                index += 1
+                continue
+            first = index
+            while index < stop and table[index]:
+                index += 1
+            events.append(
+                BlockStored(
+                    group=gid,
+                    block_hashes=tuple(fine[(first + 1) * stride - 1 : index * stride : stride]),
+                    parent_block_hash=fine[first * stride - 1] if first else None,
+                    block_size=tokens,
+                    token_ids=tuple(request.token_ids[first * tokens : index * tokens]),
+                )
+            )
 
     def _update_limits(self, state: _Running) -> None:
         end_limit = self.max_model_len + 1

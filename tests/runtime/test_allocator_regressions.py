@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from runtime_testkit import full, make_allocator
+from runtime_testkit import full, make_allocator, sliding
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime import AllBlocksCleared, KVCacheAllocator, Request
+from kvspec_core.runtime import AllBlocksCleared, BlockStored, KVCacheAllocator, Request
 
 
 def _admit(allocator: KVCacheAllocator, request: Request):
@@ -64,3 +64,26 @@ def test_one_reset_of_a_multi_pool_allocator_is_one_cleared_event() -> None:
     allocator.take_events()
     allocator.reset_prefix_cache()
     assert allocator.take_events() == [AllBlocksCleared()]
+
+
+def test_stored_events_never_name_blocks_a_window_skipped_before_they_were_cached() -> None:
+    # The step runs 6 tokens past the tokens the engine appended (drafts), so the window
+    # skips sliding-window blocks 4 and 5 before their tokens are known; once the tokens
+    # arrive those blocks hold nothing, and no event may say they entered the cache.
+    allocator = make_allocator([full(2), sliding(2, 3)], 40, enable_kv_events=True)
+    request = Request("a", list(range(8)))
+    assert allocator.allocate_slots(request, 8)
+    assert allocator.allocate_slots(request, 6)
+    assert allocator.allocate_slots(request, 1)
+    request.token_ids.extend(range(8, 15))
+    allocator.take_events()
+    assert allocator.allocate_slots(request, 0)
+    cached = set(allocator._caches[1])
+    stored = [
+        digest
+        for event in allocator.take_events()
+        if isinstance(event, BlockStored) and event.group == 1
+        for digest in event.block_hashes
+    ]
+    assert stored and set(stored) <= cached, "an event names a block that was never cached"
+    allocator.check_invariants()
