@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -422,14 +423,22 @@ class KVCachePlan:
                 f"not a serialised KV-cache plan: missing or malformed field ({error!r}); "
                 "pass a dict written by KVCachePlan.to_dict"
             ) from error
-        plan._check_consistent()
+        plan._check_consistent(manager)
         return plan
 
-    def _check_consistent(self) -> None:
-        """Refuse a plan whose pools, tensors or figures do not follow from its groups and
-        block counts (hand-edited or corrupted data would mislay the cache)."""
+    def _check_consistent(self, manager: PluginManager) -> None:
+        """Refuse a plan whose kinds, pools, tensors or figures do not follow from its groups
+        and block counts (hand-edited or corrupted data would mislay the cache)."""
         from kvspec_core.errors import KVSpecError
-        from kvspec_core.planner.planner import rebuild_with_blocks
+        from kvspec_core.planner.planner import group_kind, rebuild_with_blocks
+
+        for group in self.groups:
+            expected_kind = group_kind(group.spec, manager)
+            if group.kind != expected_kind:
+                raise ConfigError(
+                    f"inconsistent KV-cache plan: group {group.id} says kind {group.kind!r} but "
+                    f"its spec is of kind {expected_kind!r}; re-plan instead of editing a plan"
+                )
 
         try:
             expected = rebuild_with_blocks(
@@ -438,10 +447,14 @@ class KVCachePlan:
             )
         except (KVSpecError, TypeError, ValueError, IndexError) as error:
             raise ConfigError(f"inconsistent KV-cache plan: {error}") from error
+        # Compared as JSON too, so that 100.0 or 0 cannot stand in for 100 or False.
+        expected_data, data = expected.to_dict(), self.to_dict()
         for field in attrs.fields(type(self)):
-            if getattr(expected, field.name) != getattr(self, field.name):
+            name = field.name
+            if getattr(expected, name) != getattr(self, name) or (
+                    name in data and json.dumps(expected_data[name]) != json.dumps(data[name])):
                 raise ConfigError(
-                    f"inconsistent KV-cache plan: field {field.name!r} does not follow from its "
-                    f"groups and block counts (expected {getattr(expected, field.name)!r:.200}); "
+                    f"inconsistent KV-cache plan: field {name!r} does not follow from its "
+                    f"groups and block counts (expected {getattr(expected, name)!r:.200}); "
                     "re-plan instead of editing a plan"
                 )

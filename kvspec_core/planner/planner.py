@@ -92,7 +92,8 @@ class _Skeleton:
     layout: KVCacheLayout
 
 
-def _kind_of(spec: KVSpec, manager: PluginManager) -> str:
+def group_kind(spec: KVSpec, manager: PluginManager) -> str:
+    """The registry kind a group of ``spec`` reports (a uniform-type wrapper: its members')."""
     if isinstance(spec, UniformTypeSpecs):
         return manager.spec_kinds.kind_of(spec.first_spec)
     return manager.spec_kinds.kind_of(spec)
@@ -329,7 +330,7 @@ def plan_kv_cache(
                                   available, budget, host_budget)
         for i, count in zip(ids, split):
             blocks[i] = count
-    kinds = [_kind_of(draft.spec, manager) for draft in skeleton.drafts]
+    kinds = [group_kind(draft.spec, manager) for draft in skeleton.drafts]
     return _assemble(skeleton, kinds, blocks, ctx, budget, host_budget)
 
 

@@ -109,3 +109,16 @@ def test_edited_plans_are_refused_as_inconsistent() -> None:
     data["pools"][0]["num_blocks"] = 1
     with pytest.raises(ConfigError, match="inconsistent"):
         KVCachePlan.from_dict(data, manager_with_test_kinds())
+
+
+@pytest.mark.parametrize("edit", [
+    lambda data: data["groups"][0].update(kind="full_attention_but_edited"),
+    lambda data: data["pools"][0].update(num_blocks=float(data["pools"][0]["num_blocks"])),
+    lambda data: data.update(budget_bytes=float(data["budget_bytes"])),
+    lambda data: data["tensors"][0].update(raw=0),
+])
+def test_edited_kinds_and_non_int_counts_are_refused(edit) -> None:
+    data = json.loads(json.dumps(_plans()[0].to_dict()))
+    edit(data)
+    with pytest.raises(ConfigError):
+        KVCachePlan.from_dict(data, manager_with_test_kinds())
