@@ -173,9 +173,19 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Add a reference to each cached block a prefix hit reuses; revived free blocks
-        leave the eviction order, and all are marked reused (see ``eviction``)."""
+        leave the eviction order, and all are marked reused (see ``eviction``). Refuses
+        (changing nothing) a block that is neither in use nor a cached free block."""
         refs = self.ref_counts
         reused = self._reused
+        blocks = list(blocks)
+        for block in blocks:
+            if block and not (
+                0 < block < self.num_blocks and (refs[block] or self.is_cached_free(block))
+            ):
+                raise AllocatorError(
+                    f"block {block} is neither in use nor a cached free block of this pool "
+                    f"(ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
+                )
         for block in blocks:
             if block:
                 count = refs[block]

@@ -6,7 +6,13 @@ import pytest
 from runtime_testkit import full, make_allocator, sliding
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime import AllBlocksCleared, BlockStored, KVCacheAllocator, Request
+from kvspec_core.runtime import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockStored,
+    KVCacheAllocator,
+    Request,
+)
 
 
 def _admit(allocator: KVCacheAllocator, request: Request):
@@ -87,3 +93,17 @@ def test_stored_events_never_name_blocks_a_window_skipped_before_they_were_cache
     ]
     assert stored and set(stored) <= cached, "an event names a block that was never cached"
     allocator.check_invariants()
+
+
+@pytest.mark.parametrize("bad", ["uncached free", "out of range"])
+def test_touching_a_block_no_hit_can_name_is_refused_changing_nothing(bad: str) -> None:
+    pool = BlockPool(6)
+    cached, in_use = pool.take(2)
+    pool.cache_blocks(0, [b"x" * 32], [cached])
+    pool.release([cached])
+    target = 5 if bad == "uncached free" else 6
+    before = (pool.ref_counts.tolist(), pool.num_free_blocks, pool.is_cached_free(cached))
+    with pytest.raises(AllocatorError, match=f"block {target}"):
+        pool.touch([cached, in_use, target])
+    assert (pool.ref_counts.tolist(), pool.num_free_blocks, pool.is_cached_free(cached)) == before
+    pool.check_invariants()
