@@ -363,7 +363,12 @@ def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int],
     """The same plan with other per-pool block counts (each at least one request's worth),
     optionally under another budget that still holds them."""
     skeleton = _skeleton_of_plan(plan)
+    if len(blocks) != len(plan.pools):
+        raise PlanError(f"the plan has {len(plan.pools)} pools but got {len(blocks)} block "
+                        "counts; pass one count per pool")
     for pool, count in zip(plan.pools, blocks):
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise PlanError(f"block count of pool {pool.id} is {count!r}; expected an int")
         if count < pool.blocks_per_request + 1:
             raise CapacityError(
                 f"pool {pool.id} would get {count} blocks, fewer than one request's "

@@ -67,6 +67,10 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
     plans = list(plans)
     if not plans:
         raise PlanError("reconcile_plans needs at least one plan")
+    for index, plan in enumerate(plans):
+        if not isinstance(plan, KVCachePlan):
+            raise PlanError(f"reconcile_plans: plans[{index}] is a {type(plan).__name__}, not a "
+                            "KVCachePlan (KVCachePlan.from_dict reads a dict)")
     reference = plan_signature(plans[0])
     for index, plan in enumerate(plans[1:], start=1):
         difference = first_difference(reference, plan_signature(plan))

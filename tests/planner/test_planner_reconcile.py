@@ -80,3 +80,18 @@ def test_reconcile_refuses_plans_whose_layers_sit_in_other_slots() -> None:
     with pytest.raises(PlanError, match="plans 0 and 1 .* layer model.layers.0 is at slot 0 "
                                         "of group 0 vs slot 2"):
         reconcile_plans(plans)
+
+
+def test_rebuild_refuses_block_counts_that_do_not_match_the_pools() -> None:
+    from kvspec_core.planner.planner import rebuild_with_blocks
+
+    plan = plan_kv_with_budget(_specs(), 96 << 10, CTX)
+    counts = [pool.num_blocks for pool in plan.pools]
+    with pytest.raises(PlanError, match="2 pools.*got 1 block count"):
+        rebuild_with_blocks(plan, counts[:1])
+    with pytest.raises(PlanError, match="2 pools.*got 3 block count"):
+        rebuild_with_blocks(plan, [*counts, 9])
+    with pytest.raises(PlanError, match="block count of pool 0"):
+        rebuild_with_blocks(plan, [float(counts[0]), counts[1]])  # type: ignore[list-item]
+    with pytest.raises(PlanError, match="reconcile_plans.*KVCachePlan"):
+        reconcile_plans([plan, plan.to_dict()])  # type: ignore[list-item]
