@@ -64,11 +64,26 @@ def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -
     return field, int_field(config, field, value, needed_for=where)
 
 
+def _divisors(value: int) -> list[int]:
+    """Divisors of ``value`` in ascending order, in O(sqrt(value)) steps: a hostile head count
+    near the field limit must not stall the error message that lists them."""
+    small: list[int] = []
+    large: list[int] = []
+    candidate = 1
+    while candidate * candidate <= value:
+        if value % candidate == 0:
+            small.append(candidate)
+            if candidate * candidate != value:
+                large.append(value // candidate)
+        candidate += 1
+    return small + large[::-1]
+
+
 def kv_heads_per_rank(total: int, tp: int, field: str, where: str) -> tuple[int, bool]:
     """(KV heads one rank holds, whether ranks hold replicas) for ``total`` heads at ``tp``."""
     if tp <= total:
         if total % tp:
-            divisors = [d for d in range(1, total + 1) if total % d == 0]
+            divisors = _divisors(total)
             raise ConfigError(
                 f"config field {field!r}={total} ({where}) cannot be split evenly across "
                 f"tensor parallel size {tp}; use a --tp that divides {total} "

@@ -145,3 +145,22 @@ def test_packed_mla_formats_are_refused_on_non_mla_layers() -> None:
 def test_packed_mla_formats_stay_accepted_on_mla_layers() -> None:
     shape = typed(preset("deepseek-v2-lite"), kv_cache_dtype="nvfp4_ds_mla").layers[0].attention
     assert shape is not None and shape.head_size == 576
+
+
+def test_indivisible_huge_kv_head_count_is_refused_promptly() -> None:
+    # A hostile num_key_value_heads near the field limit must not make the error message
+    # enumerate every candidate divisor one by one (2**40 - 1 = 3 x 5^2 x 11 x 17 x 31 x 41 x 61681).
+    with pytest.raises(ConfigError, match=r"use a --tp that divides 1099511627775 \(1, 3, 5, "):
+        kv_heads_per_rank(2**40 - 1, 2, "num_key_value_heads", "layer x")
+
+
+@settings(max_examples=40, deadline=None)
+@given(total=st.integers(1, 5000), tp=st.integers(2, 64))
+def test_listed_tp_choices_are_exactly_the_divisors(total: int, tp: int) -> None:
+    if tp > total or total % tp == 0:
+        return
+    with pytest.raises(ConfigError) as caught:
+        kv_heads_per_rank(total, tp, "num_key_value_heads", "layer x")
+    listed = str(caught.value).split(f"divides {total} (")[1].split(")")[0]
+    assert [int(d) for d in listed.split(", ")] == [
+        d for d in range(1, total + 1) if total % d == 0]
