@@ -25,6 +25,8 @@ PROCESS_SALT = os.urandom(32)
 DIGEST_SIZE = 32
 
 _NATIVE_LITTLE = sys.byteorder == "little"
+#: Bytes of one packed token id.
+_TOKEN_BYTES = array("I").itemsize
 
 
 def _field(value: str | bytes | None) -> bytes:
@@ -32,6 +34,20 @@ def _field(value: str | bytes | None) -> bytes:
         return b"\x00"
     data = value.encode() if isinstance(value, str) else bytes(value)
     return b"\x01" + struct.pack("<Q", len(data)) + data
+
+
+def _pack_tokens(request: Request, start: int, stop: int) -> bytes:
+    """Tokens ``[start, stop)`` of ``request`` as little-endian uint32s."""
+    try:
+        packed = array("I", request.token_ids[start:stop])
+    except (OverflowError, TypeError) as error:
+        raise AllocatorError(
+            f"request {request.request_id!r}: token ids in [{start}, {stop}) must be ints "
+            f"in [0, 2**32) to be hashed: {error}"
+        ) from error
+    if not _NATIVE_LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class PrefixHasher:
@@ -69,30 +85,12 @@ class PrefixHasher:
             return hashes
         start, stop = done * size, target * size
         parent = hashes[-1] if hashes else self.root(request)
+        data = _pack_tokens(request, start, stop)
         if target == done + 1 and not request.mm_inputs:
             # One new block (a decode step completed it): skip the general loop.
-            try:
-                block = array("I", request.token_ids[start:stop])
-            except (OverflowError, TypeError) as error:
-                raise AllocatorError(
-                    f"request {request.request_id!r}: token ids in [{start}, {stop}) must be "
-                    f"ints in [0, 2**32) to be hashed: {error}"
-                ) from error
-            if not _NATIVE_LITTLE:
-                block.byteswap()
-            hashes.append(blake2b(parent + block.tobytes(), digest_size=DIGEST_SIZE).digest())
+            hashes.append(blake2b(parent + data, digest_size=DIGEST_SIZE).digest())
             return hashes
-        try:
-            packed = array("I", request.token_ids[start:stop])
-        except (OverflowError, TypeError) as error:
-            raise AllocatorError(
-                f"request {request.request_id!r}: token ids in [{start}, {stop}) must be ints "
-                f"in [0, 2**32) to be hashed: {error}"
-            ) from error
-        if not _NATIVE_LITTLE:
-            packed.byteswap()
-        data = packed.tobytes()
-        step = size * packed.itemsize
+        step = size * _TOKEN_BYTES
         append = hashes.append
         if request.mm_inputs:
             for index in range(done, target):
