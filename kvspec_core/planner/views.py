@@ -61,6 +61,14 @@ def _kernel_geometry(
             f"{cell.dense_page} of content); padded pages cannot be split into kernel blocks "
             f"of {kernel_block_size} tokens: use block size {kernel_block_size} or no padding"
         )
+    kernel_states = spec.num_kernel_states(kernel_block_size)
+    if kernel_states * ratio != cell.states:
+        raise PlanError(
+            f"layers {', '.join(tensor.layers[:3])} keep {cell.states} state(s) per block of "
+            f"{spec.block_size} tokens, which do not divide into {ratio} kernel blocks of "
+            f"{kernel_block_size} tokens ({kernel_states} state(s) each); use a kernel block "
+            "size that holds whole states, or none for this group"
+        )
     block_stride = tensor.block_stride
     if block_stride != cell.dense_page:
         raise PlanError(
@@ -75,8 +83,8 @@ def _kernel_geometry(
             f"block stride {block_stride} of layers {', '.join(tensor.layers[:3])} does not "
             f"divide into {ratio} equal kernel blocks of {kernel_block_size} tokens"
         )
-    shape = (tensor.shape[DIM_L], tensor.shape[DIM_B] * ratio, cell.heads,
-             spec.num_kernel_states(kernel_block_size), cell.content)
+    shape = (tensor.shape[DIM_L], tensor.shape[DIM_B] * ratio, cell.heads, kernel_states,
+             cell.content)
     grid = layout.grid_dims
     fixed = (tensor.layer_stride, block_stride // ratio,
              tensor.strides[DIM_H] if DIM_H in grid else None, None, None)

@@ -155,3 +155,13 @@ def test_kernel_block_size_is_checked_even_when_it_changes_nothing() -> None:
             materialize(plan, kernel_block_sizes={0: bad})  # type: ignore[dict-item]
     assert materialize(plan, kernel_block_sizes={0: 8}).layer_views["model.layers.0"] \
         .kernel_block_size == 8
+
+
+def test_kernel_split_refused_where_pages_do_not_divide_into_kernel_states() -> None:
+    from planner_testkit import StateSpec
+
+    # One recurrent state per block cannot be cut into 4 kernel blocks of its own.
+    plan = plan_kv_cache(layers([StateSpec(block_size=8, state_bytes=64)] * 2), 64 << 10, CTX,
+                         manager_with_test_kinds(), layout="LBNHC")
+    with pytest.raises(PlanError, match="1 state.*4 kernel blocks"):
+        materialize(plan, kernel_block_sizes={0: 2})
