@@ -41,7 +41,8 @@ def parse_config_text(text: str, source: str) -> dict[str, Any]:
     """Parse config text; ``NaN``/``Infinity`` literals are accepted as floats."""
     try:
         data = json.loads(text, parse_constant=lambda name: _NON_FINITE[name])
-    except (json.JSONDecodeError, RecursionError) as error:
+    except (ValueError, RecursionError) as error:
+        # ValueError covers JSONDecodeError and integer literals too long to convert.
         raise ConfigError(f"{source} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(

@@ -54,3 +54,12 @@ def test_an_oversized_file_is_refused_before_reading(tmp_path: Path) -> None:
         handle.truncate(MAX_CONFIG_BYTES + 1)  # sparse: nothing is written or read
     with pytest.raises(ConfigError, match="not a weights file"):
         read_config(path)
+
+
+def test_an_integer_literal_too_long_to_convert_is_refused(tmp_path: Path) -> None:
+    # Python refuses to convert integer literals over 4300 digits (ValueError, not a
+    # JSONDecodeError); that must surface as a ConfigError, not a traceback.
+    path = tmp_path / "config.json"
+    path.write_text('{"num_hidden_layers": ' + "9" * 5000 + "}")
+    with pytest.raises(ConfigError, match="is not valid JSON.*digits"):
+        read_config(path)
