@@ -17,7 +17,7 @@ import torch
 from kvspec_core.dtypes import dtype_name
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner.geometry import cell_shape, view_extent
-from kvspec_core.planner.layouts import DIM_B, DIM_H, DIM_L, get_layout, layout_strides
+from kvspec_core.planner.layouts import DIM_B, DIM_H, DIM_L, aligned, get_layout, layout_strides
 from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor
 from kvspec_core.specs.base import KVSpec
 
@@ -39,7 +39,8 @@ class LayerView:
 
 
 def _kernel_geometry(
-    tensor: KVCacheTensor, spec: KVSpec, layout_name: str, kernel_block_size: int | None
+    tensor: KVCacheTensor, spec: KVSpec, layout_name: str, pool_alignment: int,
+    kernel_block_size: int | None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``[L, B, H, N, C]`` byte shape and strides, manager blocks split into kernel blocks."""
     if kernel_block_size is None:
@@ -70,6 +71,15 @@ def _kernel_geometry(
             "size that holds whole states, or none for this group"
         )
     block_stride = tensor.block_stride
+    if block_stride != cell.dense_page and pool_alignment > 1 \
+            and block_stride == aligned(cell.dense_page, pool_alignment):
+        raise PlanError(
+            f"layers {', '.join(tensor.layers[:3])}: the pool's block_stride_alignment="
+            f"{pool_alignment} rounds the block stride to {block_stride} bytes, past the "
+            f"{cell.dense_page}-byte page, so a manager block of {spec.block_size} tokens "
+            f"cannot be split into {ratio} kernel blocks of {kernel_block_size} tokens; "
+            f"use block size {kernel_block_size} or no kernel split for this group"
+        )
     if block_stride != cell.dense_page:
         raise PlanError(
             f"the KV cache layout ({layout_name}) does not store blocks as dense, unpadded "
@@ -128,7 +138,8 @@ def plan_layer_views(
         group = plan.groups[tensor.group]
         spec = group.layer_specs[group.layers.index(tensor.layers[0])]
         kernel = kernel_block_sizes.get(group.id)
-        shape, strides = _kernel_geometry(tensor, spec, plan.layout, kernel)
+        shape, strides = _kernel_geometry(tensor, spec, plan.layout,
+                                          plan.pools[tensor.pool].alignment, kernel)
         extent = view_extent(shape, strides, tensor.offset)
         if extent > tensor.size:
             raise PlanError(

@@ -165,3 +165,9 @@ def test_kernel_split_refused_where_pages_do_not_divide_into_kernel_states() -> 
                          manager_with_test_kinds(), layout="LBNHC")
     with pytest.raises(PlanError, match="1 state.*4 kernel blocks"):
         materialize(plan, kernel_block_sizes={0: 2})
+
+
+def test_kernel_split_refusal_names_alignment_when_it_is_the_cause() -> None:
+    plan = _plan(layers([full(block_stride_alignment=1024, **SMALL)] * 2), "LBNHC")
+    with pytest.raises(PlanError, match="block_stride_alignment=1024"):
+        materialize(plan, kernel_block_sizes={0: 4})
