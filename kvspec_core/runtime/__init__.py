@@ -11,7 +11,7 @@ Public API::
 Family behaviour comes from :mod:`kvspec_core.runtime.rules` (plugins register their own).
 """
 
-from kvspec_core.runtime.allocator import KVCacheAllocator, rules_for
+from kvspec_core.runtime.allocator import KVCacheAllocator
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.pool import NULL_BLOCK, BlockPool
@@ -34,6 +34,7 @@ from kvspec_core.runtime.rules import (
     RulesFactory,
     SingleBlockRules,
     block_tokens_of,
+    rules_for,
 )
 
 __all__ = [

@@ -41,43 +41,14 @@ from kvspec_core.runtime.results import (
     NotNow,
     Usage,
 )
-from kvspec_core.runtime.rules import NEVER, CORE_RULES, FamilyRules, RulesFactory
+from kvspec_core.runtime.rules import NEVER, rules_for
 from kvspec_core.specs.base import KVSpec
-from kvspec_core.specs.uniform import UniformTypeSpecs
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager
 
 #: Request ids remembered after ``free`` so a second ``free`` says "already freed".
 _FREED_MEMORY = 4096
-
-
-def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -> FamilyRules:
-    """The rules of a group: those registered for its kind, else for its nearest ancestor
-    kind, else full attention's. A uniform-type group uses its members' family's rules."""
-    family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
-    factory: RulesFactory | None = None
-    # A kind without rules of its own behaves like its nearest ancestor kind that has some
-    # (sliding-window MLA frees blocks like a sliding window, not like full attention).
-    for klass in type(family_spec).__mro__:
-        kind = getattr(klass, "kind", "")
-        if not kind:
-            continue
-        if manager is not None:
-            factory = manager.runtime_rules(kind)
-        if factory is None:
-            factory = CORE_RULES.get(kind)
-        if factory is not None:
-            break
-    if factory is None:
-        factory = CORE_RULES["full_attention"]
-    rules = factory(family_spec, ctx)
-    if not isinstance(rules, FamilyRules):
-        raise AllocatorError(
-            f"runtime rules for kind {family_spec.kind!r} ({factory!r}) do not implement "
-            "kvspec_core.runtime.rules.FamilyRules"
-        )
-    return rules
 
 
 class _Running:

@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvspec_core._math import cdiv
 from kvspec_core.context import SizingContext
+from kvspec_core.errors import AllocatorError
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs
+
+if TYPE_CHECKING:
+    from kvspec_core.plugins.manager import PluginManager
 
 #: "Never": a position no request reaches.
 NEVER = sys.maxsize
@@ -199,3 +204,31 @@ CORE_RULES: dict[str, RulesFactory] = {
     # Encoder-only layers hold no blocks (their admission cap is 0); the allocator skips them.
     "encoder_only_attention": FullAttentionRules,
 }
+
+
+def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -> FamilyRules:
+    """The rules of a group: those registered for its kind, else for its nearest ancestor
+    kind, else full attention's. A uniform-type group uses its members' family's rules."""
+    family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
+    factory: RulesFactory | None = None
+    # A kind without rules of its own behaves like its nearest ancestor kind that has some
+    # (sliding-window MLA frees blocks like a sliding window, not like full attention).
+    for klass in type(family_spec).__mro__:
+        kind = getattr(klass, "kind", "")
+        if not kind:
+            continue
+        if manager is not None:
+            factory = manager.runtime_rules(kind)
+        if factory is None:
+            factory = CORE_RULES.get(kind)
+        if factory is not None:
+            break
+    if factory is None:
+        factory = CORE_RULES["full_attention"]
+    rules = factory(family_spec, ctx)
+    if not isinstance(rules, FamilyRules):
+        raise AllocatorError(
+            f"runtime rules for kind {family_spec.kind!r} ({factory!r}) do not implement "
+            "kvspec_core.runtime.rules.FamilyRules"
+        )
+    return rules
