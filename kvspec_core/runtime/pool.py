@@ -117,8 +117,8 @@ class BlockPool:
 
     # ----------------------------------------------------------------- handing out
     def take(self, count: int) -> list[int]:
-        """``count`` blocks with ref count 1: uncached ones first, then the least recently
-        freed cached ones (evicted from the prefix cache)."""
+        """``count`` blocks with ref count 1: uncached ones first, then cached ones in
+        eviction order (see ``eviction``), which leave the prefix cache."""
         fresh = self._fresh
         if count > self.num_free_blocks or count < 0:
             raise AllocatorError(
@@ -178,9 +178,13 @@ class BlockPool:
         refs = self.ref_counts
         reused = self._reused
         blocks = list(blocks)
+        evictable = self._evictable
+        protected = self._protected
+        num_blocks = self.num_blocks
         for block in blocks:
             if block and not (
-                0 < block < self.num_blocks and (refs[block] or self.is_cached_free(block))
+                0 < block < num_blocks
+                and (refs[block] or block in evictable or block in protected)
             ):
                 raise AllocatorError(
                     f"block {block} is neither in use nor a cached free block of this pool "
@@ -191,9 +195,9 @@ class BlockPool:
                 count = refs[block]
                 if count == 0:
                     if reused[block]:
-                        del self._protected[block]
+                        del protected[block]
                     else:
-                        del self._evictable[block]
+                        del evictable[block]
                 if self._segmented:
                     reused[block] = 1
                 refs[block] = count + 1
