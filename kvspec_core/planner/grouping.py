@@ -26,9 +26,10 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import InvalidFieldTypeError, MergeError, PlanError
 from kvspec_core.planner.geometry import SlotShape, cell_shape, slot_shape
 from kvspec_core.planner.layouts import KVCacheLayout
+from kvspec_core.planner.plan import specs_per_layer
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
-from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
+from kvspec_core.specs.uniform import UniformTypeSpecs
 
 #: vLLM's rule: buckets within this ratio of each other are padded to the largest.
 _PAD_TO_LARGEST_RATIO = 1.25
@@ -43,9 +44,7 @@ class GroupDraft:
 
     @property
     def layer_specs(self) -> tuple[KVSpec, ...]:
-        if isinstance(self.spec, UniformTypeSpecs):
-            return iter_layer_specs(self.spec)
-        return (self.spec,) * len(self.layers)
+        return specs_per_layer(self.spec, len(self.layers))
 
 
 def pool_key(draft: GroupDraft, layout: KVCacheLayout) -> tuple[object, ...]:

@@ -44,6 +44,14 @@ def _tuple_of_tensors(items: Iterable[KVCacheTensor]) -> tuple[KVCacheTensor, ..
     return tuple(items)
 
 
+def specs_per_layer(spec: KVSpec, num_layers: int) -> tuple[KVSpec, ...]:
+    """One spec per layer of a group whose spec is ``spec``: a uniform-type wrapper's
+    members, else ``spec`` for each of its ``num_layers`` layers."""
+    if isinstance(spec, UniformTypeSpecs):
+        return iter_layer_specs(spec)
+    return (spec,) * num_layers
+
+
 def real_page_bytes(spec: KVSpec) -> int:
     """Bytes of real content in one page; specs without layer views are opaque pages."""
     if not spec.has_layer_views:
@@ -78,9 +86,7 @@ class PlannedGroup:
     @property
     def layer_specs(self) -> tuple[KVSpec, ...]:
         """One spec per layer, aligned with :attr:`layers`."""
-        if isinstance(self.spec, UniformTypeSpecs):
-            return iter_layer_specs(self.spec)
-        return (self.spec,) * len(self.layers)
+        return specs_per_layer(self.spec, len(self.layers))
 
     @property
     def page_size_bytes(self) -> int:
