@@ -245,3 +245,21 @@ def test_the_manager_gets_exactly_one_claim() -> None:
     align = SizingContext(max_model_len=262144, mamba_cache_mode="align")
     assert spec.max_memory_usage_bytes(align) == 2 * 1_097_728
     assert spec.block_table_width(align, 262144) == 16384
+
+
+@pytest.mark.parametrize("name, layer_type, field", [
+    (JAMBA, "mamba", "mamba_d_conv"),
+    (NEMOTRON_H_56B, "mamba", "conv_kernel"),
+    (QWEN3_NEXT, "linear_attention", "linear_conv_kernel_dim"),
+])
+def test_a_conv_kernel_below_two_is_refused_naming_it(name: str, layer_type: str,
+                                                      field: str) -> None:
+    # The conv state keeps kernel - 1 past inputs; a 1-wide kernel would make an empty state.
+    with pytest.raises(ConfigError, match=rf"model.layers.0: config field '{field}' is 1.*>= 2"):
+        spec_of(dict(load_config(name), **{field: 1}), layer_type)
+
+
+def test_a_state_dimension_beyond_the_field_limit_is_refused_naming_the_layer() -> None:
+    with pytest.raises(ConfigError, match=r"layer model.layers.0: .*state dimension 2251799813685248"
+                                          r".*mamba_expand"):
+        spec_of(dict(load_config(JAMBA), mamba_expand=2**39))

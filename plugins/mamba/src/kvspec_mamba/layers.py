@@ -46,18 +46,21 @@ SSM_DTYPE_FIELDS = ("mamba_ssm_cache_dtype", "mamba_ssm_dtype")
 DEFAULT_SSM_DTYPES: dict[str, torch.dtype] = {"nemotron_h": torch.float32}
 
 
-def _field(layer: LayerConfig, *names: str) -> int:
-    """A positive int config field (the first of ``names`` present); else a ConfigError."""
+def _field(layer: LayerConfig, *names: str, minimum: int = 1) -> int:
+    """An int config field in ``[minimum, MAX_FIELD_VALUE]`` (the first of ``names``
+    present); else a ConfigError."""
     for name in names:
         value = layer.config.get(name)
         if value is None:
             continue
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # some configs write sizes as 2.0
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_FIELD_VALUE:
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not minimum <= value <= MAX_FIELD_VALUE):
+            allowed = "a positive int" if minimum == 1 else f"an int >= {minimum}"
             raise ConfigError(
-                f"layer {layer.name}: config field {name!r} is {value!r}; it must be a positive "
-                "int. Fix the model config"
+                f"layer {layer.name}: config field {name!r} is {value!r}; it must be {allowed}. "
+                "Fix the model config"
             )
         return value
     raise ConfigError(
@@ -109,13 +112,17 @@ def ssm_dtype_of(layer: LayerConfig) -> torch.dtype:
     return DEFAULT_SSM_DTYPES.get(str(layer.config.get("model_type")), layer.model_dtype)
 
 
+#: Smallest conv kernel: the conv state keeps ``kernel - 1`` past inputs, so a narrower
+#: kernel would leave an empty state.
+MIN_CONV_KERNEL = 2
+
 #: (mamba_type, state shapes on this TP rank).
 StateLayout = tuple[str, tuple[tuple[int, ...], ...]]
 
 
 def mamba1_state(layer: LayerConfig) -> StateLayout:
     d_state = _field(layer, "mamba_d_state", "state_size")
-    d_conv = _field(layer, "mamba_d_conv", "conv_kernel")
+    d_conv = _field(layer, "mamba_d_conv", "conv_kernel", minimum=MIN_CONV_KERNEL)
     expand = _field(layer, "mamba_expand", "expand")
     hidden = _field(layer, "hidden_size")
     inner = _per_rank(layer, "mamba_expand * hidden_size", expand * hidden)
@@ -127,7 +134,7 @@ def mamba2_state(layer: LayerConfig) -> StateLayout:
         else "mamba_n_heads"
     heads = _field(layer, heads_field)
     d_state = _field(layer, "ssm_state_size", "mamba_d_state")
-    d_conv = _field(layer, "conv_kernel", "mamba_d_conv")
+    d_conv = _field(layer, "conv_kernel", "mamba_d_conv", minimum=MIN_CONV_KERNEL)
     groups = _field(layer, "n_groups", "mamba_n_groups")
     if heads_field == "mamba_num_heads":  # Nemotron-H: I = heads * head_dim by construction
         head_dim = _field(layer, "mamba_head_dim")
@@ -153,7 +160,7 @@ def mamba2_state(layer: LayerConfig) -> StateLayout:
 
 
 def gated_delta_net_state(layer: LayerConfig) -> StateLayout:
-    d_conv = _field(layer, "linear_conv_kernel_dim")
+    d_conv = _field(layer, "linear_conv_kernel_dim", minimum=MIN_CONV_KERNEL)
     k_dim = _field(layer, "linear_key_head_dim")
     v_dim = _field(layer, "linear_value_head_dim")
     k_heads = _per_rank(layer, "linear_num_key_heads", _field(layer, "linear_num_key_heads"))
@@ -195,6 +202,15 @@ def mamba_spec(layer: LayerConfig) -> MambaSpec | None:
     if layer.layer_type not in STATE_LAYER_TYPES:
         return None
     mamba_type, shapes = _layout_of(layer)(layer)
+    for shape in shapes:
+        for dimension in shape:
+            if dimension > MAX_FIELD_VALUE:
+                raise ConfigError(
+                    f"layer {layer.name}: the {mamba_type} state dimension {dimension} (state "
+                    f"shapes {shapes}) exceeds the limit of {MAX_FIELD_VALUE}; fix the size "
+                    "fields it is computed from (mamba_expand, hidden_size, head counts and "
+                    "sizes) in the model config"
+                )
     if len(shapes) == 1:  # a lone recurrent state, kept in the model dtype
         dtypes: tuple[torch.dtype, ...] = (layer.model_dtype,)
     else:  # (conv window, SSM state)
