@@ -147,15 +147,32 @@ def _demands(skeleton: _Skeleton, ctx: SizingContext) -> tuple[list[int], list[i
     return per_group, per_pool
 
 
-def _fits(skeleton: _Skeleton, ctx: SizingContext, budget: int, host_budget: int | None) -> bool:
-    _, per_pool = _demands(skeleton, ctx)
+@attrs.frozen
+class _Residency:
+    """The pools of one residency (device or host), their demands and block bytes."""
+
+    host: bool
+    pool_ids: list[int]
+    demands: list[int]
+    block_bytes: list[int]
+
+
+def _residencies(skeleton: _Skeleton, per_pool: Sequence[int]) -> list[_Residency]:
+    """Device pools, then host pools; a residency without pools is left out."""
+    result = []
     for host in (False, True):
         ids = [i for i, pool in enumerate(skeleton.pools) if pool.host_resident == host]
-        if not ids:
-            continue
-        available = host_budget if host else budget
-        need = bytes_for_one_request([per_pool[i] for i in ids],
-                                     [skeleton.pools[i].block_bytes for i in ids])
+        if ids:
+            result.append(_Residency(host, ids, [per_pool[i] for i in ids],
+                                     [skeleton.pools[i].block_bytes for i in ids]))
+    return result
+
+
+def _fits(skeleton: _Skeleton, ctx: SizingContext, budget: int, host_budget: int | None) -> bool:
+    _, per_pool = _demands(skeleton, ctx)
+    for residency in _residencies(skeleton, per_pool):
+        available = host_budget if residency.host else budget
+        need = bytes_for_one_request(residency.demands, residency.block_bytes)
         if available is None or need > available:
             return False
     return True
@@ -316,19 +333,15 @@ def plan_kv_cache(
     _host_check(skeleton, host_budget)
     _, per_pool = _demands(skeleton, ctx)
     blocks = [0] * len(skeleton.pools)
-    for host in (False, True):
-        ids = [i for i, pool in enumerate(skeleton.pools) if pool.host_resident == host]
-        if not ids:
-            continue
-        available = host_budget if host else budget
+    for residency in _residencies(skeleton, per_pool):
+        available = host_budget if residency.host else budget
         assert available is not None  # _host_check refused a missing host budget
-        demands = [per_pool[i] for i in ids]
-        sizes = [skeleton.pools[i].block_bytes for i in ids]
-        split = split_budget(demands, sizes, available)
+        split = split_budget(residency.demands, residency.block_bytes, available)
         if split is None:
-            raise _capacity_error(skeleton, ctx, host, bytes_for_one_request(demands, sizes),
+            need = bytes_for_one_request(residency.demands, residency.block_bytes)
+            raise _capacity_error(skeleton, ctx, residency.host, need,
                                   available, budget, host_budget)
-        for i, count in zip(ids, split):
+        for i, count in zip(residency.pool_ids, split):
             blocks[i] = count
     kinds = [group_kind(draft.spec, manager) for draft in skeleton.drafts]
     return _assemble(skeleton, kinds, blocks, ctx, budget, host_budget)
