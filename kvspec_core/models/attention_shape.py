@@ -29,6 +29,7 @@ from kvspec_core.models.fields import first_present, int_field, require_int
 from kvspec_core.models.head_fields import HeadFields
 from kvspec_core.models.layer import AttentionShape
 from kvspec_core.models.layer_typing import MLA_ATTENTION, SLIDING_MLA_ATTENTION
+from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: Name suffix of the packed DeepSeek MLA cache formats (``fp8_ds_mla``, ``nvfp4_ds_mla``).
 PACKED_MLA_SUFFIX = "_ds_mla"
@@ -102,6 +103,12 @@ def kv_heads_per_rank(total: int, tp: int, field: str, where: str) -> tuple[int,
 def _mla_latent_width(config: Mapping[str, Any], where: str) -> int:
     rank = require_int(config, "kv_lora_rank", needed_for=where)
     rope = require_int(config, "qk_rope_head_dim", needed_for=where, minimum=0)
+    if rank + rope > MAX_FIELD_VALUE:
+        raise ConfigError(
+            f"config fields 'kv_lora_rank' + 'qk_rope_head_dim' = {rank} + {rope} ({where}) "
+            f"exceed the limit of {MAX_FIELD_VALUE} latent values per token; fix them in the "
+            "model config"
+        )
     return rank + rope
 
 

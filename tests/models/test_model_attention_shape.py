@@ -164,3 +164,10 @@ def test_listed_tp_choices_are_exactly_the_divisors(total: int, tp: int) -> None
     listed = str(caught.value).split(f"divides {total} (")[1].split(")")[0]
     assert [int(d) for d in listed.split(", ")] == [
         d for d in range(1, total + 1) if total % d == 0]
+
+
+def test_an_mla_latent_beyond_the_field_limit_is_refused_naming_the_fields() -> None:
+    config = {**preset("deepseek-v2-lite"), "kv_lora_rank": 2**40}
+    with pytest.raises(ConfigError, match=r"'kv_lora_rank' \+ 'qk_rope_head_dim'.*"
+                                          r"layer model.layers.0 \(mla_attention\)"):
+        typed(config)
