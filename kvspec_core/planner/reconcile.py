@@ -3,7 +3,7 @@
 Workers plan independently from their own free memory; they must end with the same groups
 and specs (else they would lay the cache out differently) and the same block counts (the
 scheduler hands the same block ids to all). Disagreeing specs are refused naming the first
-differing layer.
+differing layer or the first layer placed in another slot.
 """
 
 from __future__ import annotations
@@ -110,8 +110,11 @@ def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan
             )
     # Block counts, then the budgets (-1 stands for "no host budget").
     host = -1 if plan.host_budget_bytes is None else plan.host_budget_bytes
+    # NCCL reduces only CUDA tensors; gloo and others take CPU tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
     counts = torch.tensor([pool.num_blocks for pool in plan.pools] + [plan.budget_bytes, host],
-                          dtype=torch.int64)
+                          dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
     values = [int(count) for count in counts.tolist()]
     blocks, budget, host_budget = values[:-2], values[-2], values[-1]
