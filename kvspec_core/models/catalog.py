@@ -94,6 +94,12 @@ def unknown_preset_error(name: str) -> UnknownNameError:
 
 def resolve_model(model: str) -> ResolvedModel:
     """A preset name, a ``config.json`` path, or a folder holding one, resolved to its config."""
+    if not model.strip():
+        # Path("") is the current folder; an empty MODEL must not plan whatever is there.
+        raise ConfigError(
+            "MODEL is empty; pass a preset name (`kvspec models` lists them), a config.json "
+            "path, or a folder holding one"
+        )
     if model in PRESET_SOURCES:
         return ResolvedModel(name=model, config=load_preset(model), preset=True)
     if Path(model).exists():

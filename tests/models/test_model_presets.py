@@ -79,3 +79,15 @@ def test_an_unknown_preset_lists_close_names() -> None:
 def test_a_missing_config_path_is_refused() -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_model("/no/such/config.json")
+
+
+@pytest.mark.parametrize("model", ["", "   "])
+def test_an_empty_model_argument_is_refused_not_read_as_the_current_folder(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Path("") is ".": without the check an empty MODEL would plan whatever config.json the
+    # current folder happens to hold.
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 1}')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="MODEL is empty"):
+        resolve_model(model)
