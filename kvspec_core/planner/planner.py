@@ -363,7 +363,10 @@ def largest_fitting_max_model_len(
     """
     args = _check_arguments("largest_fitting_max_model_len", budget_bytes, host_budget_bytes,
                             ctx, manager, layout)
-    if isinstance(upper, bool) or not isinstance(upper, int) or not 1 <= upper <= MAX_FIELD_VALUE:
+    if isinstance(upper, bool) or not isinstance(upper, int):
+        raise InvalidFieldTypeError("largest_fitting_max_model_len", "upper", upper,
+                                    "expected an int of tokens")
+    if not 1 <= upper <= MAX_FIELD_VALUE:
         raise InvalidFieldError("largest_fitting_max_model_len", "upper", upper,
                                 f"must be an int in [1, {MAX_FIELD_VALUE}]")
     skeleton = _skeleton(layer_specs, args.ctx, manager, args.layout)

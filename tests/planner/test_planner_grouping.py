@@ -218,6 +218,11 @@ def test_invalid_inputs_are_refused_naming_the_field() -> None:
         largest_fitting_max_model_len(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.budget"):
         largest_fitting_max_model_len(specs, 1.5, CTX, manager)  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.upper"):
+        largest_fitting_max_model_len(specs, 1 << 20, CTX, manager,
+                                      upper=2.0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldError, match="largest_fitting_max_model_len.upper"):
+        largest_fitting_max_model_len(specs, 1 << 20, CTX, manager, upper=0)
 
 
 def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
