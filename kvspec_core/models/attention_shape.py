@@ -35,15 +35,23 @@ from kvspec_core.validation import MAX_FIELD_VALUE
 PACKED_MLA_SUFFIX = "_ds_mla"
 
 
+def _present_name(config: Mapping[str, Any], names: tuple[str, ...]) -> str:
+    found = first_present(config, *names)
+    return found[0] if found is not None else names[0]
+
+
 def _head_size(config: Mapping[str, Any], fields: HeadFields, where: str) -> int:
     if first_present(config, *fields.head_dim) is not None:
         return require_int(config, *fields.head_dim, needed_for=where)
     heads = require_int(config, *fields.heads, needed_for=where)
     hidden = require_int(config, *fields.hidden, needed_for=where)
     if hidden % heads:
+        # Name the spellings this config uses (hidden_size / d_model / n_embd...).
+        hidden_field = _present_name(config, fields.hidden)
+        heads_field = _present_name(config, fields.heads)
         raise ConfigError(
-            f"config field {fields.hidden[0]!r}={hidden} is not a multiple of "
-            f"{fields.heads[0]!r}={heads} ({where}), so the head size is unknown; add "
+            f"config field {hidden_field!r}={hidden} is not a multiple of "
+            f"{heads_field!r}={heads} ({where}), so the head size is unknown; add "
             f"{fields.head_dim[0]!r} to the model config"
         )
     return hidden // heads

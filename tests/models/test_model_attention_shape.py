@@ -118,6 +118,8 @@ def test_unknown_kv_cache_dtype_lists_the_known_ones() -> None:
 @pytest.mark.parametrize("config, message", [
     ({"num_hidden_layers": 1, "hidden_size": 1000, "num_attention_heads": 3},
      "'hidden_size'=1000 is not a multiple of 'num_attention_heads'=3"),
+    # GPT-2 spellings: the message names the fields the config actually uses.
+    ({"n_layer": 1, "n_embd": 1000, "n_head": 3}, "'n_embd'=1000 is not a multiple of 'n_head'=3"),
     ({"num_hidden_layers": 1, "hidden_size": 1024}, "'num_attention_heads' or 'n_head'"),
     ({"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8,
       "num_key_value_heads": 0}, "'num_key_value_heads' is 0"),
