@@ -23,7 +23,7 @@ def add_parser(subparsers: Any) -> None:
 def models_report(manager: PluginManager) -> dict[str, Any]:
     """The ``--json`` document: ``models``, one entry per preset (``name``, ``source``, and
     ``layer_types``, ``spec_kinds``, ``distributions``, ``missing_distributions``, ``error``,
-    ``max_position_embeddings``)."""
+    ``default_max_model_len``)."""
     models = []
     for name, source in PRESET_SOURCES.items():
         families = model_families(load_preset(name), manager, name=name)

@@ -36,7 +36,8 @@ class ModelFamilies:
         spec_kinds: spec kind -> number of layers, when every layer was claimed; else empty.
         missing: distributions needed but not loaded in the manager.
         error: why specs could not be built (``None`` when they were).
-        max_position_embeddings: the config's default max model length.
+        default_max_model_len: the default max model length (max_position_embeddings; Whisper:
+            max_target_positions).
     """
 
     layer_types: Mapping[str, int]
@@ -44,7 +45,7 @@ class ModelFamilies:
     spec_kinds: Mapping[str, int]
     missing: tuple[str, ...]
     error: str | None
-    max_position_embeddings: int | None
+    default_max_model_len: int | None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,7 +54,7 @@ class ModelFamilies:
             "spec_kinds": dict(self.spec_kinds),
             "missing_distributions": list(self.missing),
             "error": self.error,
-            "max_position_embeddings": self.max_position_embeddings,
+            "default_max_model_len": self.default_max_model_len,
         }
 
 
@@ -74,10 +75,10 @@ def model_families(
         return ModelFamilies(
             layer_types=dict(types), distributions=distributions, spec_kinds={},
             missing=missing, error=str(error),
-            max_position_embeddings=model.default_max_model_len,
+            default_max_model_len=model.default_max_model_len,
         )
     kinds = Counter(spec.kind for spec in specs.values())
     return ModelFamilies(
         layer_types=dict(types), distributions=distributions, spec_kinds=dict(kinds),
-        missing=missing, error=None, max_position_embeddings=model.default_max_model_len,
+        missing=missing, error=None, default_max_model_len=model.default_max_model_len,
     )
