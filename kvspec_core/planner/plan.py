@@ -378,6 +378,12 @@ class KVCachePlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], manager: PluginManager) -> KVCachePlan:
         """Rebuild a plan written by :meth:`to_dict`; spec kinds resolve through ``manager``."""
+        from kvspec_core.errors import InvalidFieldTypeError
+        from kvspec_core.plugins.manager import PluginManager
+
+        if not isinstance(manager, PluginManager):
+            raise InvalidFieldTypeError("KVCachePlan.from_dict", "manager", manager,
+                                        "expected a PluginManager (kvspec_core.load_plugins())")
         try:
             version = data["format_version"]
             if version != PLAN_FORMAT_VERSION:

@@ -122,3 +122,10 @@ def test_edited_kinds_and_non_int_counts_are_refused(edit) -> None:
     edit(data)
     with pytest.raises(ConfigError):
         KVCachePlan.from_dict(data, manager_with_test_kinds())
+
+
+def test_from_dict_names_a_missing_manager() -> None:
+    from kvspec_core.errors import InvalidFieldTypeError
+
+    with pytest.raises(InvalidFieldTypeError, match="from_dict.manager"):
+        KVCachePlan.from_dict(_plans()[0].to_dict(), None)  # type: ignore[arg-type]
