@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from kvspec_core.kv_dtypes import NO_QUANT, KVQuantMode
-from kvspec_core.validation import instance_of, is_bool, positive_int
+from kvspec_core.validation import MAX_FIELD_VALUE, instance_of, is_bool, positive_int
 
 
 @attrs.frozen(kw_only=True)
@@ -98,6 +98,20 @@ class LayerConfig:
             kv_quant_mode=shape.kv_quant_mode,
             max_tp_shards=shape.total_kv_heads,
         )
+
+    def positive_int(self, field: str, meaning: str, fix: str = "Fix the model config") -> int:
+        """Config ``field`` as an int in ``[1, MAX_FIELD_VALUE]``; anything else (missing,
+        bool, float, out of range) is a ConfigError naming the layer, the field, its value,
+        what it means and ``fix``."""
+        value = self.config.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_FIELD_VALUE:
+            from kvspec_core.errors import ConfigError
+
+            raise ConfigError(
+                f"layer {self.name} is a {self.layer_type} layer but config field {field!r} is "
+                f"{value!r}; it must be a positive int ({meaning}). {fix}"
+            )
+        return value
 
     def get(self, *keys: str, default: Any = None) -> Any:
         """The first of ``keys`` present (and not ``None``) in the config, else ``default``."""

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-
-from kvspec_core.errors import ConfigError
 from kvspec_core.models.layer import LayerConfig
-from kvspec_core.validation import MAX_FIELD_VALUE
 
 from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 
@@ -17,14 +14,10 @@ CHUNK_FIELD = "attention_chunk_size"
 
 def chunk_size_of(layer: LayerConfig) -> int:
     """The layer's chunk from ``attention_chunk_size``; refused unless a positive int."""
-    chunk = layer.config.get(CHUNK_FIELD)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 < chunk <= MAX_FIELD_VALUE:
-        raise ConfigError(
-            f"layer {layer.name} is a chunked local attention layer but config field "
-            f"{CHUNK_FIELD!r} is {chunk!r}; it must be a positive int (tokens per chunk). Set "
-            f"{CHUNK_FIELD!r} in the config, or type the layer as full attention"
-        )
-    return chunk
+    return layer.positive_int(
+        CHUNK_FIELD, "tokens per chunk",
+        f"Set {CHUNK_FIELD!r} in the config, or type the layer as full attention",
+    )
 
 
 def chunked_local_spec(layer: LayerConfig) -> ChunkedLocalAttentionSpec | None:

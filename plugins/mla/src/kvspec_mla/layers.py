@@ -14,7 +14,6 @@ import torch
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES, KVCacheDtype, KVQuantMode
 from kvspec_core.models.layer import LayerConfig
-from kvspec_core.validation import MAX_FIELD_VALUE
 
 from kvspec_mla.formats import MLA_KV_DTYPES, is_ds_mla_format
 from kvspec_mla.sliding import SlidingWindowMLASpec
@@ -35,20 +34,10 @@ _KNOWN_KV_DTYPES: dict[str, KVCacheDtype] = {
 }
 
 
-def _positive_config_int(layer: LayerConfig, field: str, meaning: str) -> int:
-    value = layer.config.get(field)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_FIELD_VALUE:
-        raise ConfigError(
-            f"layer {layer.name} is a {layer.layer_type} layer but config field {field!r} is "
-            f"{value!r}; it must be a positive int ({meaning}). Fix the model config"
-        )
-    return value
-
-
 def latent_size(layer: LayerConfig) -> int:
     """Values of one token's latent: ``kv_lora_rank + qk_rope_head_dim``."""
-    rank = _positive_config_int(layer, "kv_lora_rank", "compressed KV latent values per token")
-    rope = _positive_config_int(layer, "qk_rope_head_dim", "RoPE key values per token")
+    rank = layer.positive_int("kv_lora_rank", "compressed KV latent values per token")
+    rope = layer.positive_int("qk_rope_head_dim", "RoPE key values per token")
     return rank + rope
 
 
@@ -99,6 +88,6 @@ def mla_layer_spec(layer: LayerConfig) -> MLAAttentionSpec | SlidingWindowMLASpe
     if layer.layer_type == MLA_LAYER_TYPE:
         return MLAAttentionSpec(**mla_fields(layer))
     if layer.layer_type == SLIDING_MLA_LAYER_TYPE:
-        window = _positive_config_int(layer, WINDOW_FIELD, "tokens each query attends to")
+        window = layer.positive_int(WINDOW_FIELD, "tokens each query attends to")
         return SlidingWindowMLASpec(sliding_window=window, **mla_fields(layer))
     return None

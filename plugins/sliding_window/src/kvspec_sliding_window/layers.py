@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-
-from kvspec_core.errors import ConfigError
 from kvspec_core.models.layer import LayerConfig
-from kvspec_core.validation import MAX_FIELD_VALUE
 
 from kvspec_sliding_window.specs import SlidingWindowSpec
 
@@ -17,14 +14,10 @@ WINDOW_FIELD = "sliding_window"
 
 def window_of(layer: LayerConfig) -> int:
     """The layer's window from the config's ``sliding_window``; refused unless a positive int."""
-    window = layer.config.get(WINDOW_FIELD)
-    if isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= MAX_FIELD_VALUE:
-        raise ConfigError(
-            f"layer {layer.name} is a sliding-window layer but config field {WINDOW_FIELD!r} is "
-            f"{window!r}; it must be a positive int (tokens each query attends to). Set "
-            f"{WINDOW_FIELD!r} in the config, or type the layer as full attention"
-        )
-    return window
+    return layer.positive_int(
+        WINDOW_FIELD, "tokens each query attends to",
+        f"Set {WINDOW_FIELD!r} in the config, or type the layer as full attention",
+    )
 
 
 def sliding_window_spec(layer: LayerConfig) -> SlidingWindowSpec | None:
