@@ -8,7 +8,6 @@ from typing import ClassVar
 import attrs
 
 from kvspec_core import AttentionSpec, KVSpec, LayerConfig, SizingContext, cdiv, hookimpl
-from kvspec_core.errors import ConfigError
 from kvspec_core.validation import positive_int
 
 kvspec_contract_version = 1
@@ -36,17 +35,11 @@ def kvspec_register_spec_kinds(register) -> None:
 
 @hookimpl
 def kvspec_layer_spec(layer: LayerConfig) -> KVSpec | None:
-    if layer.layer_type != "streaming_attention" or layer.attention is None:
+    if layer.layer_type != "streaming_attention":
         return None
-    sink, recent = layer.get("streaming_sink_tokens"), layer.get("streaming_recent_tokens")
-    if not isinstance(sink, int) or not isinstance(recent, int):
-        raise ConfigError(
-            f"layer {layer.name}: streaming_attention needs integer config fields "
-            "'streaming_sink_tokens' and 'streaming_recent_tokens'"
-        )
-    shape = layer.attention
+    # Both helpers refuse bad config with a ConfigError naming the layer and the field.
     return StreamingAttentionSpec(
-        block_size=layer.options.block_size, num_kv_heads=shape.num_kv_heads,
-        head_size=shape.head_size, dtype=shape.dtype, kv_quant_mode=shape.kv_quant_mode,
-        sink_tokens=sink, recent_tokens=recent,
+        sink_tokens=layer.positive_int("streaming_sink_tokens", "attention sink tokens kept"),
+        recent_tokens=layer.positive_int("streaming_recent_tokens", "recent tokens kept"),
+        **layer.attention_spec_fields(),
     )
