@@ -79,3 +79,16 @@ def test_python_example_runs() -> None:
 
 def test_readme_has_no_unfilled_placeholders() -> None:
     assert "BENCH_" not in README and "<!-- cli-examples -->" not in README
+
+
+def test_family_table_lists_what_each_plugin_registers() -> None:
+    from kvspec_core import load_plugins
+
+    rows = re.findall(r"^\| `(kvspec-[\w-]+)` \| `(\w+)` \| (.+) \|$", README, re.M)
+    assert len(rows) == 5
+    manager = load_plugins({})
+    by_name = {info.name: info for info in manager.plugins}
+    for distribution, entry_point, kinds_cell in rows:
+        info = by_name[entry_point]
+        assert info.distribution == distribution
+        assert sorted(re.findall(r"`(\w+)`", kinds_cell)) == sorted(info.spec_kinds)
