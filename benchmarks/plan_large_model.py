@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from kvspec_core import CONTRACT_VERSION, PluginManager, SizingContext, hookimpl
-from kvspec_core._math import cdiv
+from kvspec_core import CONTRACT_VERSION, PluginManager, SizingContext, cdiv, hookimpl
+from kvspec_core.cli.arguments import positive_int as positive_int_argument
 from kvspec_core.planner import materialize, plan_kv_cache
 from kvspec_core.specs import AttentionSpec, FullAttentionSpec, KVSpec
 from kvspec_core.validation import positive_int
@@ -82,11 +82,11 @@ def build_model(num_layers: int) -> dict[str, KVSpec]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=1000)
-    parser.add_argument("--budget-mib", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--layers", type=positive_int_argument, default=1000)
+    parser.add_argument("--budget-mib", type=positive_int_argument, default=256)
+    parser.add_argument("--max-model-len", type=positive_int_argument, default=1024)
     parser.add_argument("--layout", default="LBHNC")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=positive_int_argument, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
