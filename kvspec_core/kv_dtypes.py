@@ -157,8 +157,11 @@ class KVDtypeRegistry:
                     f"{self._owner[name]!r}"
                 )
         for name in names:
-            self._by_name[name] = kv_dtype
-            self._owner[name] = owner
+            # An identical re-registration keeps the first owner, so that a later rollback of
+            # the repeating plugin cannot remove a dtype the first one still provides.
+            if name not in self._by_name:
+                self._by_name[name] = kv_dtype
+                self._owner[name] = owner
 
     def remove_owner(self, owner: str) -> None:
         """Drop everything ``owner`` registered (rollback of a failed plugin)."""

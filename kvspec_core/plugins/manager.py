@@ -106,6 +106,13 @@ class PluginManager:
                 f"implements version {CONTRACT_VERSION}; install a {name} release built for "
                 f"contract {CONTRACT_VERSION}"
             )
+        if self._pm.is_registered(plugin):
+            # Checked here because pluggy's own refusal would send us into the rollback below,
+            # which would unregister the plugin from under its first name.
+            raise PluginError(
+                f"{label}: this plugin object is already registered as "
+                f"{self._pm.get_name(plugin)!r}"
+            )
         try:
             self._pm.register(plugin, name=name)
             self._pm.check_pending()

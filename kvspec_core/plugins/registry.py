@@ -47,7 +47,11 @@ class SpecRegistry:
                 "class variable; set kind: ClassVar[str] = '<unique name>'"
             )
         existing = self._by_kind.get(kind)
-        if existing is not None and existing.spec_class is not spec_class:
+        # Even the same class is refused from a second owner: taking it over would let that
+        # plugin's rollback or unregistration remove the kind from its real owner.
+        if existing is not None and (
+            existing.spec_class is not spec_class or existing.owner != owner
+        ):
             raise PluginError(
                 f"spec kind {kind!r} registered by plugin {owner!r} ({spec_class.__qualname__}) "
                 f"is already registered by plugin {existing.owner!r} "

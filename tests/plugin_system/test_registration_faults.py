@@ -1,0 +1,64 @@
+"""A failed or repeated registration never damages what other plugins registered."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvspec_core import FullAttentionSpec, KVCacheDtype, PluginError, PluginManager, hookimpl
+from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES
+
+
+def plugin(name: str, **hooks: Callable[..., Any]) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.kvspec_contract_version = 1  # type: ignore[attr-defined]
+    for hook_name, function in hooks.items():
+        setattr(module, hook_name, hookimpl(function))
+    return module
+
+
+def test_same_plugin_object_under_a_second_name_leaves_the_first_intact() -> None:
+    pm = PluginManager()
+
+    def register_dtypes(register: Any) -> None:
+        register(KVCacheDtype(name="x_toy", storage_dtype=torch.int8))
+
+    module = plugin("a", kvspec_register_kv_dtypes=register_dtypes)
+    pm.register(module, "a")
+    with pytest.raises(PluginError, match="'b'.*already registered as 'a'"):
+        pm.register(module, "b")
+    assert pm.is_loaded("a") and not pm.is_loaded("b")
+    assert pm.kv_dtypes.owner_of("x_toy") == "a"
+    pm.unregister("a")  # still fully registered, so it can be removed cleanly
+    assert "x_toy" not in pm.kv_dtypes.names()
+
+
+def test_reregistering_another_plugins_kind_is_refused_and_keeps_the_owner() -> None:
+    pm = PluginManager()
+
+    def register_kinds(register: Any) -> None:
+        register(FullAttentionSpec)
+
+    with pytest.raises(PluginError, match="'full_attention'.*already registered by plugin 'core'"):
+        pm.register(plugin("thief", kvspec_register_spec_kinds=register_kinds), "thief")
+    assert pm.spec_kinds.owner_of("full_attention") == "core"
+    assert not pm.is_loaded("thief")
+
+
+def test_failed_plugin_that_repeated_a_core_dtype_does_not_remove_it() -> None:
+    pm = PluginManager()
+    fp8 = next(d for d in BUILTIN_KV_CACHE_DTYPES if d.name == "fp8")
+
+    def register_dtypes(register: Any) -> None:
+        register(fp8)
+        raise RuntimeError("boom")
+
+    with pytest.raises(PluginError, match="'d' raised RuntimeError"):
+        pm.register(plugin("d", kvspec_register_kv_dtypes=register_dtypes), "d")
+    assert pm.kv_dtypes.get("fp8") == fp8
+    assert pm.kv_dtypes.owner_of("fp8") == "core"
+    assert pm.kv_dtypes.owner_of("fp8_e4m3") == "core"
