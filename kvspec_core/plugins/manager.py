@@ -100,7 +100,8 @@ class PluginManager:
                 f"{label} does not declare kvspec_contract_version; this core implements "
                 f"contract {CONTRACT_VERSION}"
             )
-        if declared != CONTRACT_VERSION:
+        # ``True == 1`` and ``1.0 == 1`` in Python; only the int itself is the contract.
+        if type(declared) is not int or declared != CONTRACT_VERSION:
             raise PluginError(
                 f"{label} targets hook contract version {declared!r}, but this kvspec-core "
                 f"implements version {CONTRACT_VERSION}; install a {name} release built for "
@@ -116,6 +117,7 @@ class PluginManager:
         try:
             self._pm.register(plugin, name=name)
             self._pm.check_pending()
+            self._check_impls(plugin)
         except (ValueError, pluggy.PluginValidationError) as error:
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
@@ -157,6 +159,21 @@ class PluginManager:
             del self._runtime_rules[kind]
         if self._pm.is_registered(plugin):
             self._pm.unregister(plugin)
+
+    def _check_impls(self, plugin: object) -> None:
+        """Refuse the implementations pluggy accepts but the core could not call faithfully."""
+        for hook_name in hookspecs.HOOK_NAMES:
+            for impl in self._impls_of(hook_name, plugin):
+                if impl.kwargnames:
+                    raise ValueError(
+                        f"{hook_name} gives argument(s) {', '.join(map(repr, impl.kwargnames))} "
+                        "a default, so pluggy would never pass them; remove the default"
+                    )
+                if impl.wrapper or impl.hookwrapper:
+                    raise ValueError(
+                        f"{hook_name} is marked as a wrapper; the core calls every "
+                        "implementation on its own, so use a plain @hookimpl"
+                    )
 
     def _impls_of(self, hook_name: str, plugin: object) -> list[Any]:
         caller = getattr(self._pm.hook, hook_name)

@@ -62,3 +62,45 @@ def test_failed_plugin_that_repeated_a_core_dtype_does_not_remove_it() -> None:
     assert pm.kv_dtypes.get("fp8") == fp8
     assert pm.kv_dtypes.owner_of("fp8") == "core"
     assert pm.kv_dtypes.owner_of("fp8_e4m3") == "core"
+
+
+def test_hookimpl_argument_with_a_default_is_refused() -> None:
+    # pluggy never passes an argument that has a default, so the hook would silently see it.
+    pm = PluginManager()
+
+    def kvspec_layer_spec(layer: Any = None) -> None:
+        return None
+
+    with pytest.raises(PluginError, match="'e'.*kvspec_layer_spec.*'layer'.*default"):
+        pm.register(plugin("e", kvspec_layer_spec=kvspec_layer_spec), "e")
+    assert not pm.is_loaded("e")
+    assert pm._pm.get_plugin("e") is None
+
+
+@pytest.mark.parametrize("marker", [{"wrapper": True}, {"hookwrapper": True}])
+def test_wrapper_hookimpls_are_refused(marker: dict[str, bool]) -> None:
+    # The core calls each implementation itself; a wrapper would only return a generator.
+    pm = PluginManager()
+    module = types.ModuleType("w")
+    module.kvspec_contract_version = 1  # type: ignore[attr-defined]
+
+    def kvspec_register_kv_dtypes(register: Any) -> Any:
+        yield
+
+    module.kvspec_register_kv_dtypes = hookimpl(**marker)(  # type: ignore[attr-defined]
+        kvspec_register_kv_dtypes
+    )
+    with pytest.raises(PluginError, match="'w'.*kvspec_register_kv_dtypes.*wrapper"):
+        pm.register(module, "w")
+    assert not pm.is_loaded("w")
+    assert pm._pm.get_plugin("w") is None
+
+
+@pytest.mark.parametrize("declared", [True, 1.0, "1"])
+def test_contract_version_must_be_the_int(declared: object) -> None:
+    pm = PluginManager()
+    module = plugin("v")
+    module.kvspec_contract_version = declared  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match="'v'.*contract version"):
+        pm.register(module, "v")
+    assert not pm.is_loaded("v")
