@@ -25,6 +25,8 @@ _ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "f
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (``"bfloat16"``, ``"torch.float16"``, ``"half"``...)."""
+    if not isinstance(name, str):
+        raise UnknownNameError(f"a torch dtype name must be a str, got {name!r}")
     key = name.removeprefix("torch.")
     key = _ALIASES.get(key, key)
     try:
@@ -33,6 +35,16 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise UnknownNameError(
             f"unknown torch dtype {name!r}; known: {sorted(_TORCH_DTYPES)}"
         ) from None
+
+
+def dtype_from_written_name(name: str) -> torch.dtype:
+    """The torch dtype :func:`dtype_name` wrote as ``name``: any torch dtype, not only the
+    ones model configs use, since a spec may hold any ``torch.dtype`` and must read back."""
+    if isinstance(name, str) and name.isidentifier() and not name.startswith("_"):
+        found = getattr(torch, name, None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise UnknownNameError(f"{name!r} is not the name of a torch dtype (torch.<name>)")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from kvspec_core.dtypes import dtype_from_name, dtype_name
+from kvspec_core.dtypes import dtype_from_written_name, dtype_name
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import KVQuantMode
 
@@ -40,13 +40,53 @@ def _decode(value: Any, registry: SpecRegistry) -> Any:
         if "kind" in value and "fields" in value:
             return spec_from_dict(value, registry)
         if "__dtype__" in value:
-            return dtype_from_name(value["__dtype__"])
+            return dtype_from_written_name(value["__dtype__"])
         if "__fraction__" in value:
-            numerator, denominator = value["__fraction__"]
-            return Fraction(numerator, denominator)
+            return _decode_fraction(value["__fraction__"])
         if "__quant_mode__" in value:
-            return KVQuantMode(**{k: _decode(v, registry) for k, v in value["__quant_mode__"].items()})
+            encoded = value["__quant_mode__"]
+            if not isinstance(encoded, dict):
+                raise ConfigError(f"not a serialised KVQuantMode: {encoded!r}")
+            return _construct(
+                KVQuantMode, {k: _decode(v, registry) for k, v in encoded.items()}, "quant mode"
+            )
     return value
+
+
+def _decode_fraction(encoded: Any) -> Fraction:
+    if (
+        not isinstance(encoded, list) or len(encoded) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in encoded)
+        or encoded[1] == 0
+    ):
+        raise ConfigError(
+            f"not a serialised Fraction (needs [numerator, non-zero denominator]): {encoded!r}"
+        )
+    return Fraction(encoded[0], encoded[1])
+
+
+def _construct(cls: type[Any], fields: dict[str, Any], what: str) -> Any:
+    """``cls(**fields)``, refusing unknown and missing field names with a kvspec error
+    (attrs would raise a bare TypeError) so a corrupt plan file names what is wrong."""
+    init_fields = [attribute for attribute in attrs.fields(cls) if attribute.init]
+    known = {attribute.name for attribute in init_fields}
+    unknown = sorted(set(fields) - known)
+    missing = sorted(
+        attribute.name for attribute in init_fields
+        if attribute.default is attrs.NOTHING and attribute.name not in fields
+    )
+    if unknown or missing:
+        raise ConfigError(
+            f"serialised {what} {cls.__name__} has "
+            + "; ".join(
+                part for part in (
+                    f"unknown fields {unknown}" if unknown else "",
+                    f"missing fields {missing}" if missing else "",
+                ) if part
+            )
+            + f"; its fields are {sorted(known)}"
+        )
+    return cls(**fields)
 
 
 def spec_to_dict(spec: KVSpec) -> dict[str, Any]:
@@ -63,8 +103,13 @@ def spec_to_dict(spec: KVSpec) -> dict[str, Any]:
 
 def spec_from_dict(data: dict[str, Any], registry: SpecRegistry) -> KVSpec:
     """Rebuild a spec written by :func:`spec_to_dict`; its kind must be registered."""
-    if not isinstance(data, dict) or "kind" not in data or "fields" not in data:
-        raise ConfigError(f"not a serialised spec (needs 'kind' and 'fields'): {data!r}")
+    if (
+        not isinstance(data, dict) or not isinstance(data.get("kind"), str)
+        or not isinstance(data.get("fields"), dict)
+    ):
+        raise ConfigError(
+            f"not a serialised spec (needs a str 'kind' and a dict 'fields'): {data!r}"
+        )
     cls = registry.class_of(data["kind"])
     fields = {name: _decode(value, registry) for name, value in data["fields"].items()}
-    return cls(**fields)
+    return _construct(cls, fields, f"spec of kind {data['kind']!r}:")
