@@ -16,7 +16,14 @@ import torch
 
 from kvspec_core._math import cdiv
 from kvspec_core.errors import InvalidFieldError, PluginError, UnknownNameError
-from kvspec_core.validation import instance_of, is_bool, non_negative_int, optional
+from kvspec_core.validation import (
+    instance_of,
+    is_bool,
+    non_empty_str,
+    non_negative_int,
+    optional,
+    tuple_of,
+)
 
 
 def _positive_bits(instance: object, attribute: attrs.Attribute[object], value: object) -> None:
@@ -38,7 +45,7 @@ class KVQuantMode:
         per_token_head: whether scales are dynamic per token-head.
     """
 
-    name: str = attrs.field(validator=instance_of(str, "expected a str"))
+    name: str = attrs.field(validator=non_empty_str)
     key_bits: Fraction | int | None = attrs.field(default=None, validator=optional(_positive_bits))
     value_bits: Fraction | int | None = attrs.field(
         default=None, validator=optional(_positive_bits)
@@ -97,14 +104,16 @@ class KVCacheDtype:
         aliases: other names for the same thing.
     """
 
-    name: str = attrs.field(validator=instance_of(str, "expected a str"))
+    name: str = attrs.field(validator=non_empty_str)
     storage_dtype: torch.dtype | None = attrs.field(
         validator=optional(instance_of(torch.dtype, "expected a torch.dtype"))
     )
     quant_mode: KVQuantMode = attrs.field(
         default=NO_QUANT, validator=instance_of(KVQuantMode, "expected a KVQuantMode")
     )
-    aliases: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = attrs.field(
+        default=(), validator=tuple_of(non_empty_str, "expected a tuple of names")
+    )
 
     def resolve_storage(self, model_dtype: torch.dtype) -> torch.dtype:
         """The torch dtype a cache of this kind is stored in for a model of ``model_dtype``."""

@@ -46,6 +46,26 @@ def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: o
         )
 
 
+def non_empty_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A ``str`` with at least one non-blank character (a name users type)."""
+    if not isinstance(value, str):
+        raise InvalidFieldTypeError(_owner(instance), attribute.name, value, "expected a str")
+    if not value.strip():
+        raise InvalidFieldError(_owner(instance), attribute.name, value, "must not be blank")
+
+
+def tuple_of(validator: Validator, description: str) -> Validator:
+    """A tuple whose every item ``validator`` accepts (a bare str is refused, not iterated)."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, tuple):
+            raise InvalidFieldTypeError(_owner(instance), attribute.name, value, description)
+        for item in value:
+            validator(instance, attribute, item)
+
+    return check
+
+
 def optional(validator: Validator) -> Validator:
     """Accept ``None`` or what ``validator`` accepts."""
 

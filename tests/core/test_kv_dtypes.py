@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvspec_core import KVCacheDtype, KVQuantMode, PluginManager
-from kvspec_core.errors import InvalidFieldError, PluginError, UnknownNameError
+from kvspec_core.errors import InvalidFieldError, KVSpecError, PluginError, UnknownNameError
 
 ENGINE_NAMES = ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
                 "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "nvfp4",
@@ -59,3 +59,25 @@ def test_a_registered_name_cannot_be_redefined_by_another_owner() -> None:
     registry.remove_owner("plugin")
     with pytest.raises(UnknownNameError):
         registry.get("int2")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"aliases": "bf16"}, "aliases"),  # a bare str would register "b", "f", "1", "6"
+        ({"aliases": ("ok", 3)}, "aliases"),
+        ({"aliases": ("ok", " ")}, "aliases"),
+        ({"name": ""}, "name"),
+        ({"name": 7}, "name"),
+    ],
+)
+def test_kv_cache_dtype_names_are_validated(changes: dict[str, object], field: str) -> None:
+    fields: dict[str, object] = {"name": "toy", "storage_dtype": torch.uint8}
+    fields.update(changes)
+    with pytest.raises(KVSpecError, match=rf"KVCacheDtype\.{field}="):
+        KVCacheDtype(**fields)  # type: ignore[arg-type]
+
+
+def test_quant_mode_name_must_not_be_blank() -> None:
+    with pytest.raises(KVSpecError, match=r"KVQuantMode\.name=''"):
+        KVQuantMode(name="")
