@@ -52,6 +52,13 @@ class UniformTypeSpecs(KVSpec):
                 type(self).__name__, "block_size", self.block_size,
                 f"must equal every layer's block size (layers have {sorted(sizes)})",
             )
+        # Runtime rules read the group's dcp_sharded; the layers must agree with it.
+        sharding = {spec.dcp_sharded for _, spec in self.layer_specs}
+        if sharding != {self.dcp_sharded}:
+            raise InvalidFieldError(
+                type(self).__name__, "dcp_sharded", self.dcp_sharded,
+                f"must equal every layer's dcp_sharded (layers have {sorted(sharding)})",
+            )
 
     @property
     def specs(self) -> dict[str, KVSpec]:

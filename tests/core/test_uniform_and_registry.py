@@ -85,3 +85,16 @@ def test_registry_names_the_distribution_of_a_missing_family() -> None:
         registry.class_of("mamba")
     with pytest.raises(UnknownNameError, match="known: cross_attention"):
         registry.class_of("no_such_kind")
+
+
+def test_uniform_wrapper_dcp_sharding_must_match_its_layers() -> None:
+    # Runtime rules read the group spec's dcp_sharded: a wrapper disagreeing with its layers
+    # would size every block of a DCP-sharded group as if it held block_size positions.
+    sharded = full()
+    assert sharded.dcp_sharded
+    with pytest.raises(InvalidFieldError, match="dcp_sharded=False"):
+        UniformTypeSpecs(block_size=16, layer_specs=(("a", sharded),))
+    mixed = (("a", sharded), ("b", full(dcp_sharded=False)))
+    with pytest.raises(InvalidFieldError, match="dcp_sharded"):
+        UniformTypeSpecs(block_size=16, dcp_sharded=True, layer_specs=mixed)
+    assert UniformTypeSpecs(block_size=16, dcp_sharded=True, layer_specs=(("a", sharded),))
