@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvspec_core.errors import KVSpecError, PluginError
+from kvspec_core.errors import KVSpecError, MissingFamilyError, PluginError, UnknownNameError
 from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
 from kvspec_core.models.layer import LayerConfig
 from kvspec_core.plugins import hookspecs
@@ -239,7 +239,16 @@ class PluginManager:
                     f"plugin {plugin_name!r} returned {spec!r} for layer {layer.name}; "
                     "kvspec_layer_spec must return a KVSpec or None"
                 )
-            self.spec_kinds.entry_of(spec)
+            try:
+                self.spec_kinds.entry_of(spec)
+            except (UnknownNameError, MissingFamilyError) as error:
+                # A missing family stays a MissingFamilyError (the fix is an install); an
+                # unregistered class is the plugin breaking the contract.
+                missing = isinstance(error, MissingFamilyError)
+                raise (MissingFamilyError if missing else PluginError)(
+                    f"plugin {plugin_name!r} returned a {type(spec).__name__} for layer "
+                    f"{layer.name}: {error}"
+                ) from error
             claims.append((plugin_name, spec))
         return claims
 

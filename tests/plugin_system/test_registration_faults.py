@@ -1,16 +1,28 @@
-"""A failed or repeated registration never damages what other plugins registered."""
+"""Plugin faults (repeated or failed registrations, pluggy pitfalls, stray specs) are refused
+naming the plugin, and never damage what other plugins registered."""
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import pytest
 import torch
 
-from kvspec_core import FullAttentionSpec, KVCacheDtype, PluginError, PluginManager, hookimpl
+from kvspec_core import (
+    FullAttentionSpec,
+    KVCacheDtype,
+    KVSpec,
+    LayerConfig,
+    PlanOptions,
+    PluginError,
+    PluginManager,
+    hookimpl,
+)
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES
+from kvspec_core.testing import registered
 
 
 def plugin(name: str, **hooks: Callable[..., Any]) -> types.ModuleType:
@@ -104,3 +116,24 @@ def test_contract_version_must_be_the_int(declared: object) -> None:
     with pytest.raises(PluginError, match="'v'.*contract version"):
         pm.register(module, "v")
     assert not pm.is_loaded("v")
+
+
+def test_layer_spec_of_an_unregistered_kind_names_the_plugin() -> None:
+    @attrs.frozen(kw_only=True)
+    class Stray(KVSpec):
+        kind: ClassVar[str] = "stray_kind"
+
+    class Unregistered:
+        kvspec_contract_version = 1
+
+        @hookimpl
+        def kvspec_layer_spec(self, layer: Any) -> KVSpec:
+            return Stray(block_size=16)
+
+    manager = PluginManager()
+    probe = LayerConfig(index=0, name="model.layers.0", layer_type="x", config={},
+                        options=PlanOptions(), model_dtype=torch.float16)
+    with registered(manager, Unregistered(), "stray"):
+        with pytest.raises(PluginError, match="plugin 'stray' returned a Stray for layer "
+                                              "model.layers.0.*not a registered spec kind"):
+            manager.layer_specs(probe)
