@@ -79,9 +79,14 @@ def check_spec_protocol(
     * startup sizing equals admission cap × page size (one formula for both);
     * per-request memory never decreases as ``max_model_len`` grows.
     """
-    kind = manager.spec_kinds.kind_of(spec)
-    if kind != type(spec).kind and manager.spec_kinds.class_of(kind) is type(spec):
-        raise AssertionError(f"{type(spec).__name__} registered as {kind!r}, declares {type(spec).kind!r}")
+    entry = manager.spec_kinds.entry_of(spec)
+    if entry.spec_class is not type(spec):
+        # Found only through an ancestor: serialised, it would come back as that ancestor.
+        raise AssertionError(
+            f"{type(spec).__name__} (kind {type(spec).kind!r}) is not registered itself; the "
+            f"registry resolves it through {entry.spec_class.__name__} (kind {entry.kind!r}). "
+            "Register it through the kvspec_register_spec_kinds hook"
+        )
     data = json.loads(json.dumps(spec_to_dict(spec)))
     restored = spec_from_dict(data, manager.spec_kinds)
     if restored != spec:

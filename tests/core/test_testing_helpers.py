@@ -242,6 +242,17 @@ def test_an_unregistered_kind_is_refused() -> None:
         check_spec_protocol(_llama_like(_TwoFormulaSpec), PluginManager())
 
 
+@attrs.frozen(kw_only=True)
+class _UnregisteredFull(FullAttentionSpec):
+    """Inherits full attention's kind but is not registered: it would serialise as its parent."""
+
+
+def test_a_spec_known_only_through_its_parent_is_refused() -> None:
+    with pytest.raises(AssertionError, match="_UnregisteredFull .kind 'full_attention'. is not "
+                                             "registered itself.*through FullAttentionSpec"):
+        check_spec_protocol(_llama_like(_UnregisteredFull), PluginManager())
+
+
 
 
 def test_a_core_spec_keeps_the_sizing_invariants() -> None:
