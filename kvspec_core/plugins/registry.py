@@ -21,6 +21,24 @@ class SpecKindEntry:
     owner: str
 
 
+def _check_merge_declarations(spec_class: type[KVSpec], owner: str) -> None:
+    """The generic merge reads these names; a typo would silently fall back to "must agree"."""
+    fields = {attribute.name for attribute in attrs.fields(spec_class)}
+    for declaration in ("merge_any_fields", "merge_optional_fields"):
+        unknown = sorted(set(getattr(spec_class, declaration)) - fields)
+        if unknown:
+            raise PluginError(
+                f"plugin {owner!r} registered {spec_class.__name__}, whose {declaration} names "
+                f"{unknown}, which are not fields of it; its fields are {sorted(fields)}"
+            )
+    both = sorted(spec_class.merge_any_fields & spec_class.merge_optional_fields)
+    if both:
+        raise PluginError(
+            f"plugin {owner!r} registered {spec_class.__name__}, which declares {both} in both "
+            "merge_any_fields and merge_optional_fields; a field takes one merge rule"
+        )
+
+
 class SpecRegistry:
     """Spec kinds known to one plugin manager; never global."""
 
@@ -40,6 +58,7 @@ class SpecRegistry:
                 f"plugin {owner!r} registered {spec_class.__name__}, which is not an attrs class; "
                 "decorate it with @attrs.frozen(kw_only=True)"
             )
+        _check_merge_declarations(spec_class, owner)
         kind = spec_class.__dict__.get("kind")
         if not isinstance(kind, str) or not kind:
             raise PluginError(

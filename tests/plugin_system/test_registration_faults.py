@@ -137,3 +137,33 @@ def test_layer_spec_of_an_unregistered_kind_names_the_plugin() -> None:
         with pytest.raises(PluginError, match="plugin 'stray' returned a Stray for layer "
                                               "model.layers.0.*not a registered spec kind"):
             manager.layer_specs(probe)
+
+
+@attrs.frozen(kw_only=True)
+class _TypoMergeSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "typo_merge"
+    # "non_casual" is no field: the generic merge would silently compare non_causal exactly.
+    merge_any_fields: ClassVar[frozenset[str]] = frozenset({"non_casual"})
+
+
+@attrs.frozen(kw_only=True)
+class _BothRulesSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "both_rules"
+    merge_optional_fields: ClassVar[frozenset[str]] = frozenset({"sliding_window", "non_causal"})
+
+
+@pytest.mark.parametrize(
+    ("spec_class", "message"),
+    [
+        (_TypoMergeSpec, r"merge_any_fields names \['non_casual'\], which are not fields"),
+        (_BothRulesSpec, r"\['non_causal'\] in both merge_any_fields and merge_optional_fields"),
+    ],
+)
+def test_merge_field_declarations_must_name_fields(spec_class: type, message: str) -> None:
+    def register_kinds(register: Any) -> None:
+        register(spec_class)
+
+    pm = PluginManager()
+    with pytest.raises(PluginError, match=f"'typo'.*{spec_class.__name__}.*{message}"):
+        pm.register(plugin("typo", kvspec_register_spec_kinds=register_kinds), "typo")
+    assert spec_class.kind not in pm.spec_kinds
