@@ -57,12 +57,17 @@ class KVQuantMode:
     def is_quantized(self) -> bool:
         return self.name != "none"
 
-    def content_bytes(self, head_size: int, head_size_v: int, dtype: torch.dtype) -> int:
-        """Bytes one (token, head) cell takes: K and V elements, packed, plus scales."""
+    def element_bits(self, dtype: torch.dtype) -> tuple[Fraction, Fraction]:
+        """Bits of one K and one V element stored in ``dtype`` under this mode."""
         width = dtype.itemsize * 8
         key_bits = self.key_bits if self.key_bits is not None else width
         value_bits = self.value_bits if self.value_bits is not None else width
-        packed = head_size * Fraction(key_bits) + head_size_v * Fraction(value_bits)
+        return Fraction(key_bits), Fraction(value_bits)
+
+    def content_bytes(self, head_size: int, head_size_v: int, dtype: torch.dtype) -> int:
+        """Bytes one (token, head) cell takes: K and V elements, packed, plus scales."""
+        key_bits, value_bits = self.element_bits(dtype)
+        packed = head_size * key_bits + head_size_v * value_bits
         return cdiv(packed.numerator, packed.denominator * 8) + self.scale_bytes_per_token_head
 
 
@@ -196,11 +201,3 @@ class KVDtypeRegistry:
 
     def __iter__(self) -> Iterator[KVCacheDtype]:
         return iter({id(d): d for d in self._by_name.values()}.values())
-
-
-def bits_per_element(mode: KVQuantMode, dtype: torch.dtype) -> Fraction:
-    """Average bits per K/V element under ``mode`` (for reports)."""
-    width = dtype.itemsize * 8
-    key = mode.key_bits if mode.key_bits is not None else width
-    value = mode.value_bits if mode.value_bits is not None else width
-    return Fraction(key + value, 2)

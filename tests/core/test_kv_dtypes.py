@@ -81,3 +81,11 @@ def test_kv_cache_dtype_names_are_validated(changes: dict[str, object], field: s
 def test_quant_mode_name_must_not_be_blank() -> None:
     with pytest.raises(KVSpecError, match=r"KVQuantMode\.name=''"):
         KVQuantMode(name="")
+
+
+def test_element_bits_default_to_the_storage_width() -> None:
+    assert KVQuantMode(name="none").element_bits(torch.bfloat16) == (16, 16)
+    k8v4 = KVQuantMode(name="k8v4_toy", key_bits=8, value_bits=4)
+    assert k8v4.element_bits(torch.uint8) == (8, 4)
+    # 128 K elements of 8 bits + 64 V elements of 4 bits = 160 bytes, no scales.
+    assert k8v4.content_bytes(128, 64, torch.uint8) == 160
