@@ -94,7 +94,13 @@ class PluginManager:
         label = f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "")
         if name in self._infos:
             raise PluginError(f"{label}: a plugin named {name!r} is already registered")
-        declared = getattr(plugin, "kvspec_contract_version", None)
+        try:
+            declared = getattr(plugin, "kvspec_contract_version", None)
+        except Exception as error:  # any object may come out of an entry point
+            raise PluginError(
+                f"{label} raised {type(error).__name__} when asked for "
+                f"kvspec_contract_version: {error}"
+            ) from error
         if declared is None:
             raise PluginError(
                 f"{label} does not declare kvspec_contract_version; this core implements "
@@ -118,10 +124,12 @@ class PluginManager:
             self._pm.register(plugin, name=name)
             self._pm.check_pending()
             self._check_impls(plugin)
-        except (ValueError, pluggy.PluginValidationError) as error:
+        except Exception as error:  # pluggy inspects every attribute of the plugin object
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
-            raise PluginError(f"{label} has invalid hook implementations: {error}") from error
+            raise PluginError(
+                f"{label} has invalid hook implementations: {type(error).__name__}: {error}"
+            ) from error
         try:
             self._run_registration_hooks(plugin, name)
         except Exception as error:

@@ -167,3 +167,20 @@ def test_merge_field_declarations_must_name_fields(spec_class: type, message: st
     with pytest.raises(PluginError, match=f"'typo'.*{spec_class.__name__}.*{message}"):
         pm.register(plugin("typo", kvspec_register_spec_kinds=register_kinds), "typo")
     assert spec_class.kind not in pm.spec_kinds
+
+
+def test_a_plugin_raising_on_attribute_access_is_refused_as_a_plugin_error() -> None:
+    # An entry point may load any object; its attribute access must not escape as a bare
+    # exception, which would abort loading the plugins after it.
+    module = types.ModuleType("hostile")
+
+    def module_getattr(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(f"no {name} here")
+
+    module.__getattr__ = module_getattr  # type: ignore[attr-defined]
+    pm = PluginManager()
+    with pytest.raises(PluginError, match="'hostile'.*RuntimeError.*kvspec_contract_version"):
+        pm.register(module, "hostile")
+    assert not pm.is_loaded("hostile") and pm._pm.get_plugin("hostile") is None
