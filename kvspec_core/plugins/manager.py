@@ -204,6 +204,11 @@ class PluginManager:
                 raise PluginError(
                     f"runtime rules for kind {kind!r}, which plugin {owner!r} owns"
                 )
+            if not callable(rules):
+                raise PluginError(
+                    f"runtime rules for kind {kind!r} must be a factory rules(spec, ctx) (usually "
+                    f"the rules class), not {rules!r}"
+                )
             self._runtime_rules[kind] = (name, rules)
 
         registrations: list[tuple[str, Callable[..., None]]] = [

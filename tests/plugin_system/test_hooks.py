@@ -28,6 +28,13 @@ class ToySpec(FullAttentionSpec):
     kind: ClassVar[str] = "toy_attention"
 
 
+class ToyRules:
+    """Stands in for a FamilyRules factory: the registry only stores it."""
+
+    def __init__(self, spec: KVSpec, ctx: object) -> None:
+        self.spec = spec
+
+
 class ToyPlugin:
     kvspec_contract_version = 1
 
@@ -42,7 +49,7 @@ class ToyPlugin:
 
     @hookimpl
     def kvspec_register_runtime_rules(self, register):
-        register("toy_attention", "toy-rules")
+        register("toy_attention", ToyRules)
 
     @hookimpl
     def kvspec_layer_spec(self, layer: LayerConfig) -> KVSpec | None:
@@ -99,7 +106,7 @@ def test_hook_kvspec_register_kv_dtypes() -> None:
 def test_hook_kvspec_register_runtime_rules() -> None:
     manager = PluginManager()
     with registered(manager, ToyPlugin(), "toy"):
-        assert manager.runtime_rules("toy_attention") == "toy-rules"
+        assert manager.runtime_rules("toy_attention") is ToyRules
     assert manager.runtime_rules("toy_attention") is None
 
     class Poacher:
@@ -111,6 +118,21 @@ def test_hook_kvspec_register_runtime_rules() -> None:
 
     with pytest.raises(PluginError, match="kind 'full_attention', which plugin 'core' owns"):
         manager.register(Poacher(), "poacher")
+
+    class NotAFactory:
+        kvspec_contract_version = 1
+
+        @hookimpl
+        def kvspec_register_spec_kinds(self, register):
+            register(ToySpec)
+
+        @hookimpl
+        def kvspec_register_runtime_rules(self, register):
+            register("toy_attention", "toy-rules")
+
+    with pytest.raises(PluginError, match="must be a factory rules\\(spec, ctx\\)"):
+        manager.register(NotAFactory(), "not_a_factory")
+    assert "toy_attention" not in manager.spec_kinds
 
 
 def test_hook_kvspec_layer_spec() -> None:
