@@ -11,7 +11,7 @@ import importlib_metadata
 
 from kvspec_core.errors import PluginError
 from kvspec_core.plugins.contract import ENTRY_POINT_GROUP
-from kvspec_core.plugins.manager import PluginFailure
+from kvspec_core.plugins.manager import CORE_PLUGIN_NAME, PluginFailure
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager
@@ -71,7 +71,8 @@ def load_entry_points(manager: PluginManager, environ: Mapping[str, str] | None 
         warnings.warn(message, PluginLoadWarning, stacklevel=3)
 
     if allow is not None:
-        for unknown in sorted(allow - set(by_name)):
+        # The core is always loaded, so naming it is not a mistake.
+        for unknown in sorted(allow - set(by_name) - {CORE_PLUGIN_NAME}):
             fail(unknown, None, None,
                  f"{ALLOW_LIST_VAR} names {unknown!r} but no installed distribution provides an "
                  f"entry point of that name in group {ENTRY_POINT_GROUP!r}")

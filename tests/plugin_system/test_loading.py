@@ -37,6 +37,12 @@ def test_loading_is_idempotent() -> None:
     assert [p.name for p in manager.plugins] == ["core", "mamba"]
 
 
+def test_allow_list_may_name_the_always_loaded_core() -> None:
+    manager = PluginManager()
+    manager.load_entry_points({"KVSPEC_PLUGINS": "core,mla"})
+    assert loaded(manager) == {"mla"} and manager.failures == []
+
+
 def test_allow_list_naming_a_missing_plugin_warns() -> None:
     manager = PluginManager()
     with pytest.warns(PluginLoadWarning, match="KVSPEC_PLUGINS names 'nope'"):
