@@ -1,9 +1,8 @@
 """Plan and materialise a 1,000-layer hybrid model; print the time each step takes.
 
-The model interleaves full attention, sliding-window-like attention and Mamba-like state
-layers (benchmark-local spec kinds registered into a fresh plugin manager, so the benchmark
-runs with the core alone). The budget is small (256 MiB by default) so materialising stays
-cheap on a laptop. Usage::
+The model interleaves full attention, sliding-window and Mamba state layers, using the real
+kvspec-sliding-window and kvspec-mamba specs (installed by scripts/dev-setup). The budget is
+small (256 MiB by default) so materialising stays cheap on a laptop. Usage::
 
     python benchmarks/plan_large_model.py [--layers 1000] [--budget-mib 256] [--repeat 5] [--json]
 """
@@ -14,86 +13,41 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any, ClassVar
+from typing import Any
 
-import attrs
 import torch
+from kvspec_mamba import MambaSpec
+from kvspec_sliding_window import SlidingWindowSpec
 
-from kvspec_core import CONTRACT_VERSION, PluginManager, SizingContext, cdiv, hookimpl
-from kvspec_core.cli.arguments import positive_int as positive_int_argument
+from kvspec_core import FullAttentionSpec, KVSpec, SizingContext, load_plugins
+from kvspec_core.cli.arguments import positive_int
 from kvspec_core.planner import materialize, plan_kv_cache
-from kvspec_core.specs import AttentionSpec, FullAttentionSpec, KVSpec
-from kvspec_core.validation import positive_int
-
-
-@attrs.frozen(kw_only=True)
-class BenchWindowSpec(AttentionSpec):
-    """Sliding-window-like attention: the window plus in-flight tokens, one extra block."""
-
-    kind: ClassVar[str] = "bench_window"
-    window: int = attrs.field(validator=positive_int)
-
-    def max_blocks_per_request(self, ctx: SizingContext) -> int:
-        tokens = min(self.window - 1 + ctx.max_in_flight_tokens, ctx.max_model_len)
-        return cdiv(tokens, self.block_size) + 1
-
-
-@attrs.frozen(kw_only=True)
-class BenchStateSpec(KVSpec):
-    """Mamba-like state: one state per block, two states per request."""
-
-    kind: ClassVar[str] = "bench_state"
-    state_bytes: int = attrs.field(validator=positive_int)
-
-    @property
-    def num_heads(self) -> int:
-        return 1
-
-    @property
-    def tokens_per_state(self) -> int:
-        return -1
-
-    @property
-    def state_content_size_bytes(self) -> int:
-        return self.state_bytes
-
-    def max_blocks_per_request(self, ctx: SizingContext) -> int:
-        return 2
-
-
-class _BenchKinds:
-    kvspec_contract_version = CONTRACT_VERSION
-
-    @hookimpl
-    def kvspec_register_spec_kinds(self, register: Any) -> None:
-        register(BenchWindowSpec)
-        register(BenchStateSpec)
 
 
 def build_model(num_layers: int) -> dict[str, KVSpec]:
-    """Per ten layers: one full attention, three window, six state layers."""
+    """Per ten layers: one full attention, three sliding-window, six Mamba state layers."""
     common = dict(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
     full = FullAttentionSpec(**common)
-    window = BenchWindowSpec(window=128, **common)
-    state = BenchStateSpec(block_size=16, state_bytes=16 * 1024)
+    window = SlidingWindowSpec(sliding_window=128, **common)
+    state = MambaSpec(block_size=16, shapes=((8192,),), dtypes=(torch.float16,))  # 16 KiB
     pattern = [full, window, state, state, window, state, state, window, state, state]
     return {f"model.layers.{i}": pattern[i % len(pattern)] for i in range(num_layers)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=positive_int_argument, default=1000)
-    parser.add_argument("--budget-mib", type=positive_int_argument, default=256)
-    parser.add_argument("--max-model-len", type=positive_int_argument, default=1024)
+    parser.add_argument("--layers", type=positive_int, default=1000)
+    parser.add_argument("--budget-mib", type=positive_int, default=256)
+    parser.add_argument("--max-model-len", type=positive_int, default=1024)
     parser.add_argument("--layout", default="LBHNC")
-    parser.add_argument("--repeat", type=positive_int_argument, default=5)
+    parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
-    manager = PluginManager()
-    manager.register(_BenchKinds(), "bench_kinds")
+    manager = load_plugins({"KVSPEC_PLUGINS": "sliding_window,mamba"})
     specs = build_model(args.layers)
-    ctx = SizingContext(max_model_len=args.max_model_len, max_in_flight_tokens=256)
+    ctx = SizingContext(max_model_len=args.max_model_len, max_in_flight_tokens=256,
+                        mamba_cache_mode="align")
     budget = args.budget_mib << 20
 
     plan_times, view_times = [], []
