@@ -22,7 +22,7 @@ from kvspec_core.errors import (
     PluginError,
 )
 from kvspec_core.kv_dtypes import KVCacheDtype, KVQuantMode
-from kvspec_core.models.layer import AttentionShape, LayerConfig, PlanOptions
+from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.plugins import CONTRACT_VERSION, PluginManager, hookimpl
 from kvspec_core.specs import (
     AttentionSpec,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
-from kvspec_core.models.layer import PlanOptions
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.validation import MAX_FIELD_VALUE
 
 DEFAULT_KV_CACHE_DTYPE = "auto"

@@ -1,4 +1,4 @@
-"""Model configs to layer specs: what plugins see of a layer, config ingestion, presets.
+"""Model configs to layer specs: config ingestion, planning, presets.
 
 Public API::
 
@@ -7,10 +7,10 @@ Public API::
     result = plan_model(model.config, 40 << 30, PlanOptions(), manager, name=model.name)
     result.plan.max_concurrency
 
-Lower level: :func:`model_layers` (config -> typed :class:`LayerConfig` s),
+Lower level: :func:`model_layers` (config -> typed
+:class:`~kvspec_core.plugins.LayerConfig` s, the plugin contract's view of a layer),
 :func:`layer_specs` (one spec per layer via the plugins), :func:`default_sizing_context`.
-Everything but the layer types is imported lazily: the plugin manager imports
-``kvspec_core.models.layer``, and ingestion imports the plugin machinery.
+Everything is imported lazily, so importing ``kvspec_core.models`` costs nothing until used.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvspec_core.models.layer import AttentionShape, LayerConfig, PlanOptions
-
 _LAZY = {
+    "PlanOptions": "kvspec_core.plugins.layer_config",
     "ModelLayers": "kvspec_core.models.ingest",
     "model_layers": "kvspec_core.models.ingest",
     "layer_specs": "kvspec_core.models.ingest",
@@ -46,4 +45,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["AttentionShape", "LayerConfig", "PlanOptions", *_LAZY]
+__all__ = list(_LAZY)

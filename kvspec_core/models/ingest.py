@@ -33,7 +33,7 @@ from kvspec_core.models.encoder_decoder import (
     is_encoder_decoder,
 )
 from kvspec_core.models.fields import model_dtype, optional_int
-from kvspec_core.models.layer import AttentionShape, LayerConfig, PlanOptions
+from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.models.layer_typing import (
     ATTENTION_LAYER_TYPES,
     NORMALISED_LAYER_TYPES,

@@ -25,7 +25,7 @@ from kvspec_core.models.ingest import (
     layer_specs,
     model_layers,
 )
-from kvspec_core.models.layer import PlanOptions
+from kvspec_core.plugins.layer_config import PlanOptions
 
 if TYPE_CHECKING:
     from kvspec_core.planner.plan import KVCachePlan

@@ -1,11 +1,16 @@
-"""Plugin machinery: hook contract, registry, manager, entry-point loading."""
+"""Plugin machinery: the hook contract (markers, :class:`LayerConfig`), registry, manager,
+entry-point loading."""
 
 from kvspec_core.plugins.contract import CONTRACT_VERSION, ENTRY_POINT_GROUP, hookimpl, hookspec
+from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.plugins.manager import PluginFailure, PluginInfo, PluginManager
 
 __all__ = [
     "CONTRACT_VERSION",
     "ENTRY_POINT_GROUP",
+    "AttentionShape",
+    "LayerConfig",
+    "PlanOptions",
     "PluginFailure",
     "PluginInfo",
     "PluginManager",

@@ -14,7 +14,7 @@ import pluggy
 
 from kvspec_core.errors import KVSpecError, MissingFamilyError, PluginError, UnknownNameError
 from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
-from kvspec_core.models.layer import LayerConfig
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins import hookspecs
 from kvspec_core.plugins.contract import CONTRACT_VERSION, PROJECT_NAME
 from kvspec_core.plugins.registry import SpecRegistry

@@ -12,7 +12,7 @@ import pytest
 
 from kvspec_core.cli.main import main
 from kvspec_core.models.catalog import load_preset
-from kvspec_core.models.layer import PlanOptions
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.models.planning import concurrency_curve, context_lengths
 from kvspec_core.plugins.manager import PluginManager
 

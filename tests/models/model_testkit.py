@@ -7,7 +7,7 @@ from typing import Any
 
 from kvspec_core.models.catalog import load_preset
 from kvspec_core.models.ingest import ModelLayers, model_layers
-from kvspec_core.models.layer import PlanOptions
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 
 #: One letter per normalised layer type, to compare a whole model's typing as a string.

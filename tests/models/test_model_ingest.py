@@ -8,7 +8,7 @@ import pytest
 
 from kvspec_core.errors import ConfigError, MissingFamilyError, PluginError
 from kvspec_core.models.ingest import default_sizing_context, layer_specs, model_layers
-from kvspec_core.models.layer import LayerConfig, PlanOptions
+from kvspec_core.plugins.layer_config import LayerConfig, PlanOptions
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs import FullAttentionSpec, KVSpec

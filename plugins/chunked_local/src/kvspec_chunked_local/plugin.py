@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvspec_core.models.layer import LayerConfig
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterSpecKind
 from kvspec_core.specs.base import KVSpec

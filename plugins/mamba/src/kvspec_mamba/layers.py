@@ -33,7 +33,7 @@ import torch
 
 from kvspec_core.dtypes import dtype_from_name
 from kvspec_core.errors import ConfigError, KVSpecError
-from kvspec_core.models.layer import LayerConfig
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.validation import MAX_FIELD_VALUE
 
 from kvspec_mamba.specs import MambaSpec

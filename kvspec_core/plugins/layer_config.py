@@ -1,4 +1,5 @@
-"""What a family plugin sees of one model layer when it turns it into a spec."""
+"""What a family plugin sees of one model layer when it turns it into a spec: part of the
+plugin contract (``from kvspec_core.plugins import LayerConfig``)."""
 
 from __future__ import annotations
 
