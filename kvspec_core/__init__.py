@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvspec_core._math import cdiv, round_up
+from kvspec_core.arithmetic import cdiv, round_up
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import (
     CapacityError,

@@ -14,7 +14,7 @@ from fractions import Fraction
 import attrs
 import torch
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.errors import InvalidFieldError, PluginError, UnknownNameError
 from kvspec_core.validation import (
     instance_of,

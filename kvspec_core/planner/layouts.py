@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvspec_core._math import round_up
+from kvspec_core.arithmetic import round_up
 from kvspec_core.errors import PlanError
 
 DIM_L, DIM_B, DIM_H, DIM_N, DIM_C = range(5)

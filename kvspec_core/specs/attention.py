@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import InvalidFieldError
 from kvspec_core.kv_dtypes import NO_QUANT, KVQuantMode

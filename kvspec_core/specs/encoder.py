@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import attrs
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.specs.attention import AttentionSpec
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import CapacityError
 from kvspec_core.models.catalog import preset_names

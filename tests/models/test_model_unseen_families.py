@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.cli.main import main
 from kvspec_core.context import SizingContext
 from kvspec_core.plugins.layer_config import PlanOptions

@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from kvspec_core import CONTRACT_VERSION, PluginManager, SizingContext, hookimpl
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.planner import KVCachePlan, materialize
 from kvspec_core.specs import AttentionSpec, FullAttentionSpec, KVSpec
 from kvspec_core.validation import is_bool, positive_int

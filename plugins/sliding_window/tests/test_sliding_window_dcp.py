@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec_core import SizingContext
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 
 from kvspec_sliding_window import SlidingWindowSpec
 from sliding_window_testkit import swa_fields

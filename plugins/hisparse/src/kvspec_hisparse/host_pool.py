@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from kvspec_core._math import cdiv, round_up
+from kvspec_core.arithmetic import cdiv, round_up
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import CapacityError, InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.specs.base import KVSpec

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import attrs
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.validation import positive_int

@@ -6,7 +6,7 @@ sharing the prefix can resume there instead of recomputing it.
 
 from __future__ import annotations
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import InvalidFieldError
 from kvspec_core.specs.base import KVSpec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvspec_core._math import round_up
+from kvspec_core.arithmetic import round_up
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError
 
 from kvspec_mla.formats import ds_mla_format, is_ds_mla_format

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 
-from kvspec_core._math import cdiv
+from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec

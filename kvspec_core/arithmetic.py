@@ -1,4 +1,5 @@
-"""Integer helpers shared by the sizing formulas."""
+"""Integer helpers shared by the sizing formulas; public, so plugins size their specs with the
+same rounding as the core (``from kvspec_core.arithmetic import cdiv``)."""
 
 from __future__ import annotations
 
