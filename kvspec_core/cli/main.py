@@ -3,15 +3,20 @@
 Each module in :data:`COMMANDS` exposes ``add_parser(subparsers)``, which registers its
 subcommand and sets ``handler(args, manager) -> int`` as the parser default. Errors kvspec
 raises on purpose become one ``kvspec: error: ...`` line and exit code 2, never a traceback.
+Standard output that cannot be written is handled here for every command: a reader that went
+away (``kvspec models | head -1``) ends quietly with :data:`EXIT_BROKEN_PIPE`; any other write
+failure (a full disk) is one error line and :data:`EXIT_FAILURE`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 from kvspec_core import __version__
 from kvspec_core.errors import KVSpecError
@@ -23,6 +28,11 @@ COMMANDS = ("plugins_cmd", "models_cmd", "plan_cmd", "simulate_cmd")
 
 #: Exit code for bad input (argparse uses the same).
 EXIT_USAGE = 2
+#: Exit code when the output cannot be written (a full disk, an I/O error).
+EXIT_FAILURE = 1
+#: Exit code when the reader of the output went away (``kvspec models | head -1``): the
+#: status a shell reports for a process ended by SIGPIPE (128 + 13), as for ``yes | head``.
+EXIT_BROKEN_PIPE = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +61,26 @@ def load_manager() -> PluginManager:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    real_stdout = sys.stdout
+    sys.stdout = _GuardedOutput(real_stdout)
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # Flushed here, not at interpreter exit, so a failure is reported like any other.
+            sys.stdout.flush()
+    except _OutputFailure as failure:
+        _discard_further_output(real_stdout)
+        if isinstance(failure.cause, BrokenPipeError):
+            return EXIT_BROKEN_PIPE
+        print(f"kvspec: error: cannot write the output to standard output: {failure.cause}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        sys.stdout = real_stdout
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -59,3 +89,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVSpecError as error:
         print(f"kvspec: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+
+
+class _OutputFailure(Exception):
+    """Writing to standard output failed with ``cause``."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _GuardedOutput:
+    """Standard output whose write failures become :class:`_OutputFailure`, so that they are
+    told apart from an ``OSError`` of a file the command reads or writes."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise _OutputFailure(error) from error
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise _OutputFailure(error) from error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _discard_further_output(stream: TextIO) -> None:
+    """Point the output's descriptor at the null device, so that the interpreter's own flush
+    at exit does not fail again (the recipe of the SIGPIPE note in Python's ``signal`` docs).
+    A stream without a descriptor (a test's capture) has nothing to redirect."""
+    try:
+        descriptor = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, descriptor)
+    finally:
+        os.close(null)
