@@ -21,7 +21,7 @@ import torch
 
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import InvalidFieldError
+from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.validation import (
     MAX_FIELD_VALUE,
@@ -31,6 +31,8 @@ from kvspec_core.validation import (
     optional,
     positive_int,
 )
+
+from kvspec_mamba.checkpoints import StateColumns, state_columns
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.registry import SpecRegistry
@@ -143,6 +145,74 @@ class MambaSpec(KVSpec):
             # states are resident (earlier columns are nulled as the request advances).
             return cdiv(max_len, self.block_size) + self.num_speculative_blocks
         return self.max_blocks_per_request(ctx)
+
+    # ----------------------------------------------------------------- engine helpers
+    @property
+    def has_conv_state(self) -> bool:
+        """Whether the first state is a convolution window (every type but the lone
+        recurrent state of ``linear_attention``)."""
+        return self.mamba_type != "linear_attention"
+
+    def state_views(self, layer_view: torch.Tensor, block_id: int) -> tuple[torch.Tensor, ...]:
+        """The state tensors block ``block_id`` holds in one layer's materialised view, as
+        model code reads them; they alias the cache, so writing them writes the block.
+
+        ``layer_view`` is the layer's view from :func:`kvspec_core.planner.materialize`
+        (``KVCacheBuffers.views[layer]``): ``uint8`` ``[num_blocks, 1, 1, content bytes]``.
+        One tensor per state, in ``shapes`` order, each in its ``dtypes`` entry. The conv
+        window, stored ``[d_conv - 1, channels]`` (one time step per row, as vLLM stores it),
+        comes back transposed to ``[channels, d_conv - 1]``, the layout transformers' and the
+        causal-conv1d kernels use (channels outermost); other states keep their stored shape
+        (gated delta-net ``[v_heads, k_dim, v_dim]``, Mamba-2 ``[heads, head_dim, d_state]``),
+        which is transformers' per-request shape. Block 0, the pool's null block, is refused.
+        """
+        owner = "MambaSpec.state_views"
+        content = self.state_content_size_bytes
+        expected = f"this layer's materialised view: a torch.uint8 tensor [num_blocks, 1, 1, {content}]"
+        if not isinstance(layer_view, torch.Tensor):
+            raise InvalidFieldTypeError(owner, "layer_view", type(layer_view).__name__,
+                                        f"expected {expected}")
+        if (layer_view.dtype != torch.uint8 or layer_view.dim() != 4
+                or tuple(layer_view.shape[1:]) != (1, 1, content)):
+            raise InvalidFieldError(owner, "layer_view",
+                                    f"{layer_view.dtype} tensor {list(layer_view.shape)}",
+                                    f"must be {expected}")
+        num_blocks = layer_view.shape[0]
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise InvalidFieldTypeError(owner, "block_id", block_id, "expected an int block id")
+        if block_id == 0:
+            raise InvalidFieldError(owner, "block_id", block_id,
+                                    "block 0 is the pool's null block (a skipped block-table "
+                                    "entry) and holds no state; pass a real block of the "
+                                    "request's block table")
+        if not 0 < block_id < num_blocks:
+            raise InvalidFieldError(owner, "block_id", block_id,
+                                    f"must be a block id in 1..{num_blocks - 1}")
+        page = layer_view[block_id, 0, 0]
+        views = []
+        start = 0
+        for index, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes)):
+            size = prod(shape) * dtype.itemsize
+            try:
+                state = page[start:start + size].view(dtype).view(shape)
+            except RuntimeError as error:
+                raise PlanError(
+                    f"state {index} ({dtype}, shape {shape}) of block {block_id} starts at byte "
+                    f"{page.storage_offset() + start} of its pool buffer, which a {dtype} view "
+                    f"cannot start at ({error}); align the pool's blocks to "
+                    f"{dtype.itemsize} bytes (block_stride_alignment)"
+                ) from error
+            if index == 0 and self.has_conv_state:
+                state = state.transpose(-1, -2)
+            views.append(state)
+            start += size
+        return tuple(views)
+
+    def state_columns(self, num_computed: int, num_new_tokens: int,
+                      mamba_cache_mode: str) -> StateColumns:
+        """The block-table columns a step reads its start state from and writes its end
+        state to (:func:`kvspec_mamba.checkpoints.state_columns` with this block size)."""
+        return state_columns(num_computed, num_new_tokens, self.block_size, mamba_cache_mode)
 
     # ----------------------------------------------------------------- grouping
     def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
