@@ -34,6 +34,9 @@ _LAZY = {
     "preset_names": "kvspec_core.models.catalog",
     "load_preset": "kvspec_core.models.catalog",
     "read_config": "kvspec_core.models.config_file",
+    "ModelConfig": "kvspec_core.models.normalized",
+    "normalize_config": "kvspec_core.models.normalized",
+    "MissingConfigFieldError": "kvspec_core.models.fields",
     "model_families": "kvspec_core.models.families",
 }
 

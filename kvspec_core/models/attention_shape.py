@@ -25,7 +25,7 @@ import torch
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import KVCacheDtype
-from kvspec_core.models.fields import first_present, int_field, require_int
+from kvspec_core.models.fields import first_present, int_field, missing_field, require_int
 from kvspec_core.models.head_fields import HeadFields
 from kvspec_core.plugins.layer_config import AttentionShape
 from kvspec_core.models.layer_typing import MLA_ATTENTION, SLIDING_MLA_ATTENTION
@@ -64,10 +64,9 @@ def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -
         return field, int_field(config, field, value, needed_for=where)
     found = first_present(config, *fields.heads)
     if found is None:
-        names = " or ".join(repr(f) for f in (*fields.kv_heads, *fields.heads))
-        raise ConfigError(
-            f"config field {names} is missing (needed for {where}); add the number of KV heads "
-            "to the model config"
+        raise missing_field(
+            *fields.kv_heads, *fields.heads, needed_for=where,
+            fix="add the number of KV heads to the model config",
         )
     field, value = found
     return field, int_field(config, field, value, needed_for=where)

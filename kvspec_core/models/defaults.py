@@ -1,8 +1,10 @@
 """Defaults the published modeling code applies when a config leaves a field out.
 
 Partial configs (trimmed presets, configs written by older tools) omit fields whose default
-lives in the model's Hugging Face config class. Those defaults are applied here, by
-``model_type``, so the layer typing and the plugins read the values the model really runs with.
+lives in the model's Hugging Face config class. When transformers is installed
+(``kvspec-core[hf]``) its config class fills every such field
+(:mod:`kvspec_core.models.normalized`); the table below is what kvspec fills by itself, with
+or without it, so the layer typing and the plugins read the values the model really runs with.
 
 | model_type | field | default | published source |
 |---|---|---|---|

@@ -25,6 +25,25 @@ DEFAULT_MODEL_DTYPE = torch.bfloat16
 DTYPE_FIELDS = ("torch_dtype", "dtype")
 
 
+class MissingConfigFieldError(ConfigError):
+    """A field the model config leaves out and nothing filled (see
+    :mod:`kvspec_core.models.normalized`); ``fields`` names the spellings looked for."""
+
+    def __init__(self, message: str, *, fields: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+def missing_field(*fields: str, needed_for: str, fix: str = "add it to the model config") -> (
+    MissingConfigFieldError
+):
+    """The error for a config that sets none of ``fields`` (needed for ``needed_for``)."""
+    names = " or ".join(repr(f) for f in fields)
+    return MissingConfigFieldError(
+        f"config field {names} is missing (needed for {needed_for}); {fix}", fields=fields
+    )
+
+
 def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -67,11 +86,7 @@ def require_int(
     """The first of ``fields`` present, as a bounded int; missing ones are refused by name."""
     found = first_present(config, *fields)
     if found is None:
-        names = " or ".join(repr(f) for f in fields)
-        raise ConfigError(
-            f"config field {names} is missing (needed for {needed_for}); add it to the model "
-            "config"
-        )
+        raise missing_field(*fields, needed_for=needed_for)
     field, value = found
     return int_field(config, field, value, minimum=minimum, maximum=maximum, needed_for=needed_for)
 

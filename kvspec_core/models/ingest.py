@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -25,14 +24,13 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import ConfigError, MissingFamilyError, PluginError
 from kvspec_core.kv_dtypes import KVCacheDtype
 from kvspec_core.models.attention_shape import resolve_attention_shape
-from kvspec_core.models.defaults import with_published_defaults
 from kvspec_core.models.encoder_decoder import (
     decoder_max_len,
     encoder_decoder_slots,
     encoder_max_len,
     is_encoder_decoder,
 )
-from kvspec_core.models.fields import model_dtype, optional_int
+from kvspec_core.models.fields import MissingConfigFieldError, optional_int
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.models.layer_typing import (
     ATTENTION_LAYER_TYPES,
@@ -41,6 +39,7 @@ from kvspec_core.models.layer_typing import (
     LayerSlot,
     decoder_layer_slots,
 )
+from kvspec_core.models.normalized import ModelConfig, normalize_config, with_defaults_hint
 from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS, install_hint
 
 if TYPE_CHECKING:
@@ -49,8 +48,6 @@ if TYPE_CHECKING:
 
 #: In-flight token budget when the caller gives none (an engine's default batched tokens).
 DEFAULT_MAX_IN_FLIGHT_TOKENS = 16384
-#: Where multimodal configs nest their language model.
-TEXT_CONFIG_FIELD = "text_config"
 #: Layer types served by the core itself (no plugin needed).
 CORE_LAYER_TYPES = frozenset({"full_attention", "cross_attention", "encoder_only"})
 
@@ -61,7 +58,9 @@ class ModelLayers:
 
     Attributes:
         name: the model's name in reports (preset name or config path).
-        config: the effective (language-model) config plugins read, published defaults filled.
+        config: the effective (language-model) config plugins read, defaults filled.
+        source: the config read once (:class:`~kvspec_core.models.normalized.ModelConfig`):
+            where its defaults came from, its dtype.
         layers: one :class:`LayerConfig` per cache-holding layer, in model order.
         default_max_model_len: the config's longest sequence (``max_position_embeddings``;
             Whisper: ``max_target_positions``), or ``None`` when it declares none.
@@ -71,6 +70,7 @@ class ModelLayers:
 
     name: str
     config: Mapping[str, Any]
+    source: ModelConfig
     layers: tuple[LayerConfig, ...]
     default_max_model_len: int | None
     max_encoder_tokens: int
@@ -85,24 +85,6 @@ class ModelLayers:
     def has_state_layers(self) -> bool:
         """Whether any layer keeps a recurrent state (Mamba / linear attention)."""
         return any(layer.layer_type in STATE_LAYER_TYPES for layer in self.layers)
-
-
-def language_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The language model's config: ``text_config`` when nested (multimodal models), with the
-    outer dtype inherited when the inner one names none, and published defaults filled in."""
-    inner = config.get(TEXT_CONFIG_FIELD)
-    if inner is None:
-        return with_published_defaults(config)
-    if not isinstance(inner, dict):
-        raise ConfigError(
-            f"config field {TEXT_CONFIG_FIELD!r} is a {type(inner).__name__}; it must be an object "
-            "holding the language model's config"
-        )
-    merged = dict(inner)
-    for field in ("torch_dtype", "dtype"):
-        if merged.get(field) is None and config.get(field) is not None:
-            merged[field] = config[field]
-    return with_published_defaults(merged)
 
 
 def _layer_slots(config: Mapping[str, Any]) -> list[LayerSlot]:
@@ -140,28 +122,37 @@ def _attention_shape(
 
 
 def model_layers(
-    config: Mapping[str, Any],
+    config: Mapping[str, Any] | ModelConfig,
     options: PlanOptions,
     manager: PluginManager,
     *,
     name: str = "model",
 ) -> ModelLayers:
-    """Type every layer of ``config`` (a parsed ``config.json``) and resolve its geometry
-    under ``options``; refuses bad fields naming them, and an unknown KV dtype listing the
-    known ones (from ``manager.kv_dtypes``)."""
+    """Type every layer of ``config`` (a parsed ``config.json``, or one already read by
+    :func:`~kvspec_core.models.normalized.normalize_config`) and resolve its geometry under
+    ``options``; refuses bad fields naming them, and an unknown KV dtype listing the known
+    ones (from ``manager.kv_dtypes``)."""
     kv_dtype = manager.kv_dtypes.get(options.kv_cache_dtype)
-    text = language_config(config)
-    frozen = MappingProxyType(text)
-    dtype = model_dtype(text, fallback=config)
+    source = normalize_config(config)
+    try:
+        return _typed_layers(source, options, kv_dtype, name)
+    except MissingConfigFieldError as error:
+        raise with_defaults_hint(error, source) from None
+
+
+def _typed_layers(
+    source: ModelConfig, options: PlanOptions, kv_dtype: KVCacheDtype, name: str
+) -> ModelLayers:
+    text = source.fields
     layers = tuple(
         LayerConfig(
             index=slot.index,
             name=slot.name,
             layer_type=slot.layer_type,
-            config=frozen,
+            config=text,
             options=options,
-            model_dtype=dtype,
-            attention=_attention_shape(slot, text, options, kv_dtype, dtype),
+            model_dtype=source.dtype,
+            attention=_attention_shape(slot, text, options, kv_dtype, source.dtype),
         )
         for slot in _layer_slots(text)
     )
@@ -177,7 +168,8 @@ def model_layers(
     )
     return ModelLayers(
         name=name,
-        config=frozen,
+        config=text,
+        source=source,
         layers=layers,
         default_max_model_len=max_len,
         max_encoder_tokens=(encoder_max_len(text) or 0) if encoder_decoder else 0,
@@ -208,7 +200,10 @@ def layer_specs(model: ModelLayers, manager: PluginManager) -> dict[str, KVSpec]
     specs: dict[str, KVSpec] = {}
     unclaimed: list[LayerConfig] = []
     for layer in model.layers:
-        claims = manager.layer_specs(layer)
+        try:
+            claims = manager.layer_specs(layer)
+        except MissingConfigFieldError as error:
+            raise with_defaults_hint(error, model.source) from None
         if len(claims) > 1:
             owners = ", ".join(f"{plugin!r} ({spec.kind})" for plugin, spec in claims)
             raise PluginError(

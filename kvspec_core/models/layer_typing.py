@@ -9,6 +9,7 @@ Mamba state fields...). Sources, in priority order:
 2. Hybrid patterns deciding attention vs. state layers:
    ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba, ``*`` attention, ``-``/``E``
    MLP or MoE only: no cache, no layer), ``attn_type_list`` (MiniMax: 0 linear, 1 full),
+   ``attn_layer_indices`` (Bamba: the rest are Mamba),
    ``attn_layer_period`` + ``attn_layer_offset`` (Jamba: the rest are Mamba),
    ``full_attention_interval`` (Qwen3-Next: the rest are linear attention).
 3. For attention layers not typed by ``layer_types``: ``attention_chunk_size`` (chunked,
@@ -34,7 +35,13 @@ import attrs
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.defaults import DEFAULT_NO_ROPE_LAYER_INTERVAL
-from kvspec_core.models.fields import MAX_LAYERS, int_field, optional_int, require_int
+from kvspec_core.models.fields import (
+    MAX_LAYERS,
+    int_field,
+    missing_field,
+    optional_int,
+    require_int,
+)
 from kvspec_core.models.head_fields import DECODER_ONLY_FIELDS, HeadFields
 
 FULL_ATTENTION = "full_attention"
@@ -104,10 +111,7 @@ def num_layers(config: Mapping[str, Any]) -> int:
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
         return int_field(config, "layer_types", len(layer_types), maximum=MAX_LAYERS)
-    raise ConfigError(
-        "config field 'num_hidden_layers' is missing (needed for the number of layers); add it "
-        "to the model config"
-    )
+    raise missing_field("num_hidden_layers", needed_for="the number of layers")
 
 
 def _per_layer_list(config: Mapping[str, Any], field: str, count: int) -> Sequence[Any]:
@@ -159,6 +163,27 @@ def _from_attn_type_list(config: Mapping[str, Any], count: int) -> list[str | No
     return types
 
 
+def _from_attn_layer_indices(config: Mapping[str, Any], count: int) -> list[str | None]:
+    """Bamba: attention at the listed layer indices, Mamba everywhere else."""
+    indices = config["attn_layer_indices"]
+    if not isinstance(indices, list):
+        raise ConfigError(
+            f"config field 'attn_layer_indices' is {indices!r}; it must be a list of the layer "
+            "indices that use attention"
+        )
+    attention: set[int] = set()
+    for position, index in enumerate(indices):
+        int_field(config, f"attn_layer_indices[{position}]", index, minimum=0,
+                  maximum=count - 1, needed_for="which layers use attention")
+        if index in attention:
+            raise ConfigError(
+                f"config field 'attn_layer_indices' lists layer {index} twice; list each "
+                "attention layer once"
+            )
+        attention.add(index)
+    return [_ATTENTION if i in attention else MAMBA for i in range(count)]
+
+
 def _from_period(config: Mapping[str, Any], count: int) -> list[str | None]:
     period = require_int(config, "attn_layer_period", needed_for="Jamba-style layer typing")
     offset = require_int(
@@ -183,6 +208,8 @@ def _mixers(config: Mapping[str, Any], count: int) -> list[str | None]:
         return _from_hybrid_pattern(config, count)
     if config.get("attn_type_list") is not None:
         return _from_attn_type_list(config, count)
+    if config.get("attn_layer_indices") is not None:
+        return _from_attn_layer_indices(config, count)
     if config.get("attn_layer_period") is not None:
         return _from_period(config, count)
     if config.get("full_attention_interval") is not None:

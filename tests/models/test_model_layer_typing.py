@@ -190,7 +190,7 @@ def test_qwen_configs_without_use_sliding_window_do_not_slide(model_type: str) -
     assert type_string(config) == "F" * 28
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen2_moe", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_moe"])
 def test_qwen_sliding_without_max_window_layers_starts_at_the_published_28(
     model_type: str,
 ) -> None:
@@ -198,6 +198,14 @@ def test_qwen_sliding_without_max_window_layers_starts_at_the_published_28(
     config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "max_window_layers"}
     config.update(model_type=model_type, use_sliding_window=True, num_hidden_layers=32)
     assert type_string(config) == "F" * 28 + "S" * 4
+
+
+def test_qwen2_moe_sliding_layers_follow_transformers_own_rule() -> None:
+    # Qwen2MoeConfig builds its layer_types differently from Qwen2Config: even layers below
+    # max_window_layers (default 28) slide. Engines read those layer_types, so kvspec does.
+    config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "max_window_layers"}
+    config.update(model_type="qwen2_moe", use_sliding_window=True, num_hidden_layers=32)
+    assert type_string(config) == "SF" * 14 + "F" * 4
 
 
 @pytest.mark.parametrize("value", ["false", 0, 1, "yes"])

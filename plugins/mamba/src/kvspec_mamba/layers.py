@@ -33,6 +33,7 @@ import torch
 
 from kvspec_core.dtypes import dtype_from_name
 from kvspec_core.errors import ConfigError, KVSpecError
+from kvspec_core.models.fields import MissingConfigFieldError
 from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.validation import MAX_FIELD_VALUE
 
@@ -63,9 +64,9 @@ def _field(layer: LayerConfig, *names: str, minimum: int = 1) -> int:
                 "Fix the model config"
             )
         return value
-    raise ConfigError(
+    raise MissingConfigFieldError(
         f"layer {layer.name} is a {layer.layer_type} layer but the config has no "
-        f"{' / '.join(repr(n) for n in names)}; add it to the config"
+        f"{' / '.join(repr(n) for n in names)}; add it to the config", fields=names
     )
 
 
