@@ -92,6 +92,19 @@ def unknown_preset_error(name: str) -> UnknownNameError:
     )
 
 
+def _is_existing_path(model: str) -> bool:
+    """Whether MODEL names an existing file or folder; a name the OS refuses as a path (too
+    long, ENAMETOOLONG) is a :class:`ConfigError` naming MODEL, not a traceback."""
+    try:
+        return Path(model).exists()
+    except OSError as error:
+        shown = repr(model) if len(model) <= 60 else f"{model[:60]!r}… ({len(model)} characters)"
+        raise ConfigError(
+            f"MODEL {shown} cannot be used as a path: {error.strerror}; pass a preset name "
+            "(`kvspec models` lists them), a config.json path, or a folder holding one"
+        ) from None
+
+
 def resolve_model(model: str) -> ResolvedModel:
     """A preset name, a ``config.json`` path, or a folder holding one, resolved to its config."""
     if not model.strip():
@@ -102,7 +115,7 @@ def resolve_model(model: str) -> ResolvedModel:
         )
     if model in PRESET_SOURCES:
         return ResolvedModel(name=model, config=load_preset(model), preset=True)
-    if Path(model).exists():
+    if _is_existing_path(model):
         return ResolvedModel(name=model, config=read_config(model), preset=False)
     if model.endswith(".json") or "/" in model:
         raise ConfigError(
