@@ -4,6 +4,11 @@ Public API (stable, typed)::
 
     from kvspec_core import load_plugins, SizingContext, FullAttentionSpec
     manager = load_plugins()            # core families + installed plugins
+
+Plugin authors find the whole contract here too: :class:`LayerConfig` (what a
+``kvspec_layer_spec`` hook receives), the ``Register*`` callables the registration hooks
+receive, :class:`FamilyRules` / :class:`FullAttentionRules` (runtime rules), ``cdiv`` /
+``round_up`` (:mod:`kvspec_core.arithmetic`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from kvspec_core.errors import (
 )
 from kvspec_core.kv_dtypes import KVCacheDtype, KVQuantMode
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
-from kvspec_core.plugins import CONTRACT_VERSION, PluginManager, hookimpl
+from kvspec_core.plugins import (
+    CONTRACT_VERSION,
+    PluginManager,
+    RegisterKVDtype,
+    RegisterRuntimeRules,
+    RegisterSpecKind,
+    hookimpl,
+)
+from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, RulesFactory
 from kvspec_core.specs import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -52,6 +65,8 @@ __all__ = [
     "ConfigError",
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
+    "FamilyRules",
+    "FullAttentionRules",
     "FullAttentionSpec",
     "InvalidFieldError",
     "KVCacheDtype",
@@ -64,6 +79,10 @@ __all__ = [
     "PlanOptions",
     "PluginError",
     "PluginManager",
+    "RegisterKVDtype",
+    "RegisterRuntimeRules",
+    "RegisterSpecKind",
+    "RulesFactory",
     "SinkFullAttentionSpec",
     "SizingContext",
     "UniformTypeSpecs",

@@ -1,7 +1,8 @@
-"""Plugin machinery: the hook contract (markers, :class:`LayerConfig`), registry, manager,
-entry-point loading."""
+"""Plugin machinery: the hook contract (markers, :class:`LayerConfig`, the ``Register*``
+callables registration hooks receive), registry, manager, entry-point loading."""
 
 from kvspec_core.plugins.contract import CONTRACT_VERSION, ENTRY_POINT_GROUP, hookimpl, hookspec
+from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterRuntimeRules, RegisterSpecKind
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.plugins.manager import PluginFailure, PluginInfo, PluginManager
 
@@ -14,6 +15,9 @@ __all__ = [
     "PluginFailure",
     "PluginInfo",
     "PluginManager",
+    "RegisterKVDtype",
+    "RegisterRuntimeRules",
+    "RegisterSpecKind",
     "hookimpl",
     "hookspec",
 ]

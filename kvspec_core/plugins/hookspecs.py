@@ -9,34 +9,42 @@ itself, one plugin at a time, so one plugin raising never aborts another's call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from kvspec_core.plugins.contract import hookspec
 
 if TYPE_CHECKING:
     from kvspec_core.kv_dtypes import KVCacheDtype
     from kvspec_core.plugins.layer_config import LayerConfig
+    from kvspec_core.runtime.rules import FamilyRules
     from kvspec_core.specs.base import KVSpec
 
 
 class RegisterSpecKind(Protocol):
-    """``register(spec_class, uniform_base=None)``: add a spec kind owned by the caller."""
+    """The ``register`` a plugin's ``kvspec_register_spec_kinds`` receives:
+    ``register(spec_class, uniform_base=None)`` adds a spec kind owned by the caller."""
 
     def __call__(self, spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None) -> None:
         ...
 
 
 class RegisterKVDtype(Protocol):
-    """``register(kv_dtype)``: add a KV-cache dtype name owned by the caller."""
+    """The ``register`` a plugin's ``kvspec_register_kv_dtypes`` receives:
+    ``register(kv_dtype)`` adds a KV-cache dtype name owned by the caller."""
 
     def __call__(self, kv_dtype: KVCacheDtype) -> None:
         ...
 
 
 class RegisterRuntimeRules(Protocol):
-    """``register(kind, rules)``: runtime rules for a kind the caller registered."""
+    """The ``register`` a plugin's ``kvspec_register_runtime_rules`` receives:
+    ``register(kind, rules)`` sets the rules factory of a kind the caller registered:
+    ``rules(spec, ctx)`` returns a :class:`~kvspec_core.runtime.FamilyRules` for one group,
+    ``spec`` being an instance of that kind (so the factory may take the kind's own spec
+    class, hence the loose parameter types)."""
 
-    def __call__(self, kind: str, rules: Any) -> None:
+    def __call__(self, kind: str, rules: Callable[..., FamilyRules]) -> None:
         ...
 
 
