@@ -38,6 +38,16 @@ class FullAttentionSpec(AttentionSpec):
     def max_blocks_per_request(self, ctx: SizingContext) -> int:
         return cdiv(self.tokens_held_per_rank(ctx, ctx.max_model_len), self.block_size)
 
+    def first_attended_position(self, position: int) -> int:
+        """0, unless the layer computes locally while planned as full attention: then the
+        recorded ``sliding_window`` / ``attention_chunk_size`` bounds what a query reads."""
+        start = super().first_attended_position(position)
+        if self.sliding_window is not None:
+            return max(start, position - self.sliding_window + 1)
+        if self.attention_chunk_size is not None:
+            return position - position % self.attention_chunk_size
+        return start
+
     @classmethod
     def merge(
         cls: type[FullSpecT], specs: Sequence[FullSpecT], layer_names: Sequence[str] = ()

@@ -49,6 +49,11 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         """Most tokens of one request held at once, across all DCP ranks together."""
         return min(self.attention_chunk_size + ctx.max_in_flight_tokens, ctx.max_model_len)
 
+    def first_attended_position(self, position: int) -> int:
+        """The start of ``position``'s chunk: a query reads only within its own chunk."""
+        super().first_attended_position(position)
+        return position - position % self.attention_chunk_size
+
     def rank_block_span(self, ctx: SizingContext) -> int:
         """Consecutive positions one rank-local block covers (``block_size`` x DCP shards)."""
         shards = ctx.dcp_size if self.dcp_sharded else 1

@@ -11,18 +11,24 @@ dense latent or the published record size of a packed ``*_ds_mla`` format (656 B
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from kvspec_core.context import SizingContext
+from kvspec_core.errors import KVSpecError
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.full_attention import FullAttentionSpec
 from kvspec_core.validation import is_bool, non_negative_int, one_of, optional, positive_int
 
 from kvspec_mla.formats import MODEL_VERSIONS
-from kvspec_mla.mla_fields import CACHE_ROLES, MLAPaging, check_cache_dtype_str
+from kvspec_mla.mla_fields import (
+    CACHE_ROLES,
+    MLAPaging,
+    check_cache_dtype_str,
+    packed_record_bytes,
+)
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.registry import SpecRegistry
@@ -62,6 +68,30 @@ class MLAAttentionSpec(MLAPaging, FullAttentionSpec):
     is_index_group_leader: bool = attrs.field(default=False, validator=is_bool)
     storage_block_size: int | None = attrs.field(default=None, validator=optional(positive_int))
     non_causal_multi_token_decode: bool = attrs.field(default=False, validator=is_bool)
+
+    def latent_columns(self, qk_rope_head_dim: int) -> tuple[slice, slice]:
+        """Where a dense latent cell ``view[block, 0, state]`` keeps its two parts:
+        ``(compressed latent, roped key)`` column slices, the ``kv_lora_rank`` latent first
+        and the ``qk_rope_head_dim`` rope key after it (512 + 64 for DeepSeek-V2/V3).
+
+        Refuses a packed ``*_ds_mla`` record (its layout is the kernel's, not two dense
+        parts) and a rope width that leaves no latent.
+        """
+        paged: Any = self  # attrs fields are read-only; the protocol declares them settable
+        if packed_record_bytes(paged) is not None:
+            raise KVSpecError(
+                f"MLAAttentionSpec.latent_columns: cache_dtype_str={self.cache_dtype_str!r} "
+                "packs the latent into a kernel record; only a dense latent has columns"
+            )
+        if isinstance(qk_rope_head_dim, bool) or not isinstance(qk_rope_head_dim, int) or not (
+            0 < qk_rope_head_dim < self.head_size
+        ):
+            raise KVSpecError(
+                f"MLAAttentionSpec.latent_columns: qk_rope_head_dim={qk_rope_head_dim!r} must "
+                f"be an int in [1, {self.head_size - 1}] (the cell holds {self.head_size} values)"
+            )
+        split = self.head_size - qk_rope_head_dim
+        return slice(0, split), slice(split, self.head_size)
 
 
 @attrs.frozen(kw_only=True)

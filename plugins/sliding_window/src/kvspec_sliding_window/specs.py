@@ -57,6 +57,11 @@ class SlidingWindowSpec(AttentionSpec):
             ctx.max_model_len,
         )
 
+    def first_attended_position(self, position: int) -> int:
+        """The window's start: a query at ``position`` reads the last ``sliding_window``
+        positions, itself included (``extra_retained_tokens`` are kept, not attended)."""
+        return max(super().first_attended_position(position), position - self.sliding_window + 1)
+
     def max_blocks_per_request(self, ctx: SizingContext) -> int:
         # +1: the retained range need not start on a block boundary (block size 4 holding
         # the 4 tokens CDEF needs [xxCD][EF..]). Under DCP the range's tokens on one rank are

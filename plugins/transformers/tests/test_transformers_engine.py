@@ -1,0 +1,168 @@
+"""The real engine on kvspec's cache: transformers models, random weights from real configs.
+
+Every layer's K/V (or MLA latent) lives in kvspec's ``materialize()`` views, blocks come from
+``KVCacheAllocator`` with prefix caching, and attention reads K/V paged from the block
+tables. Greedy outputs must equal transformers' own (its DynamicCache), prefix hits must
+skip the prefix's computation, and the hit blocks must really be what the model reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvspec_core.runtime import Request
+from kvspec_core.runtime.results import CachedPrefix
+from kvspec_transformers import (
+    EngineError,
+    KVSpecCache,
+    MLALatentLayer,
+    PagedAttentionLayer,
+    TransformersEngine,
+    build_model,
+)
+from transformers_testkit import (
+    CONFIGS,
+    MODEL_FILES,
+    NEW_TOKENS,
+    PROMPT,
+    PROMPT_A,
+    PROMPT_B,
+    SHARED_PREFIX,
+    config_of,
+    model_case,
+    reference_generate,
+)
+
+pytestmark = pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared model configs absent")
+
+MODELS = list(MODEL_FILES)
+
+
+def engine_for(name: str) -> TransformersEngine:
+    case = model_case(name)
+    return TransformersEngine(case.model, kvspec_config=case.config)
+
+
+# --------------------------------------------------------------------------- identical output
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_output_is_token_identical_to_transformers(name: str) -> None:
+    engine = engine_for(name)
+    result = engine.generate(PROMPT, NEW_TOKENS)
+    assert result.token_ids == model_case(name).reference["prompt"]
+    assert len(result.token_ids) == NEW_TOKENS
+    assert result.cached_tokens == 0 and result.prefill_tokens == len(PROMPT)
+    engine.allocator.check_invariants()
+    assert engine.allocator.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "unbounded"),
+    [("mistral", "sliding_window", None), ("llama4", "attention_chunk_size", 100_000)],
+)
+def test_the_prompt_crosses_the_local_attention_bound(
+    name: str, field: str, unbounded: int | None
+) -> None:
+    """Without the window / chunk, transformers itself answers differently: the identity
+    above really exercises the family's read range, not just full attention."""
+    config = {**config_of(name), field: unbounded}
+    model = build_model(config, seed=0)
+    assert reference_generate(model, PROMPT) != model_case(name).reference["prompt"]
+
+
+def test_every_layer_caches_in_kvspec_views() -> None:
+    engine = engine_for("gemma2")
+    assert isinstance(engine.cache, KVSpecCache)
+    assert [type(layer) for layer in engine.cache.layers] == [PagedAttentionLayer] * 4
+    kinds = {group.kind for group in engine.plan.groups}
+    assert kinds == {"sliding_window", "full_attention"}
+    for binding in engine.bindings.values():
+        view = engine.views[binding.layer_name]
+        assert binding.view is view
+        assert view.shape[1:] == (2, 16, 64)  # [blocks, kv heads, tokens, K 32 | V 32]
+
+
+def test_mla_caches_the_576_wide_latent_not_expanded_kv() -> None:
+    engine = engine_for("deepseek_v2")
+    assert all(isinstance(layer, MLALatentLayer) for layer in engine.cache.layers)
+    for binding in engine.bindings.values():
+        assert binding.spec.kind == "mla_attention"
+        # one latent per token shared by the heads: kv_lora_rank 512 + qk_rope_head_dim 64
+        assert engine.views[binding.layer_name].shape[1:] == (1, 16, 576)
+
+
+# --------------------------------------------------------------------------- prefix reuse
+def engine_after_request_a(name: str) -> tuple[TransformersEngine, CachedPrefix]:
+    """A fresh engine that ran request A, and the prefix it has cached for request B."""
+    engine = engine_for(name)
+    engine.generate(PROMPT_A, NEW_TOKENS, request_id="A")
+    hit = engine.allocator.find_cached_prefix(Request("probe", list(PROMPT_B)))
+    assert hit.num_tokens == SHARED_PREFIX
+    return engine, hit
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefix_hit_computes_only_the_suffix_and_keeps_the_output(name: str) -> None:
+    engine, _ = engine_after_request_a(name)
+    forwards: list[int] = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: forwards.append(int(inputs[0].shape[1]))
+    )
+    try:
+        result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    finally:
+        hook.remove()
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.prefill_tokens == len(PROMPT_B) - SHARED_PREFIX == 10
+    # the prefill forward ran the 10 suffix tokens only, then one token per decode step
+    assert forwards == [10] + [1] * (NEW_TOKENS - 1)
+    assert result.token_ids == model_case(name).reference["b"]
+    engine.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_corrupting_the_hit_blocks_changes_the_output(name: str) -> None:
+    """The hit blocks are what B's attention reads: garbage there changes B's tokens."""
+    engine, hit = engine_after_request_a(name)
+    generator = torch.Generator().manual_seed(5)
+    corrupted = 0
+    for binding in engine.bindings.values():
+        blocks = [block for block in hit.block_ids[binding.group] if block]
+        view = engine.views[binding.layer_name]
+        for block in blocks:
+            view[block] = torch.randn(view[block].shape, generator=generator) * 10
+            corrupted += 1
+    assert corrupted > 0
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.token_ids != model_case(name).reference["b"]
+
+
+def test_without_prefix_caching_nothing_is_reused() -> None:
+    case = model_case("llama")
+    engine = TransformersEngine(case.model, kvspec_config=case.config, enable_prefix_caching=False)
+    engine.generate(PROMPT_A, NEW_TOKENS)
+    result = engine.generate(PROMPT_B, NEW_TOKENS)
+    assert result.cached_tokens == 0
+    assert result.token_ids == case.reference["b"]
+
+
+# --------------------------------------------------------------------------- clean failures
+def test_bad_prompts_are_refused_naming_the_field() -> None:
+    engine = engine_for("llama")
+    with pytest.raises(EngineError, match="prompt_token_ids is empty"):
+        engine.generate([], 4)
+    with pytest.raises(EngineError, match=r"prompt_token_ids\[1\]=512 must be a token id"):
+        engine.generate([1, 512], 4)
+    with pytest.raises(EngineError, match="max_new_tokens=0"):
+        engine.generate([1, 2], 0)
+    assert engine.allocator.num_running == 0
+
+
+def test_a_request_longer_than_max_model_len_is_refused_and_freed() -> None:
+    case = model_case("llama")
+    engine = TransformersEngine(case.model, kvspec_config=case.config, max_model_len=32)
+    with pytest.raises(EngineError, match="max_model_len=32"):
+        engine.generate(PROMPT, 4)
+    assert engine.allocator.num_running == 0
+    engine.allocator.check_invariants()

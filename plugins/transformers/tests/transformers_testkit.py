@@ -1,0 +1,74 @@
+"""Shared set-up of the kvspec-transformers tests: shrunk real configs, models with random
+weights, and transformers' own greedy outputs (its default DynamicCache and attention)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from kvspec_transformers import build_model, read_config, shrink_config
+
+CONFIGS = Path("/work/shared/model-configs")
+#: Test name -> real config file. The tests skip when the shared configs are absent.
+MODEL_FILES = {
+    "llama": "meta-llama__Llama-3.1-8B-Instruct.json",
+    "mistral": "mistralai__Mistral-7B-v0.1.json",
+    "gemma2": "google__gemma-2-9b-it.json",
+    "llama4": "meta-llama__Llama-4-Scout-17B-16E-Instruct.json",
+    "deepseek_v2": "deepseek-ai__DeepSeek-V2-Lite.json",
+}
+#: Generated tokens compared per request.
+NEW_TOKENS = 8
+#: Tokens A and B share: three blocks of 16, past the shrunk window (24) and chunk (32).
+SHARED_PREFIX = 48
+
+
+def token_ids(count: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (count,), generator=generator).tolist()
+
+
+PROMPT = token_ids(40, seed=1)
+PREFIX = token_ids(SHARED_PREFIX, seed=2)
+PROMPT_A = PREFIX + token_ids(9, seed=3)
+PROMPT_B = PREFIX + token_ids(10, seed=4)
+
+
+def config_of(name: str) -> dict[str, Any]:
+    return shrink_config(read_config(CONFIGS / MODEL_FILES[name]))
+
+
+def reference_generate(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[int, ...]:
+    """transformers' own greedy ``generate`` (default DynamicCache, default attention)."""
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+@attrs.frozen
+class ModelCase:
+    """A shrunk model, the config kvspec plans, and transformers' reference outputs."""
+
+    name: str
+    config: dict[str, Any]
+    model: torch.nn.Module
+    reference: dict[str, tuple[int, ...]]
+
+
+@functools.lru_cache(maxsize=None)
+def model_case(name: str) -> ModelCase:
+    """Built once per test session: the references are computed before any engine switches
+    the model to the paged attention."""
+    config = config_of(name)
+    model = build_model(config, seed=0)
+    reference = {
+        "prompt": reference_generate(model, PROMPT),
+        "b": reference_generate(model, PROMPT_B),
+    }
+    return ModelCase(name=name, config=config, model=model, reference=reference)
