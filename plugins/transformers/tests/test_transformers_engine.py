@@ -22,8 +22,8 @@ from kvspec_transformers import (
     build_model,
 )
 from transformers_testkit import (
-    CONFIGS,
-    MODEL_FILES,
+    MODEL_PRESETS,
+    LONG_PROMPT,
     NEW_TOKENS,
     PROMPT,
     PROMPT_A,
@@ -34,9 +34,7 @@ from transformers_testkit import (
     reference_generate,
 )
 
-pytestmark = pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared model configs absent")
-
-MODELS = list(MODEL_FILES)
+MODELS = list(MODEL_PRESETS)
 
 
 def engine_for(name: str) -> TransformersEngine:
@@ -166,3 +164,20 @@ def test_a_request_longer_than_max_model_len_is_refused_and_freed() -> None:
         engine.generate(PROMPT, 4)
     assert engine.allocator.num_running == 0
     engine.allocator.check_invariants()
+
+
+def test_the_window_frees_blocks_while_decoding_and_the_output_holds() -> None:
+    """Mistral's window of 24: decoding past an 80-token prompt, the allocator nulls the
+    blocks below the window, and the engine reads only what the spec says a query reads."""
+    engine = engine_for("mistral")
+    tables: list[tuple[int, ...]] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args: tables.append(engine.cache.current_step.block_tables[0])
+    )
+    try:
+        result = engine.generate(LONG_PROMPT, NEW_TOKENS)
+    finally:
+        hook.remove()
+    assert result.token_ids == model_case("mistral").reference["long"]
+    assert 0 not in tables[0]  # the prefill step holds every block it writes
+    assert tables[-1][:3] == (0, 0, 0)  # positions 0..47 lie below 87 - 24 + 1

@@ -11,16 +11,21 @@ from typing import Any
 import attrs
 import torch
 
-from kvspec_transformers import build_model, read_config, shrink_config
+from kvspec_core.models.catalog import load_preset
+from kvspec_transformers import build_model, shrink_config
 
+#: The shared folder of real configs (kvspec's presets hold the same files).
 CONFIGS = Path("/work/shared/model-configs")
-#: Test name -> real config file. The tests skip when the shared configs are absent.
-MODEL_FILES = {
-    "llama": "meta-llama__Llama-3.1-8B-Instruct.json",
-    "mistral": "mistralai__Mistral-7B-v0.1.json",
-    "gemma2": "google__gemma-2-9b-it.json",
-    "llama4": "meta-llama__Llama-4-Scout-17B-16E-Instruct.json",
-    "deepseek_v2": "deepseek-ai__DeepSeek-V2-Lite.json",
+#: Test name -> kvspec's bundled preset: the real Hugging Face config.json, byte for byte
+#: the files of the shared model-configs folder (meta-llama/Llama-3.1-8B-Instruct,
+#: mistralai/Mistral-7B-v0.1, google/gemma-2-9b-it, Llama-4-Scout-17B-16E-Instruct,
+#: deepseek-ai/DeepSeek-V2-Lite).
+MODEL_PRESETS = {
+    "llama": "llama-3.1-8b",
+    "mistral": "mistral-7b",
+    "gemma2": "gemma-2-9b",
+    "llama4": "llama-4-scout",
+    "deepseek_v2": "deepseek-v2-lite",
 }
 #: Generated tokens compared per request.
 NEW_TOKENS = 8
@@ -37,10 +42,12 @@ PROMPT = token_ids(40, seed=1)
 PREFIX = token_ids(SHARED_PREFIX, seed=2)
 PROMPT_A = PREFIX + token_ids(9, seed=3)
 PROMPT_B = PREFIX + token_ids(10, seed=4)
+#: A prompt long enough that a window of 24 frees blocks while decoding.
+LONG_PROMPT = token_ids(80, seed=6)
 
 
 def config_of(name: str) -> dict[str, Any]:
-    return shrink_config(read_config(CONFIGS / MODEL_FILES[name]))
+    return shrink_config(load_preset(MODEL_PRESETS[name]))
 
 
 def reference_generate(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[int, ...]:
@@ -71,4 +78,6 @@ def model_case(name: str) -> ModelCase:
         "prompt": reference_generate(model, PROMPT),
         "b": reference_generate(model, PROMPT_B),
     }
+    if name == "mistral":
+        reference["long"] = reference_generate(model, LONG_PROMPT)
     return ModelCase(name=name, config=config, model=model, reference=reference)
