@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvspec_core.models.fields import MAX_LAYERS
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.validation import MAX_FIELD_VALUE
@@ -22,13 +23,43 @@ def positive_int(text: str) -> int:
     return value
 
 
+def layer_partition(text: str) -> list[int]:
+    """argparse type: comma-separated positive layer counts (``27,27,26``)."""
+    counts: list[int] = []
+    for part in text.split(","):
+        try:
+            count = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of layer counts such as 27,27,26"
+            ) from None
+        if not 1 <= count <= MAX_LAYERS:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: each stage's layer count must be an integer in [1, {MAX_LAYERS}]"
+            )
+        counts.append(count)
+    return counts
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--pp`` (pipeline stages) and ``--pp-partition`` (explicit layers per stage)."""
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="N",
+                        help="pipeline parallel size: layers split over N stages as vLLM splits "
+                        "them, each planned on its own GPU with the same --memory (default 1)")
+    parser.add_argument("--pp-partition", type=layer_partition, metavar="A,B,...",
+                        help="layers per pipeline stage, overriding the even split (as vLLM's "
+                        "VLLM_PP_LAYER_PARTITION); one count per --pp stage")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, kv_dtype_help: str,
                         repeatable_kv_dtype: bool = False) -> None:
     """MODEL, ``--memory`` and the planning options (block size, KV dtype, TP, DCP, lengths),
     plus ``--json``."""
     parser.add_argument(
         "model", metavar="MODEL",
-        help="a preset name (see `kvspec models`), a config.json path, or a folder holding one",
+        help="a preset name (see `kvspec models`), a config.json path, a folder holding one, "
+        "or a Hugging Face hub id (org/name[@revision]; needs kvspec-core[hf]; read from the "
+        "hub cache, HF_HUB_OFFLINE=1 honoured)",
     )
     parser.add_argument("--memory", required=True, metavar="SIZE",
                         help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes")

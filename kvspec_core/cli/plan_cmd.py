@@ -2,7 +2,9 @@
 
 ``--kv-cache-dtype`` may be repeated: the plan (table or JSON) uses the first one, and
 ``--plot FILE`` draws one concurrency-vs-context-length curve per dtype given (``auto``
-alone when none is given).
+alone when none is given). ``--pp N`` splits the layers over N pipeline stages, each planned
+within ``--memory`` on its own GPU; the report's plan is the stage that admits the fewest
+requests, and ``pipeline_stages`` lists every stage.
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import (
     DEFAULT_KV_CACHE_DTYPE,
     add_model_arguments,
+    add_pipeline_arguments,
     plan_options,
 )
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.models.catalog import resolve_model
-from kvspec_core.errors import CapacityError
+from kvspec_core.errors import CapacityError, ConfigError
+from kvspec_core.models.normalized import ModelConfig, normalize_config
+from kvspec_core.models.pipeline import (
+    PipelinePlan,
+    largest_fitting_max_model_len,
+    plan_stages,
+    split_stages,
+)
 from kvspec_core.models.planning import (
     ModelPlan,
     concurrency_curve,
@@ -44,6 +54,7 @@ def add_parser(subparsers: Any) -> None:
         kv_dtype_help="KV-cache dtype (default auto: the model's dtype); repeat to plot "
         "several, the plan uses the first",
     )
+    add_pipeline_arguments(parser)
     parser.add_argument("--plot", metavar="FILE",
                         help="write a PNG of max concurrency against context length, one "
                         "curve per --kv-cache-dtype (needs kvspec-core[plot])")
@@ -118,6 +129,28 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
     }
 
 
+def pipeline_report(pipeline: PipelinePlan, pp_size: int) -> dict[str, Any]:
+    """The ``--json`` keys describing the pipeline stages (one stage without ``--pp``); a
+    stage whose layers hold no cache is not listed."""
+    return {
+        "pipeline_parallel_size": pp_size,
+        "bottleneck_stage": pipeline.bottleneck.stage,
+        "pipeline_stages": [
+            {
+                "stage": stage.stage,
+                "layer_range": list(stage.layer_range),
+                "cache_layers": len(stage.result.model.layers),
+                "num_blocks": stage.result.plan.num_blocks,
+                "bytes_allocated": stage.result.plan.bytes_allocated,
+                "bytes_padding": stage.result.plan.bytes_padding,
+                "kv_bytes_per_request": stage.result.kv_bytes_per_request,
+                "max_concurrency": stage.result.plan.max_concurrency,
+            }
+            for stage in pipeline.stages
+        ],
+    }
+
+
 _INDEX = re.compile(r"^(?P<prefix>.*?)(?P<index>\d+)(?P<suffix>(?:\.\D.*)?)$")
 
 
@@ -158,17 +191,24 @@ def _human(report: dict[str, Any]) -> str:
     ]
     budget = report["kv_budget_bytes"]
     padding_share = report["bytes_padding"] / budget * 100 if budget else 0.0
+    pipelined = report["pipeline_parallel_size"] > 1
     lines = [
         f"model            {report['model']} ({report['source']})",
-        f"KV budget        {format_size(budget)} ({budget:,} B); KV dtype "
-        f"{report['kv_cache_dtype']} (model {report['model_dtype']}); block size "
+        f"KV budget        {format_size(budget)} ({budget:,} B)"
+        + (" per stage" if pipelined else "")
+        + f"; KV dtype {report['kv_cache_dtype']} (model {report['model_dtype']}); block size "
         f"{report['block_size']}; TP {report['tensor_parallel_size']}; DCP "
-        f"{report['decode_context_parallel_size']}",
+        f"{report['decode_context_parallel_size']}"
+        + (f"; PP {report['pipeline_parallel_size']}" if pipelined else ""),
         f"max model len    {report['max_model_len']:,} tokens; in-flight tokens "
         f"{report['max_in_flight_tokens']:,}"
         + (f"; encoder tokens {report['max_encoder_tokens']:,}"
            if report["max_encoder_tokens"] else ""),
         "",
+    ]
+    if pipelined:
+        lines += _stage_lines(report)
+    lines += [
         render_table(
             ["group", "kind", "layers", "block", "page bytes", "blocks/request",
              "tokens/request", "pool"],
@@ -186,26 +226,45 @@ def _human(report: dict[str, Any]) -> str:
         f"KV per request   {format_size(report['kv_bytes_per_request'])} at "
         f"{report['max_model_len']:,} tokens ({report['kv_bytes_per_token']:,.1f} B per token)",
         f"max concurrency  {report['max_concurrency']:.2f} requests of "
-        f"{report['max_model_len']:,} tokens",
+        f"{report['max_model_len']:,} tokens"
+        + (f" (the least over {len(report['pipeline_stages'])} stages)" if pipelined else ""),
     ]
     if report["memoryless_layers"]:
         lines.append(f"no cache         {describe_layers(report['memoryless_layers'])}")
     return "\n".join(lines)
 
 
-def _write_plot(args: argparse.Namespace, resolved: Any, budget: int, result: ModelPlan,
-                dtypes: list[str], manager: PluginManager) -> None:
+def _stage_lines(report: dict[str, Any]) -> list[str]:
+    """The per-stage table of a pipelined plan, then a line introducing the tightest stage."""
+    rows = [
+        [stage["stage"], f"{stage['layer_range'][0]}..{stage['layer_range'][1] - 1}",
+         stage["cache_layers"], f"{stage['num_blocks']:,}",
+         format_size(stage["bytes_allocated"]), format_size(stage["kv_bytes_per_request"]),
+         f"{stage['max_concurrency']:.2f}"]
+        for stage in report["pipeline_stages"]
+    ]
+    table = render_table(
+        ["stage", "layers", "cache layers", "blocks", "memory used", "KV per request",
+         "max concurrency"],
+        rows, align_right=(2, 3, 4, 5, 6),
+    )
+    return [table, "", f"stage {report['bottleneck_stage']} admits the fewest requests; its "
+            "plan:", ""]
+
+
+def _write_plot(args: argparse.Namespace, name: str, config: ModelConfig, budget: int,
+                result: ModelPlan, dtypes: list[str], manager: PluginManager) -> None:
     from kvspec_core.cli.plot import plot_concurrency
 
     lengths = context_lengths(result.context.max_model_len, args.block_size)
     curves = {
         dtype: concurrency_curve(
-            resolved.config, budget, plan_options(args, dtype), manager, lengths,
-            name=resolved.name, max_in_flight_tokens=args.max_in_flight_tokens,
+            config, budget, plan_options(args, dtype), manager, lengths,
+            name=name, max_in_flight_tokens=args.max_in_flight_tokens,
         )
         for dtype in dtypes
     }
-    title = (f"{resolved.name}: {format_size(budget)} KV budget, block {args.block_size}, "
+    title = (f"{name}: {format_size(budget)} KV budget, block {args.block_size}, "
              f"TP {args.tp}, DCP {args.dcp}")
     plot_concurrency(curves, args.plot, title=title, max_model_len=result.context.max_model_len)
 
@@ -214,25 +273,32 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     budget = parse_size(args.memory)
     dtypes = list(dict.fromkeys(args.kv_cache_dtype or [DEFAULT_KV_CACHE_DTYPE]))
     if args.plot:
+        if args.pp > 1 or args.pp_partition is not None:
+            raise ConfigError("--plot draws single-stage plans; drop --pp / --pp-partition, "
+                              "or --plot")
         from kvspec_core.cli.plot import load_pyplot
 
         load_pyplot()  # fail before planning when matplotlib is missing
     resolved = resolve_model(args.model)
+    config = normalize_config(resolved.config)
     prepared = prepare_model(
-        resolved.config, plan_options(args, dtypes[0]), manager,
+        config, plan_options(args, dtypes[0]), manager,
         name=resolved.name, max_model_len=args.max_model_len,
         max_in_flight_tokens=args.max_in_flight_tokens,
     )
+    stages = split_stages(prepared, args.pp, args.pp_partition)
     try:
-        result = prepared.plan(budget, manager)
+        pipeline = plan_stages(stages, budget, manager)
     except CapacityError as error:
-        largest = prepared.largest_fitting_max_model_len(budget, manager)
+        largest = largest_fitting_max_model_len(stages, budget, manager)
         if largest:
             raise CapacityError(f"{error} (pass --max-model-len {largest})") from None
         raise
-    report = plan_report(result, source="preset" if resolved.preset else "config file")
+    result = pipeline.bottleneck.result
+    report = plan_report(result, source=resolved.source)
+    report.update(pipeline_report(pipeline, args.pp))
     if args.plot:
-        _write_plot(args, resolved, budget, result, dtypes, manager)
+        _write_plot(args, resolved.name, config, budget, result, dtypes, manager)
         report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2))

@@ -2,8 +2,8 @@
 
 Each preset is a published ``config.json`` copied byte for byte into
 ``kvspec_core/models/presets/<name>.json`` so the package works offline. A preset name is
-looked up first; anything else is treated as a path (use ``./name`` to force a path that
-shadows a preset name).
+looked up first, then a path (use ``./name`` to force a path that shadows a preset name),
+then a Hugging Face hub id (``org/name``) in the local hub cache (:mod:`kvspec_core.models.hub`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import attrs
 
 from kvspec_core.errors import ConfigError, UnknownNameError
 from kvspec_core.models.config_file import parse_config_text, read_config
+from kvspec_core.models.hub import hub_config_path, parse_hub_id
 
 #: Preset name -> the Hugging Face repository its config.json was published in.
 PRESET_SOURCES: Mapping[str, str] = {
@@ -46,14 +47,18 @@ class ResolvedModel:
     """A MODEL argument resolved to its config.
 
     Attributes:
-        name: the preset name, or the path as given.
+        name: the preset name, the path or the hub id as given.
         config: the parsed config.json.
         preset: whether it is a bundled preset.
+        source: where the config came from: ``preset``, ``config file`` or ``hub cache``.
+        path: the config.json read (``None`` for a preset).
     """
 
     name: str
     config: Mapping[str, Any]
     preset: bool
+    source: str = "config file"
+    path: Path | None = None
 
 
 def preset_names() -> list[str]:
@@ -106,7 +111,9 @@ def _is_existing_path(model: str) -> bool:
 
 
 def resolve_model(model: str) -> ResolvedModel:
-    """A preset name, a ``config.json`` path, or a folder holding one, resolved to its config."""
+    """A preset name, a ``config.json`` path, a folder holding one, or a Hugging Face hub id
+    (``org/name``, ``org/name@revision``) resolved to its config, in that priority: a preset
+    or an existing path is never looked up on the hub."""
     if not model.strip():
         # Path("") is the current folder; an empty MODEL must not plan whatever is there.
         raise ConfigError(
@@ -114,9 +121,15 @@ def resolve_model(model: str) -> ResolvedModel:
             "path, or a folder holding one"
         )
     if model in PRESET_SOURCES:
-        return ResolvedModel(name=model, config=load_preset(model), preset=True)
+        return ResolvedModel(name=model, config=load_preset(model), preset=True, source="preset")
     if _is_existing_path(model):
-        return ResolvedModel(name=model, config=read_config(model), preset=False)
+        return ResolvedModel(name=model, config=read_config(model), preset=False,
+                             path=Path(model))
+    hub_id = None if model.endswith(".json") else parse_hub_id(model)
+    if hub_id is not None:
+        path = hub_config_path(*hub_id)
+        return ResolvedModel(name=model, config=read_config(path), preset=False,
+                             source="hub cache", path=path)
     if model.endswith(".json") or "/" in model:
         raise ConfigError(
             f"model config {model} does not exist; pass a config.json path, a folder holding "

@@ -25,6 +25,7 @@ from kvspec_core.models.ingest import (
     layer_specs,
     model_layers,
 )
+from kvspec_core.models.normalized import ModelConfig
 from kvspec_core.plugins.layer_config import PlanOptions
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class PreparedModel:
 
 
 def prepare_model(
-    config: Mapping[str, Any],
+    config: Mapping[str, Any] | ModelConfig,
     options: PlanOptions,
     manager: PluginManager,
     *,
@@ -98,7 +99,7 @@ def prepare_model(
 
 
 def plan_model(
-    config: Mapping[str, Any],
+    config: Mapping[str, Any] | ModelConfig,
     budget_bytes: int,
     options: PlanOptions,
     manager: PluginManager,
@@ -127,7 +128,7 @@ def context_lengths(max_model_len: int, block_size: int, points: int = 24) -> li
 
 
 def concurrency_curve(
-    config: Mapping[str, Any],
+    config: Mapping[str, Any] | ModelConfig,
     budget_bytes: int,
     options: PlanOptions,
     manager: PluginManager,

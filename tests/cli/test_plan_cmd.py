@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvspec_core.cli.main import main
 from kvspec_core.cli.plan_cmd import describe_layers
 from kvspec_core.models.catalog import preset_text
+from plan_cli_testkit import fails, plan_json
 
 CONTRACT_KEYS = {"model", "kv_budget_bytes", "max_model_len", "num_blocks", "groups",
                  "bytes_allocated", "bytes_padding", "max_concurrency"}
 GROUP_KEYS = {"kind", "layers", "block_size", "page_size_bytes"}
-
-
-def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
-    assert main(["plan", *args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def fails(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    """Run, expect exit 2 with one clean error line; return stderr."""
-    assert main(["plan", *args]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.startswith("kvspec: error: ")
-    assert "Traceback" not in captured.err
-    return captured.err
 
 
 def test_json_holds_the_contract_keys(capsys: pytest.CaptureFixture[str]) -> None:
