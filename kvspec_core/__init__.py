@@ -13,8 +13,6 @@ receive, :class:`FamilyRules` / :class:`FullAttentionRules` (runtime rules), ``c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from kvspec_core.arithmetic import cdiv, round_up
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import (
@@ -36,6 +34,7 @@ from kvspec_core.plugins import (
     RegisterSpecKind,
     hookimpl,
 )
+from kvspec_core.plugins.manager import load_plugins
 from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, RulesFactory
 from kvspec_core.specs import (
     AttentionSpec,
@@ -46,16 +45,7 @@ from kvspec_core.specs import (
     SinkFullAttentionSpec,
     UniformTypeSpecs,
 )
-
-__version__ = "0.1.0"
-
-
-def load_plugins(environ: Mapping[str, str] | None = None) -> PluginManager:
-    """A fresh :class:`PluginManager` with the core families and installed plugins loaded."""
-    manager = PluginManager()
-    manager.load_entry_points(dict(environ) if environ is not None else None)
-    return manager
-
+from kvspec_core.version import __version__
 
 __all__ = [
     "CONTRACT_VERSION",

@@ -31,7 +31,8 @@ import pytest
 from kvspec_core.context import SizingContext
 from kvspec_core.models.ingest import model_layers
 from kvspec_core.plugins.layer_config import LayerConfig, PlanOptions
-from kvspec_core.plugins.manager import PluginInfo, PluginManager
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.plugins.records import PluginInfo
 from kvspec_core.specs import KVSpec, spec_from_dict, spec_to_dict
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from kvspec_core.cli.table import render_table
 from kvspec_core.plugins.contract import CONTRACT_VERSION
-from kvspec_core.plugins.manager import CORE_PLUGIN_NAME, PluginManager
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.plugins.records import CORE_PLUGIN_NAME
 
 
 def add_parser(subparsers: Any) -> None:

@@ -4,7 +4,8 @@ callables registration hooks receive), registry, manager, entry-point loading.""
 from kvspec_core.plugins.contract import CONTRACT_VERSION, ENTRY_POINT_GROUP, hookimpl, hookspec
 from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterRuntimeRules, RegisterSpecKind
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
-from kvspec_core.plugins.manager import PluginFailure, PluginInfo, PluginManager
+from kvspec_core.plugins.manager import PluginManager, load_plugins
+from kvspec_core.plugins.records import PluginFailure, PluginInfo
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -20,4 +21,5 @@ __all__ = [
     "RegisterSpecKind",
     "hookimpl",
     "hookspec",
+    "load_plugins",
 ]

@@ -11,7 +11,7 @@ import importlib_metadata
 
 from kvspec_core.errors import PluginError
 from kvspec_core.plugins.contract import ENTRY_POINT_GROUP
-from kvspec_core.plugins.manager import CORE_PLUGIN_NAME, PluginFailure
+from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager

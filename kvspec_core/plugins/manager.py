@@ -6,7 +6,7 @@ attributed to the plugin that caused them and never abort another plugin's call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -15,34 +15,12 @@ import pluggy
 from kvspec_core.errors import KVSpecError, MissingFamilyError, PluginError, UnknownNameError
 from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
 from kvspec_core.plugins.layer_config import LayerConfig
-from kvspec_core.plugins import hookspecs
+from kvspec_core.plugins import hookspecs, loading
 from kvspec_core.plugins.contract import CONTRACT_VERSION, PROJECT_NAME
+from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure, PluginInfo
 from kvspec_core.plugins.registry import SpecRegistry
 from kvspec_core.specs.base import KVSpec
-
-#: Name the core's own families are registered under.
-CORE_PLUGIN_NAME = "core"
-
-
-@attrs.frozen(kw_only=True)
-class PluginInfo:
-    """A loaded plugin, as ``kvspec plugins`` reports it."""
-
-    name: str
-    distribution: str | None
-    version: str | None
-    spec_kinds: tuple[str, ...]
-    hooks: tuple[str, ...]
-
-
-@attrs.frozen(kw_only=True)
-class PluginFailure:
-    """A plugin that did not load, and why."""
-
-    name: str
-    distribution: str | None
-    version: str | None
-    error: str
+from kvspec_core.version import __version__
 
 
 class PluginManager:
@@ -63,8 +41,6 @@ class PluginManager:
         self.failures: list[PluginFailure] = []
         if include_core:
             from kvspec_core.plugins import builtin
-
-            from kvspec_core import __version__
 
             self.register(builtin, CORE_PLUGIN_NAME, distribution="kvspec-core", version=__version__)
 
@@ -227,9 +203,7 @@ class PluginManager:
         Honors ``KVSPEC_PLUGINS`` and ``KVSPEC_STRICT_PLUGINS`` from ``environ`` (default:
         ``os.environ``). Idempotent: plugins already loaded are skipped.
         """
-        from kvspec_core.plugins.loading import load_entry_points
-
-        load_entry_points(self, environ)
+        loading.load_entry_points(self, environ)
 
     # ----------------------------------------------------------------- typed hook calls
     def layer_specs(self, layer: LayerConfig) -> list[tuple[str, KVSpec]]:
@@ -278,3 +252,11 @@ class PluginManager:
             impl = impls.get(id(plugin))
             if impl is not None:
                 yield name, impl
+
+
+def load_plugins(environ: Mapping[str, str] | None = None) -> PluginManager:
+    """A fresh :class:`PluginManager` with the core families and installed plugins loaded
+    (``environ`` as for :meth:`PluginManager.load_entry_points`)."""
+    manager = PluginManager()
+    manager.load_entry_points(dict(environ) if environ is not None else None)
+    return manager

@@ -132,7 +132,7 @@ class KVCacheAllocator:
                     f"group {index} names pool {pool!r}; pools are 0..{len(pool_sizes) - 1}"
                 )
         if manager is None:
-            from kvspec_core import load_plugins
+            from kvspec_core.plugins.manager import load_plugins
 
             manager = load_plugins()
         self.ctx = ctx

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import attrs
 import torch
@@ -186,9 +186,3 @@ class KVSpec:
             isinstance(spec, base) and registry.uniform_base_of(spec) is base
             for spec in specs.values()
         )
-
-    def describe(self) -> dict[str, Any]:
-        """Plain-data description (kind plus fields) for JSON and error messages."""
-        from kvspec_core.specs.serialization import spec_to_dict
-
-        return spec_to_dict(self)

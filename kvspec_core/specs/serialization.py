@@ -11,15 +11,13 @@ import torch
 from kvspec_core.dtypes import dtype_from_written_name, dtype_name
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import KVQuantMode
+from kvspec_core.specs.base import KVSpec
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.registry import SpecRegistry
-    from kvspec_core.specs.base import KVSpec
 
 
 def _encode(value: Any) -> Any:
-    from kvspec_core.specs.base import KVSpec
-
     if isinstance(value, KVSpec):
         return spec_to_dict(value)
     if isinstance(value, torch.dtype):
