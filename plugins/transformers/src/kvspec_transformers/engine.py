@@ -131,6 +131,7 @@ class TransformersEngine:
                 group=group_of[layer.name],
                 spec=specs[layer.name],
                 view=self.buffers.views[layer.name],
+                context=self.plan.context,
             )
         return bindings
 
@@ -167,10 +168,16 @@ class TransformersEngine:
         rid = request_id if request_id is not None else f"request-{next(self._ids)}"
         request = Request(rid, list(prompt))
         prefix = self.allocator.find_cached_prefix(request)
-        self._allocate(request, len(prompt) - prefix.num_tokens, prefix)
+        step_ends = self._prefill_step_ends(prefix, len(prompt))
+        self._allocate(request, step_ends[0] - prefix.num_tokens, prefix)
         generated: list[int] = []
         try:
-            logits = self._forward(rid, prompt[prefix.num_tokens:], prefix.num_tokens)
+            computed = prefix.num_tokens
+            for end in step_ends:
+                if computed > prefix.num_tokens:
+                    self._allocate(request, end - computed, None)
+                logits = self._forward(rid, prompt[computed:end], computed)
+                computed = end
             while True:
                 token = int(torch.argmax(logits))
                 generated.append(token)
@@ -188,6 +195,18 @@ class TransformersEngine:
             cached_tokens=prefix.num_tokens,
             prefill_tokens=len(prompt) - prefix.num_tokens,
         )
+
+    def _prefill_step_ends(self, prefix: CachedPrefix, num_tokens: int) -> list[int]:
+        """Where the prefill's steps end: the prompt's end, plus (with prefix caching) every
+        end a layer adapter asks for; state layers save a reusable state only where a step
+        ends on a block boundary."""
+        ends = {num_tokens}
+        if self.allocator.enable_prefix_caching:
+            for adapter in self.cache.adapters:
+                ask = getattr(adapter, "prefill_step_ends", None)
+                if ask is not None:
+                    ends.update(ask(prefix.num_tokens, num_tokens, prefix.checkpoint_at))
+        return sorted(end for end in ends if end > prefix.num_tokens)
 
     def _check_prompt(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (

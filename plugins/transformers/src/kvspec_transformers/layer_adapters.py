@@ -13,6 +13,9 @@ Adapter interface (what the engine and the attention function call)::
     adapter.finish_step(step)            # after each forward (state layers save their state)
     adapter.read(module, start, end)     # attention layers only: K, V of positions
                                          # [start, end), read paged from the view
+    adapter.prefill_step_ends(start, num_tokens, checkpoint_at)   # optional: where a
+                                         # prefill must end a step (state layers save a
+                                         # reusable state only at a step's end)
 
 Adding a family (e.g. a state layer whose conv/SSM state lives in a state view): subclass
 the transformers base that the model's code expects (``CacheLayerMixin`` for attention,
@@ -34,6 +37,7 @@ import attrs
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvspec_core.context import SizingContext
 from kvspec_core.errors import ConfigError
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
@@ -50,6 +54,8 @@ class LayerBinding:
         group: the plan group, i.e. the index of the block table the allocator keeps.
         spec: the layer's own spec (its family's rules).
         view: the layer's ``materialize()`` view ``[blocks, heads, states, content]``.
+        context: the sizing context the plan was made with (e.g. the Mamba cache mode,
+            which decides where state layers keep their state).
     """
 
     layer_index: int
@@ -57,6 +63,7 @@ class LayerBinding:
     group: int
     spec: KVSpec
     view: torch.Tensor
+    context: SizingContext | None = None
 
 
 @runtime_checkable
@@ -231,8 +238,16 @@ def _register_builtin_adapters() -> None:
     try:
         from kvspec_mla.specs import MLAAttentionSpec
     except ImportError:  # the MLA plugin is optional
+        pass
+    else:
+        register_layer_adapter(MLAAttentionSpec, MLALatentLayer)
+    try:
+        from kvspec_mamba.specs import MambaSpec
+    except ImportError:  # the Mamba plugin is optional
         return
-    register_layer_adapter(MLAAttentionSpec, MLALatentLayer)
+    from kvspec_transformers.state_layers import StateLayer
+
+    register_layer_adapter(MambaSpec, StateLayer)
 
 
 _register_builtin_adapters()

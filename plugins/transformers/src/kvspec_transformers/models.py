@@ -54,6 +54,21 @@ SHRINK_RULES: Mapping[str, Mapping[str, Any]] = {
     "deepseek_v2": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2,
                     "num_key_value_heads": 2, "moe_intermediate_size": 32,
                     "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # Qwen3-Next: 4 layers so the full-attention interval (4) gives 3 gated delta-net + 1
+    # full-attention layer; value heads twice the key heads (32:16 kept as 4:2), conv kernel
+    # 4, gated attention with partial rope (0.25) kept; MoE with 4 experts.
+    "qwen3_next": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    # Bamba-9B: 4 layers, attention at index 2 (attn_layer_indices [9, 18, 27] -> [2]), the
+    # rest Mamba-2; heads 128 -> 8 of head dim 16 (expand 2 kept), d_state 128 -> 16, one
+    # group, conv kernel 4; SSM chunk 256 -> 16 so prompts span several chunks.
+    "bamba": {"num_hidden_layers": 4, "attn_layer_indices": [2], "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "attn_rotary_emb": 8,
+              "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+              "mamba_chunk_size": 16},
 }
 
 

@@ -1,0 +1,210 @@
+"""State-layer models on kvspec's cache: Qwen3-Next (gated delta-net + full attention) and
+Bamba (Mamba-2 + attention), random weights from their real configs, ``align`` mode.
+
+Every linear-attention layer's conv window and recurrent state live in its kvspec block
+(``MambaSpec.state_views``), every attention layer's K/V in its paged view. Greedy outputs
+must equal transformers' own; a prefix hit must resume from the state saved at a block
+boundary (computing only the suffix) and the hit state block must be what the model reads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from kvspec_core.errors import ConfigError
+from kvspec_core.runtime import Request
+from kvspec_mamba import MambaSpec, prefill_step_ends
+from kvspec_transformers import (
+    PagedAttentionLayer,
+    TransformersEngine,
+    build_model,
+    read_config,
+    shrink_config,
+)
+from kvspec_transformers.state_layers import StateLayer
+from transformers_testkit import (
+    CONFIGS,
+    NEW_TOKENS,
+    PROMPT,
+    PROMPT_A,
+    PROMPT_B,
+    PREFIX,
+    SHARED_PREFIX,
+    reference_generate,
+    token_ids,
+)
+
+#: Bamba-9B's published config (ibm-ai-platform/Bamba-9B), copied under tests/data.
+BAMBA_9B = Path(__file__).parent / "data" / "ibm-ai-platform__Bamba-9B.json"
+QWEN3_NEXT = CONFIGS / "Qwen__Qwen3-Next-80B-A3B-Thinking.json"
+CONFIG_FILES = {"qwen3_next": QWEN3_NEXT, "bamba": BAMBA_9B}
+#: The mixer module of a state layer in each model.
+MIXERS = {"qwen3_next": "linear_attn", "bamba": "mamba"}
+MODELS = list(CONFIG_FILES)
+
+#: The shared prefix and one token: the hit state is the one the last prompt token reads
+#: (with random weights, Bamba's Mamba-2 decays an old state within a few tokens).
+PROMPT_C = PREFIX + token_ids(1, seed=4)
+
+pytestmark = pytest.mark.skipif(not QWEN3_NEXT.is_file(), reason="shared model configs absent")
+
+
+@functools.lru_cache(maxsize=None)
+def case(name: str) -> tuple[dict[str, Any], torch.nn.Module, dict[str, tuple[int, ...]]]:
+    """Shrunk config, model and transformers' reference outputs (computed before any engine
+    switches the model to the paged attention)."""
+    config = shrink_config(read_config(CONFIG_FILES[name]))
+    model = build_model(config, seed=0)
+    reference = {"prompt": reference_generate(model, PROMPT),
+                 "b": reference_generate(model, PROMPT_B),
+                 "c": reference_generate(model, PROMPT_C)}
+    return config, model, reference
+
+
+def engine_for(name: str) -> TransformersEngine:
+    config, model, _ = case(name)
+    return TransformersEngine(model, kvspec_config=config)
+
+
+def state_layers(engine: TransformersEngine) -> list[StateLayer]:
+    return [layer for layer in engine.cache.layers if isinstance(layer, StateLayer)]
+
+
+def hit_state_blocks(engine: TransformersEngine, prompt: Sequence[int]) -> dict[str, int]:
+    """Per state layer, the block a request for ``prompt`` would resume its state from."""
+    prefix = engine.allocator.find_cached_prefix(Request("peek", list(prompt)))
+    blocks = {}
+    for layer in state_layers(engine):
+        binding = layer.binding
+        column = layer.spec.state_columns(prefix.num_tokens, len(prompt) - prefix.num_tokens,
+                                          engine.plan.context.mamba_cache_mode).read
+        assert column is not None
+        blocks[binding.layer_name] = prefix.block_ids[binding.group][column]
+    return blocks
+
+
+@contextmanager
+def forward_tokens(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Tokens of each forward ``model`` runs (an embedding hook)."""
+    counts: list[int] = []
+    handle = model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: counts.append(int(args[0].numel())))
+    try:
+        yield counts
+    finally:
+        handle.remove()
+
+
+# --------------------------------------------------------------------------- identical output
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_output_is_token_identical_to_transformers(name: str) -> None:
+    engine = engine_for(name)
+    result = engine.generate(PROMPT, NEW_TOKENS)
+    assert result.token_ids == case(name)[2]["prompt"]
+    assert result.cached_tokens == 0 and result.prefill_tokens == len(PROMPT)
+    engine.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_state_and_kv_live_in_kvspec_blocks(name: str) -> None:
+    """Every layer is a kvspec adapter (state layers on Mamba groups in align mode); during
+    the forward the states the mixer reads are views into the state pool's buffer."""
+    engine = engine_for(name)
+    _, model, _ = case(name)
+    assert engine.plan.context.mamba_cache_mode == "align"
+    layer_types = model.config.layer_types
+    expected = [StateLayer if kind == "linear_attention" else PagedAttentionLayer
+                for kind in layer_types]
+    assert [type(layer) for layer in engine.cache.layers] == expected
+    assert "linear_attention" in layer_types and "full_attention" in layer_types
+    pools = {engine.plan.groups[layer.binding.group].pool for layer in state_layers(engine)}
+    (pool,) = pools
+    buffer = engine.buffers.buffers[pool]
+    inside: list[bool] = []
+
+    def check(module: torch.nn.Module, args: Any) -> None:
+        layer = engine.cache.layers[module.layer_idx]
+        for state in (layer.conv_states[0], layer.recurrent_states[0]):
+            offset = state.data_ptr() - buffer.data_ptr()
+            inside.append(0 <= offset < buffer.numel())
+
+    handles = [getattr(block, MIXERS[name]).register_forward_pre_hook(check)
+               for block in model.model.layers if hasattr(block, MIXERS[name])]
+    try:
+        engine.generate(PROMPT, 2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert inside and all(inside)
+
+
+# --------------------------------------------------------------------------- prefix reuse
+@pytest.mark.parametrize("name", MODELS)
+def test_prefix_hit_resumes_from_the_checkpointed_state(name: str) -> None:
+    engine = engine_for(name)
+    block = engine.plan.groups[state_layers(engine)[0].binding.group].spec.block_size
+    assert prefill_step_ends(0, len(PROMPT_A), block) == (SHARED_PREFIX, len(PROMPT_A))
+    model = case(name)[1]
+    with forward_tokens(model) as counts:
+        engine.generate(PROMPT_A, 1)
+    # A's prefill ended a step on the boundary at 48: the state there was saved.
+    assert counts == [SHARED_PREFIX, len(PROMPT_A) - SHARED_PREFIX]
+    hit_blocks = hit_state_blocks(engine, PROMPT_B)
+    saved = {layer: engine.views[layer][block].clone() for layer, block in hit_blocks.items()}
+    with forward_tokens(model) as counts:
+        result = engine.generate(PROMPT_B, NEW_TOKENS)
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.prefill_tokens == len(PROMPT_B) - SHARED_PREFIX
+    assert counts == [len(PROMPT_B) - SHARED_PREFIX] + [1] * (NEW_TOKENS - 1)
+    assert result.token_ids == case(name)[2]["b"]
+    # The cached state was read, never written: B's state went to blocks of its own.
+    for layer, block in hit_blocks.items():
+        assert torch.equal(engine.views[layer][block], saved[layer])
+    again = engine.generate(PROMPT_B, NEW_TOKENS)
+    assert again.cached_tokens == SHARED_PREFIX and again.token_ids == result.token_ids
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_corrupting_the_hit_state_block_changes_the_output(name: str) -> None:
+    engine = engine_for(name)
+    engine.generate(PROMPT_A, 1)
+    generator = torch.Generator().manual_seed(5)
+    hit_blocks = hit_state_blocks(engine, PROMPT_C)
+    for layer in state_layers(engine):
+        block = hit_blocks[layer.binding.layer_name]
+        for state in layer.spec.state_views(layer.binding.view, block):
+            state.copy_(torch.randn(state.shape, generator=generator) * 4)
+    result = engine.generate(PROMPT_C, NEW_TOKENS)
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.token_ids != case(name)[2]["c"]
+
+
+def test_decode_steps_save_states_a_continuation_resumes_from() -> None:
+    """Decoding one token per step ends a step on every block boundary: a follow-up turn
+    (prompt + answer + new tokens) resumes from the state saved while decoding."""
+    config = case("qwen3_next")[0]
+    engine = engine_for("qwen3_next")
+    prompt = token_ids(30, seed=6)
+    first = engine.generate(prompt, 4)  # computes 30 + 3 tokens: the boundary 32 is saved
+    follow_up = prompt + list(first.token_ids) + token_ids(2, seed=7)
+    result = engine.generate(follow_up, NEW_TOKENS)
+    assert result.cached_tokens == 32 and result.prefill_tokens == len(follow_up) - 32
+    # The engine switched the shared model's attention; the same seed rebuilds its weights.
+    assert result.token_ids == reference_generate(build_model(config, seed=0), follow_up)
+
+
+def test_a_state_spec_without_a_conv_window_is_refused() -> None:
+    engine = engine_for("bamba")
+    binding = state_layers(engine)[0].binding
+    lone = MambaSpec(block_size=16, shapes=((4, 16, 16),), dtypes=(torch.float32,),
+                     mamba_type="linear_attention")
+    with pytest.raises(ConfigError, match="conv window plus a recurrent state"):
+        StateLayer(attrs.evolve(binding, spec=lone))
