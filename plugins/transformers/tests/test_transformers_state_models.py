@@ -21,6 +21,9 @@ import torch
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.runtime import Request
+
+# The state family plugin is optional for kvspec-transformers; without it these tests skip.
+pytest.importorskip("kvspec_mamba", reason="kvspec-mamba (the state family) is not installed")
 from kvspec_mamba import MambaSpec, prefill_step_ends
 from kvspec_transformers import (
     PagedAttentionLayer,
@@ -176,6 +179,8 @@ def test_prefix_hit_resumes_from_the_checkpointed_state(name: str) -> None:
 def test_corrupting_the_hit_state_block_changes_the_output(name: str) -> None:
     engine = engine_for(name)
     engine.generate(PROMPT_A, 1)
+    intact = engine.generate(PROMPT_C, NEW_TOKENS)
+    assert intact.cached_tokens == SHARED_PREFIX and intact.token_ids == case(name)[2]["c"]
     generator = torch.Generator().manual_seed(5)
     hit_blocks = hit_state_blocks(engine, PROMPT_C)
     for layer in state_layers(engine):
