@@ -2,15 +2,18 @@
 ``config.json`` through ``huggingface_hub`` (the optional extra ``kvspec-core[hf]``).
 
 The cache is the one every Hugging Face tool shares: ``HF_HUB_CACHE``, else ``$HF_HOME/hub``,
-else ``~/.cache/huggingface/hub``. With ``HF_HUB_OFFLINE=1`` nothing is downloaded: the
-config must already be cached (``hf download org/name config.json`` while online). The
+else ``~/.cache/huggingface/hub``. A config already cached for that revision (``main`` when
+none is given) is used as it is, without asking the hub (``hf download org/name config.json``
+refreshes it); one not cached is downloaded, unless ``HF_HUB_OFFLINE=1`` forbids it. The
 environment is read at each call, so a process that changes it is honoured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvspec_core.errors import ConfigError
@@ -57,8 +60,38 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUE_VALUES
 
 
+def _cached_config(repo_id: str, revision: str | None, cache: Path) -> Path | None:
+    """The cached config.json of that revision, without touching the network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, HUB_CONFIG_FILE, cache_dir=cache, revision=revision)
+    return Path(found) if isinstance(found, str) else None
+
+
+@contextlib.contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """No retry log lines or progress bar on stderr: the outcome is the plan or one error."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+    from huggingface_hub.utils import logging as hub_logging
+
+    verbosity = hub_logging.get_verbosity()
+    bars_were_disabled = are_progress_bars_disabled()
+    hub_logging.set_verbosity_error()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        hub_logging.set_verbosity(verbosity)
+        if not bars_were_disabled:
+            enable_progress_bars()
+
+
 def hub_config_path(repo_id: str, revision: str | None = None) -> Path:
-    """The cached ``config.json`` of ``repo_id`` (downloaded first unless offline);
+    """The cached ``config.json`` of ``repo_id`` (downloaded when not cached, unless offline);
     a :class:`ConfigError` naming the id, the cache folder and the fix otherwise."""
     shown = repo_id if revision is None else f"{repo_id}@{revision}"
     try:
@@ -72,11 +105,15 @@ def hub_config_path(repo_id: str, revision: str | None = None) -> Path:
         ) from None
     cache = hub_cache_dir()
     offline = hub_offline()
+    cached = _cached_config(repo_id, revision, cache)
+    if cached is not None:
+        return cached
     try:
-        path = hf_hub_download(
-            repo_id, HUB_CONFIG_FILE, revision=revision, cache_dir=cache,
-            local_files_only=offline,
-        )
+        with _quiet_hub():
+            path = hf_hub_download(
+                repo_id, HUB_CONFIG_FILE, revision=revision, cache_dir=cache,
+                local_files_only=offline,
+            )
     except LocalEntryNotFoundError:
         why = ("HF_HUB_OFFLINE=1 forbids downloading it" if offline
                else "the hub could not be reached")

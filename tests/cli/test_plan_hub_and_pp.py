@@ -50,6 +50,16 @@ def test_a_cached_hub_id_plans_like_its_config_file(
         assert from_hub[key] == from_file[key]
 
 
+def test_a_cached_config_is_used_without_asking_the_hub_even_online(
+    hub_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Online mode in a sandbox with no network: only the cache can answer.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    cache_model(hub_cache, "ibm-ai-platform/Bamba-9B", BAMBA)
+    assert plan_json(capsys, "ibm-ai-platform/Bamba-9B", "--memory", "40GiB")["source"] == (
+        "hub cache")
+
+
 def test_a_revision_after_the_id_picks_that_snapshot(
     hub_cache: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
