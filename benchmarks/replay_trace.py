@@ -1,16 +1,31 @@
-"""Replay the shared request trace through kvspec's runtime block allocator.
+"""Replay a request trace through kvspec's runtime block allocator.
 
-Block size 16, prefix caching on. Default: one full-attention group; ``--hybrid``: a
-Gemma-2-like pair of groups (sliding window 4096 and full attention) sharing one pool.
-All events are generated before timing starts; the timed replay includes admission hashing.
+Traces (``--trace``): ``shared`` (default), the shared-system-prompt request trace
+(:mod:`kvspec_core.runtime.trace`, 2,000 requests); ``chat``, the multi-turn chat trace
+(:mod:`kvspec_core.runtime.chat_trace`, 3,000 requests). Both are copies of the generators in
+``shared/bench/`` (same events for the same seed).
+
+Block size 16, prefix caching on, all groups sharing one pool. Models: default one
+full-attention group; ``--hybrid``: Gemma-2-like, sliding window 4096 + full attention;
+``--mamba``: Jamba-like, a Mamba state group (the real ``MambaSpec``, ``align`` prefix
+caching) + full attention. All events are generated before timing starts; the timed replay
+includes admission hashing.
 
 Per event: admit = find the cached prefix + allocate slots for the whole prompt (a "not
 now" queues the request; queued requests retry after the next finish, each failed try
 counts as a wait); decode = append the token and allocate one slot; finish = free.
 Decode and finish events of a request still waiting in the queue are dropped (counted).
+When the allocator names a ``checkpoint_at`` position (Mamba: the prompt shares content
+with earlier prompts beyond the last saved state), the prefill is split there so that the
+state is saved, as ``kvspec simulate`` does.
 
-    python benchmarks/replay_trace.py [--hybrid] [--blocks 32768] [--requests 2000]
-                                      [--seed 0] [--eviction segmented|lru] [--json] [--profile]
+Hit tokens are printed against the trace's ideal at 16-token blocks: for each prompt the
+longest prefix seen before (in an earlier prompt or an earlier request's prompt + output),
+at most prompt length - 1, floored to whole blocks.
+
+    python benchmarks/replay_trace.py [--trace shared|chat] [--hybrid | --mamba]
+                                      [--blocks 32768] [--requests N] [--seed 0]
+                                      [--eviction POLICY] [--json] [--profile]
 """
 
 from __future__ import annotations
@@ -23,25 +38,47 @@ import time
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
-from kvspec_core.runtime import KVCacheAllocator, Request
-from kvspec_core.runtime.trace import make_trace
+from kvspec_core.runtime import KVCacheAllocator, Request, chat_trace, trace
+from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 
 BLOCK_SIZE = 16
-#: Longer than any trace request (prompt <= 6144 + 256 output tokens); Gemma-2's own length.
+#: Longer than any trace request (shared: prompt <= 6144 + 256 output tokens; chat: prompt +
+#: output <= 7,500); Gemma-2's own length.
 MAX_MODEL_LEN = 8192
+#: Model shapes ``--hybrid`` / ``--mamba`` select (default: full attention only).
+MODELS = ("full_attention", "hybrid", "mamba_hybrid")
+#: ``--trace`` name -> (trace generator, default number of requests).
+TRACES = {"shared": (trace.make_trace, 2000), "chat": (chat_trace.make_trace, 3000)}
 
 
-def build_allocator(num_blocks: int, hybrid: bool, eviction: str = "segmented") -> KVCacheAllocator:
+def build_allocator(
+    num_blocks: int, model: str | bool = "full_attention", eviction: str = DEFAULT_EVICTION
+) -> KVCacheAllocator:
+    """The allocator of one of :data:`MODELS` (``True`` / ``False``: hybrid or not)."""
+    if isinstance(model, bool):
+        model = "hybrid" if model else "full_attention"
     attention = dict(num_kv_heads=8, head_size=256, dtype=torch.bfloat16, block_size=BLOCK_SIZE)
     specs = [FullAttentionSpec(**attention)]
     manager = PluginManager()
-    if hybrid:
+    mamba_cache_mode = "none"
+    if model == "hybrid":
         from kvspec_sliding_window import plugin as sliding_window_plugin
         from kvspec_sliding_window.specs import SlidingWindowSpec
 
         manager.register(sliding_window_plugin, "sliding_window")
-        specs = [*specs, SlidingWindowSpec(sliding_window=4096, **attention)]
-    ctx = SizingContext(max_model_len=MAX_MODEL_LEN)
+        specs.append(SlidingWindowSpec(sliding_window=4096, **attention))
+    elif model == "mamba_hybrid":
+        from kvspec_mamba import plugin as mamba_plugin
+        from kvspec_mamba.specs import MambaSpec
+
+        manager.register(mamba_plugin, "mamba")
+        # Jamba-1.5-Mini's per-layer state: conv (d_inner, d_conv - 1), SSM (d_inner, d_state).
+        specs.append(MambaSpec(block_size=BLOCK_SIZE, shapes=((8192, 3), (8192, 16)),
+                               dtypes=(torch.bfloat16, torch.float32), mamba_type="mamba1"))
+        mamba_cache_mode = "align"
+    elif model != "full_attention":
+        raise ValueError(f"model={model!r} must be one of {MODELS}")
+    ctx = SizingContext(max_model_len=MAX_MODEL_LEN, mamba_cache_mode=mamba_cache_mode)
     return KVCacheAllocator(
         specs, num_blocks, ctx, manager=manager, hash_salt=b"replay", eviction=eviction
     )
@@ -59,11 +96,20 @@ def replay(events: list[tuple], allocator: KVCacheAllocator) -> dict[str, float 
     def admit(request: Request) -> bool:
         nonlocal hit_tokens, peak
         prefix = find_cached_prefix(request)
-        result = allocate_slots(
-            request, len(request.token_ids) - prefix.num_tokens, prefix=prefix
-        )
-        if not result:
-            return False
+        remaining = len(request.token_ids) - prefix.num_tokens
+        split = prefix.checkpoint_at
+        if split is None:
+            if not allocate_slots(request, remaining, prefix=prefix):
+                return False
+        else:
+            # End the first prefill step where the prompt shares content with earlier
+            # ones, so the state groups save a checkpoint there; then the rest.
+            first = split - prefix.num_tokens
+            if not allocate_slots(request, first, prefix=prefix):
+                return False
+            if not allocate_slots(request, remaining - first):
+                allocator.free(request.request_id)
+                return False
         hit_tokens += prefix.num_tokens
         used = pool.num_used_blocks
         if used > peak:
@@ -128,20 +174,35 @@ def replay(events: list[tuple], allocator: KVCacheAllocator) -> dict[str, float 
     }
 
 
+def ideal_hit_tokens(events: list[tuple]) -> int:
+    """The trace's ideal reusable prefix tokens at :data:`BLOCK_SIZE`-token blocks."""
+    stats = chat_trace.trace_stats(events, block_sizes=(BLOCK_SIZE,))
+    return int(stats[f"ideal_reusable_at_block_{BLOCK_SIZE}"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hybrid", action="store_true",
-                        help="sliding window 4096 + full attention sharing one pool")
+    parser.add_argument("--trace", choices=tuple(TRACES), default="shared",
+                        help="shared system prompts (default) or multi-turn chat")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--hybrid", action="store_true",
+                       help="sliding window 4096 + full attention sharing one pool")
+    model.add_argument("--mamba", action="store_true",
+                       help="Mamba state (align mode) + full attention sharing one pool")
     parser.add_argument("--blocks", type=int, default=32768)
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests in the trace (default: 2000 shared, 3000 chat)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eviction", choices=("segmented", "lru"), default="segmented",
-                        help="cached-block eviction order (default: segmented LRU)")
+    parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+                        help=f"cached-block eviction order (default: {DEFAULT_EVICTION})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()
-    events = list(make_trace(seed=args.seed, num_requests=args.requests))
-    allocator = build_allocator(args.blocks, args.hybrid, args.eviction)
+    make_trace, default_requests = TRACES[args.trace]
+    requests = default_requests if args.requests is None else args.requests
+    events = list(make_trace(seed=args.seed, num_requests=requests))
+    model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
+    allocator = build_allocator(args.blocks, model_name, args.eviction)
     if args.profile:
         import cProfile
         import pstats
@@ -153,18 +214,20 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     else:
         figures = replay(events, allocator)
-    figures["mode"] = "hybrid" if args.hybrid else "full_attention"
-    figures["blocks"] = args.blocks
-    figures["eviction"] = args.eviction
+    ideal = ideal_hit_tokens(events)
+    figures.update(mode=model_name, trace=args.trace, blocks=args.blocks,
+                   eviction=args.eviction, ideal_hit_tokens=ideal)
     if args.json:
         print(json.dumps(figures))
         return
+    share = figures["hit_tokens"] / ideal if ideal else 0.0
     print(
-        f"{figures['mode']}: {figures['events']} events in {figures['seconds']:.3f} s = "
+        f"{figures['mode']} on {args.trace} trace, {args.blocks:,} blocks, {args.eviction} "
+        f"eviction: {figures['events']} events in {figures['seconds']:.3f} s = "
         f"{figures['events_per_s']:,.0f} events/s ({figures['events_per_cpu_s']:,.0f} per CPU "
         f"second); {figures['prompt_tokens_hashed_per_s']:,.0f} "
-        f"prompt tokens hashed/s; hit tokens {figures['hit_tokens']:,}; peak blocks "
-        f"{figures['peak_blocks']:,}; waits {figures['waits']}"
+        f"prompt tokens hashed/s; hit tokens {figures['hit_tokens']:,} of ideal {ideal:,} "
+        f"({share:.1%}); peak blocks {figures['peak_blocks']:,}; waits {figures['waits']}"
     )
 
 

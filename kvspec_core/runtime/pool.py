@@ -39,6 +39,8 @@ MAX_POOL_BLOCKS = (1 << 31) - 1
 
 #: Accepted values of ``BlockPool(eviction=...)``.
 EVICTION_POLICIES = ("segmented", "lru")
+#: The eviction order pools and allocators use unless told otherwise.
+DEFAULT_EVICTION = "segmented"
 
 
 class BlockPool:
