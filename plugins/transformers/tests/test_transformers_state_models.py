@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvspec_core.errors import ConfigError
+from kvspec_core.models.catalog import load_preset
 from kvspec_core.runtime import Request
 
 # The state family plugin is optional for kvspec-transformers; without it these tests skip.
@@ -34,7 +35,6 @@ from kvspec_transformers import (
 )
 from kvspec_transformers.state_layers import StateLayer
 from transformers_testkit import (
-    CONFIGS,
     NEW_TOKENS,
     PROMPT,
     PROMPT_A,
@@ -47,24 +47,24 @@ from transformers_testkit import (
 
 #: Bamba-9B's published config (ibm-ai-platform/Bamba-9B), copied under tests/data.
 BAMBA_9B = Path(__file__).parent / "data" / "ibm-ai-platform__Bamba-9B.json"
-QWEN3_NEXT = CONFIGS / "Qwen__Qwen3-Next-80B-A3B-Thinking.json"
-CONFIG_FILES = {"qwen3_next": QWEN3_NEXT, "bamba": BAMBA_9B}
+#: Real configs: Qwen3-Next-80B-A3B-Thinking from kvspec's bundled preset (the Hugging Face
+#: config.json, byte for byte), Bamba-9B from tests/data.
+CONFIGS = {"qwen3_next": lambda: load_preset("qwen3-next-80b"),
+           "bamba": lambda: read_config(BAMBA_9B)}
 #: The mixer module of a state layer in each model.
 MIXERS = {"qwen3_next": "linear_attn", "bamba": "mamba"}
-MODELS = list(CONFIG_FILES)
+MODELS = list(CONFIGS)
 
 #: The shared prefix and one token: the hit state is the one the last prompt token reads
 #: (with random weights, Bamba's Mamba-2 decays an old state within a few tokens).
 PROMPT_C = PREFIX + token_ids(1, seed=4)
-
-pytestmark = pytest.mark.skipif(not QWEN3_NEXT.is_file(), reason="shared model configs absent")
 
 
 @functools.lru_cache(maxsize=None)
 def case(name: str) -> tuple[dict[str, Any], torch.nn.Module, dict[str, tuple[int, ...]]]:
     """Shrunk config, model and transformers' reference outputs (computed before any engine
     switches the model to the paged attention)."""
-    config = shrink_config(read_config(CONFIG_FILES[name]))
+    config = shrink_config(CONFIGS[name]())
     model = build_model(config, seed=0)
     reference = {"prompt": reference_generate(model, PROMPT),
                  "b": reference_generate(model, PROMPT_B),
