@@ -56,16 +56,30 @@ def test_greedy_output_is_token_identical_to_transformers(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "field", "unbounded"),
-    [("mistral", "sliding_window", None), ("llama4", "attention_chunk_size", 100_000)],
+    [
+        ("mistral", "sliding_window", None),
+        ("gemma2", "sliding_window", 100_000),
+        ("llama4", "attention_chunk_size", 100_000),
+    ],
 )
 def test_the_prompt_crosses_the_local_attention_bound(
     name: str, field: str, unbounded: int | None
 ) -> None:
     """Without the window / chunk, transformers itself answers differently: the identity
     above really exercises the family's read range, not just full attention."""
-    config = {**config_of(name), field: unbounded}
-    model = build_model(config, seed=0)
+    model = build_model(config_of(name, **{field: unbounded}), seed=0)
     assert reference_generate(model, PROMPT) != model_case(name).reference["prompt"]
+
+
+def test_gemma2_attention_softcapping_is_applied() -> None:
+    """Gemma 2's softcap of 50 never binds on a tiny model; at 1.0 it changes transformers'
+    tokens, and the paged attention's capped scores give the capped model's tokens."""
+    config = config_of("gemma2", attn_logit_softcapping=1.0)
+    capped = build_model(config, seed=0)
+    expected = reference_generate(capped, PROMPT)
+    assert expected != model_case("gemma2").reference["prompt"]
+    engine = TransformersEngine(capped, kvspec_config=config)
+    assert engine.generate(PROMPT, NEW_TOKENS).token_ids == expected
 
 
 def test_every_layer_caches_in_kvspec_views() -> None:
