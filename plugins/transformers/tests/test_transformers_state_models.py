@@ -213,3 +213,21 @@ def test_a_state_spec_without_a_conv_window_is_refused() -> None:
                      mamba_type="linear_attention")
     with pytest.raises(ConfigError, match="conv window plus a recurrent state"):
         StateLayer(attrs.evolve(binding, spec=lone))
+
+
+def test_a_shared_system_prompt_gets_a_checkpoint_the_next_request_resumes_from() -> None:
+    """A saved its state only at 96 (the boundary before its last token), inside no other
+    prompt: B, sharing A's first 70 tokens, gets no hit but ``checkpoint_at`` 64, where the
+    engine ends a prefill step and saves the state; C, sharing the same 70, resumes at 64."""
+    config = case("bamba")[0]
+    engine = engine_for("bamba")
+    system = token_ids(70, seed=8)
+    engine.generate(system + token_ids(30, seed=9), 1)
+    b_prompt = system + token_ids(20, seed=10)
+    assert engine.allocator.find_cached_prefix(Request("peek", b_prompt)).checkpoint_at == 64
+    assert engine.generate(b_prompt, 1).cached_tokens == 0
+    c_prompt = system + token_ids(15, seed=11)
+    result = engine.generate(c_prompt, NEW_TOKENS)
+    assert result.cached_tokens == 64 and result.prefill_tokens == len(c_prompt) - 64
+    # The engine switched the shared model's attention; the same seed rebuilds its weights.
+    assert result.token_ids == reference_generate(build_model(config, seed=0), c_prompt)
