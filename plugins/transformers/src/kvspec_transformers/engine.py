@@ -10,7 +10,8 @@ What happens: kvspec plans the model's config (its own config ingestion and fami
 give the layer specs), ``materialize()`` allocates the pools and views every layer, and a
 ``KVCacheAllocator`` with prefix caching places blocks. Each request looks up its cached
 prefix, allocates the prefill's slots after it, and runs the model on the uncached suffix
-only; each decode step allocates one slot. The model's cache is a :class:`KVSpecCache` of
+only (in several steps where a layer adapter asks, see ``prefill_step_ends``: state layers
+save a reusable state only where a step ends); each decode step allocates one slot. The model's cache is a :class:`KVSpecCache` of
 layer adapters and its attention implementation the paged one
 (:mod:`kvspec_transformers.paged_attention`): K/V are written to and read from the views.
 """
