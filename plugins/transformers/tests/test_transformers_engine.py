@@ -195,3 +195,14 @@ def test_the_window_frees_blocks_while_decoding_and_the_output_holds() -> None:
     assert result.token_ids == model_case("mistral").reference["long"]
     assert 0 not in tables[0]  # the prefill step holds every block it writes
     assert tables[-1][:3] == (0, 0, 0)  # positions 0..47 lie below 87 - 24 + 1
+
+
+@pytest.mark.parametrize("name", ["llama4", "deepseek_v2"])
+def test_the_model_config_itself_plans_the_same_engine(name: str) -> None:
+    """Without ``kvspec_config`` kvspec plans ``model.config.to_dict()``: same groups, same
+    tokens (the chunked and MLA layers are recognised from transformers' own config)."""
+    case = model_case(name)
+    from_dict = engine_for(name)
+    from_model = TransformersEngine(case.model)
+    assert [g.kind for g in from_model.plan.groups] == [g.kind for g in from_dict.plan.groups]
+    assert from_model.generate(PROMPT, NEW_TOKENS).token_ids == case.reference["prompt"]
