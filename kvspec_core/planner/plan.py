@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import ConfigError, PlanError
+from kvspec_core.errors import PlanError
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
-from kvspec_core.specs.serialization import spec_from_dict, spec_to_dict
+from kvspec_core.specs.serialization import spec_to_dict
 from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
-
-if TYPE_CHECKING:
-    from kvspec_core.plugins.manager import PluginManager
 
 #: Version of :meth:`KVCachePlan.to_dict`'s format.
 PLAN_FORMAT_VERSION = 1
@@ -59,6 +55,20 @@ def real_page_bytes(spec: KVSpec) -> int:
     return spec.unpadded_page_size_bytes
 
 
+def _spec_counts(specs: Sequence[KVSpec]) -> list[tuple[KVSpec, int]]:
+    """Each distinct spec object of ``specs`` with how many layers hold it: a merged group
+    repeats one spec for each of its layers, and page sizes are too costly to compute for
+    each of 100,000 layers."""
+    counts: dict[int, list[Any]] = {}
+    for spec in specs:
+        entry = counts.get(id(spec))
+        if entry is None:
+            counts[id(spec)] = [spec, 1]
+        else:
+            entry[1] += 1
+    return [(spec, count) for spec, count in counts.values()]
+
+
 @attrs.frozen(kw_only=True)
 class PlannedGroup:
     """Layers sharing one block table.
@@ -91,12 +101,12 @@ class PlannedGroup:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block across the group's layers (padding included)."""
-        return sum(spec.page_size_bytes for spec in self.layer_specs)
+        return sum(spec.page_size_bytes * count for spec, count in _spec_counts(self.layer_specs))
 
     @property
     def real_page_size_bytes(self) -> int:
         """Bytes of real content in one block across the group's layers."""
-        return sum(real_page_bytes(spec) for spec in self.layer_specs)
+        return sum(real_page_bytes(spec) * count for spec, count in _spec_counts(self.layer_specs))
 
     # Placement facts come from the layers (a uniform-type group's members agree on them).
     @property
@@ -306,7 +316,8 @@ class KVCachePlan:
 
     # ----------------------------------------------------------------- plain data
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able description; :meth:`from_dict` rebuilds an equal plan."""
+        """JSON-able description;
+        :func:`~kvspec_core.planner.plan_from_dict` rebuilds an equal plan."""
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "layout": self.layout,
@@ -374,99 +385,3 @@ class KVCachePlan:
                 for tensor in self.tensors
             ],
         }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], manager: PluginManager) -> KVCachePlan:
-        """Rebuild a plan written by :meth:`to_dict`; spec kinds resolve through ``manager``."""
-        from kvspec_core.errors import InvalidFieldTypeError
-        from kvspec_core.plugins.manager import PluginManager
-
-        if not isinstance(manager, PluginManager):
-            raise InvalidFieldTypeError("KVCachePlan.from_dict", "manager", manager,
-                                        "expected a PluginManager (kvspec_core.load_plugins())")
-        try:
-            version = data["format_version"]
-            if version != PLAN_FORMAT_VERSION:
-                raise ConfigError(
-                    f"plan format_version {version!r} is not supported; this kvspec-core reads "
-                    f"version {PLAN_FORMAT_VERSION}"
-                )
-            groups = tuple(
-                PlannedGroup(
-                    id=item["id"], kind=item["kind"], layers=item["layers"],
-                    spec=spec_from_dict(item["spec"], manager.spec_kinds), pool=item["pool"],
-                    blocks_per_request=item["blocks_per_request"],
-                )
-                for item in data["groups"]
-            )
-            pools = tuple(
-                Pool(
-                    id=item["id"], num_blocks=item["num_blocks"], block_bytes=item["block_bytes"],
-                    groups=item["groups"], host_resident=item["host_resident"],
-                    blocks_per_request=item["blocks_per_request"], slot_bytes=item["slot_bytes"],
-                    alignment=item["alignment"], null_block=item.get("null_block", 0),
-                )
-                for item in data["pools"]
-            )
-            tensors = tuple(
-                KVCacheTensor(
-                    size=item["size"], layers=item["layers"], layer_stride=item["layer_stride"],
-                    block_stride=item["block_stride"], offset=item["offset"],
-                    host_resident=item["host_resident"], pool=item["pool"], group=item["group"],
-                    shape=item["shape"], strides=item["strides"], raw=item["raw"],
-                )
-                for item in data["tensors"]
-            )
-            plan = cls(
-                groups=groups, pools=pools, tensors=tensors, layout=data["layout"],
-                context=SizingContext(**data["context"]),
-                budget_bytes=data["budget_bytes"], host_budget_bytes=data["host_budget_bytes"],
-                bytes_allocated=data["bytes_allocated"],
-                host_bytes_allocated=data["host_bytes_allocated"],
-                bytes_padding=data["bytes_padding"],
-                padding_breakdown=tuple(data["padding_breakdown"].items()),
-                max_concurrency=float(data["max_concurrency"]),
-                memoryless_layers=data["memoryless_layers"],
-            )
-        except (KeyError, TypeError, AttributeError, ValueError) as error:
-            if isinstance(error, ConfigError):
-                raise
-            raise ConfigError(
-                f"not a serialised KV-cache plan: missing or malformed field ({error!r}); "
-                "pass a dict written by KVCachePlan.to_dict"
-            ) from error
-        plan._check_consistent(manager)
-        return plan
-
-    def _check_consistent(self, manager: PluginManager) -> None:
-        """Refuse a plan whose kinds, pools, tensors or figures do not follow from its groups
-        and block counts (hand-edited or corrupted data would mislay the cache)."""
-        from kvspec_core.errors import KVSpecError
-        from kvspec_core.planner.planner import group_kind, rebuild_with_blocks
-
-        for group in self.groups:
-            expected_kind = group_kind(group.spec, manager)
-            if group.kind != expected_kind:
-                raise ConfigError(
-                    f"inconsistent KV-cache plan: group {group.id} says kind {group.kind!r} but "
-                    f"its spec is of kind {expected_kind!r}; re-plan instead of editing a plan"
-                )
-
-        try:
-            expected = rebuild_with_blocks(
-                self, [pool.num_blocks for pool in self.pools], budget_bytes=self.budget_bytes,
-                host_budget_bytes=self.host_budget_bytes,
-            )
-        except (KVSpecError, TypeError, ValueError, IndexError) as error:
-            raise ConfigError(f"inconsistent KV-cache plan: {error}") from error
-        # Compared as JSON too, so that 100.0 or 0 cannot stand in for 100 or False.
-        expected_data, data = expected.to_dict(), self.to_dict()
-        for field in attrs.fields(type(self)):
-            name = field.name
-            if getattr(expected, name) != getattr(self, name) or (
-                    name in data and json.dumps(expected_data[name]) != json.dumps(data[name])):
-                raise ConfigError(
-                    f"inconsistent KV-cache plan: field {name!r} does not follow from its "
-                    f"groups and block counts (expected {getattr(expected, name)!r:.200}); "
-                    "re-plan instead of editing a plan"
-                )

@@ -70,7 +70,7 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
     for index, plan in enumerate(plans):
         if not isinstance(plan, KVCachePlan):
             raise PlanError(f"reconcile_plans: plans[{index}] is a {type(plan).__name__}, not a "
-                            "KVCachePlan (KVCachePlan.from_dict reads a dict)")
+                            "KVCachePlan (plan_from_dict reads a dict)")
     reference = plan_signature(plans[0])
     for index, plan in enumerate(plans[1:], start=1):
         difference = first_difference(reference, plan_signature(plan))

@@ -221,7 +221,7 @@ def materialize(
     block size dividing the group's block size. Buffers are zeroed when the plan needs it."""
     if not isinstance(plan, KVCachePlan):
         raise InvalidFieldTypeError("materialize", "plan", type(plan).__name__,
-                                    "expected a KVCachePlan (KVCachePlan.from_dict reads a dict)")
+                                    "expected a KVCachePlan (plan_from_dict reads a dict)")
     target = _check_device(device)
     layer_views = plan_layer_views(plan, kernel_block_sizes)
     meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]

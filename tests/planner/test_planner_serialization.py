@@ -19,7 +19,7 @@ from planner_testkit import (
 
 from kvspec_core import ConfigError, SizingContext
 from kvspec_core.errors import PlanError
-from kvspec_core.planner import KVCachePlan, materialize, plan_kv_cache
+from kvspec_core.planner import KVCachePlan, materialize, plan_from_dict, plan_kv_cache
 
 CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
 
@@ -43,7 +43,7 @@ def test_json_round_trip_is_equal() -> None:
     manager = manager_with_test_kinds()
     for plan in _plans():
         text = json.dumps(plan.to_dict())
-        again = KVCachePlan.from_dict(json.loads(text), manager)
+        again = plan_from_dict(json.loads(text), manager)
         assert again == plan
         assert json.dumps(again.to_dict()) == text
 
@@ -63,7 +63,7 @@ def test_plan_dict_has_the_cli_contract_keys() -> None:
 
 def test_reloaded_plan_materialises_the_same_layout() -> None:
     plan = _plans()[2]
-    again = KVCachePlan.from_dict(json.loads(json.dumps(plan.to_dict())),
+    again = plan_from_dict(json.loads(json.dumps(plan.to_dict())),
                                   manager_with_test_kinds())
     assert materialize(again).layout_descriptor() == materialize(plan).layout_descriptor()
     json.dumps(materialize(plan).layout_descriptor())
@@ -72,11 +72,11 @@ def test_reloaded_plan_materialises_the_same_layout() -> None:
 def test_malformed_plans_are_refused() -> None:
     data = _plans()[0].to_dict()
     with pytest.raises(ConfigError, match="format_version"):
-        KVCachePlan.from_dict({**data, "format_version": 99}, manager_with_test_kinds())
+        plan_from_dict({**data, "format_version": 99}, manager_with_test_kinds())
     broken = dict(data)
     del broken["pools"]
     with pytest.raises(ConfigError, match="pools"):
-        KVCachePlan.from_dict(broken, manager_with_test_kinds())
+        plan_from_dict(broken, manager_with_test_kinds())
 
 
 def test_transfer_facts_follow_the_groups() -> None:
@@ -100,15 +100,15 @@ def test_edited_plans_are_refused_as_inconsistent() -> None:
     data = json.loads(json.dumps(_plans()[0].to_dict()))
     data["tensors"][0]["offset"] += 4096
     with pytest.raises(ConfigError, match="field 'tensors'"):
-        KVCachePlan.from_dict(data, manager_with_test_kinds())
+        plan_from_dict(data, manager_with_test_kinds())
     data = json.loads(json.dumps(_plans()[0].to_dict()))
     data["pools"][0]["num_blocks"] = "many"
     with pytest.raises(ConfigError):
-        KVCachePlan.from_dict(data, manager_with_test_kinds())
+        plan_from_dict(data, manager_with_test_kinds())
     data = json.loads(json.dumps(_plans()[0].to_dict()))
     data["pools"][0]["num_blocks"] = 1
     with pytest.raises(ConfigError, match="inconsistent"):
-        KVCachePlan.from_dict(data, manager_with_test_kinds())
+        plan_from_dict(data, manager_with_test_kinds())
 
 
 @pytest.mark.parametrize("edit", [
@@ -121,11 +121,11 @@ def test_edited_kinds_and_non_int_counts_are_refused(edit) -> None:
     data = json.loads(json.dumps(_plans()[0].to_dict()))
     edit(data)
     with pytest.raises(ConfigError):
-        KVCachePlan.from_dict(data, manager_with_test_kinds())
+        plan_from_dict(data, manager_with_test_kinds())
 
 
 def test_from_dict_names_a_missing_manager() -> None:
     from kvspec_core.errors import InvalidFieldTypeError
 
     with pytest.raises(InvalidFieldTypeError, match="from_dict.manager"):
-        KVCachePlan.from_dict(_plans()[0].to_dict(), None)  # type: ignore[arg-type]
+        plan_from_dict(_plans()[0].to_dict(), None)  # type: ignore[arg-type]

@@ -1,0 +1,118 @@
+"""Reading a serialised KV-cache plan back: the plan is rebuilt from its groups and block
+counts by the planner and must match what was written, so an edited or corrupted plan can
+never mislay the cache. A function of the planner layer, not a method of
+:class:`KVCachePlan`, because checking needs the planner and the planner builds plans."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvspec_core.context import SizingContext
+from kvspec_core.errors import ConfigError, InvalidFieldTypeError, KVSpecError
+from kvspec_core.planner.plan import (
+    PLAN_FORMAT_VERSION,
+    KVCachePlan,
+    KVCacheTensor,
+    PlannedGroup,
+    Pool,
+)
+from kvspec_core.planner.planner import group_kind, rebuild_with_blocks
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.specs.serialization import spec_from_dict
+
+
+def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePlan:
+    """Rebuild a plan written by :meth:`KVCachePlan.to_dict`; spec kinds resolve through
+    ``manager``. A plan the planner would not have written (edited kinds, block counts,
+    figures, tensors) is refused with a :class:`~kvspec_core.errors.ConfigError`."""
+    if not isinstance(manager, PluginManager):
+        raise InvalidFieldTypeError("plan_from_dict", "manager", manager,
+                                    "expected a PluginManager (kvspec_core.load_plugins())")
+    try:
+        version = data["format_version"]
+        if version != PLAN_FORMAT_VERSION:
+            raise ConfigError(
+                f"plan format_version {version!r} is not supported; this kvspec-core reads "
+                f"version {PLAN_FORMAT_VERSION}"
+            )
+        groups = tuple(
+            PlannedGroup(
+                id=item["id"], kind=item["kind"], layers=item["layers"],
+                spec=spec_from_dict(item["spec"], manager.spec_kinds), pool=item["pool"],
+                blocks_per_request=item["blocks_per_request"],
+            )
+            for item in data["groups"]
+        )
+        pools = tuple(
+            Pool(
+                id=item["id"], num_blocks=item["num_blocks"], block_bytes=item["block_bytes"],
+                groups=item["groups"], host_resident=item["host_resident"],
+                blocks_per_request=item["blocks_per_request"], slot_bytes=item["slot_bytes"],
+                alignment=item["alignment"], null_block=item.get("null_block", 0),
+            )
+            for item in data["pools"]
+        )
+        tensors = tuple(
+            KVCacheTensor(
+                size=item["size"], layers=item["layers"], layer_stride=item["layer_stride"],
+                block_stride=item["block_stride"], offset=item["offset"],
+                host_resident=item["host_resident"], pool=item["pool"], group=item["group"],
+                shape=item["shape"], strides=item["strides"], raw=item["raw"],
+            )
+            for item in data["tensors"]
+        )
+        plan = KVCachePlan(
+            groups=groups, pools=pools, tensors=tensors, layout=data["layout"],
+            context=SizingContext(**data["context"]),
+            budget_bytes=data["budget_bytes"], host_budget_bytes=data["host_budget_bytes"],
+            bytes_allocated=data["bytes_allocated"],
+            host_bytes_allocated=data["host_bytes_allocated"],
+            bytes_padding=data["bytes_padding"],
+            padding_breakdown=tuple(data["padding_breakdown"].items()),
+            max_concurrency=float(data["max_concurrency"]),
+            memoryless_layers=data["memoryless_layers"],
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(
+            f"not a serialised KV-cache plan: missing or malformed field ({error!r}); "
+            "pass a dict written by KVCachePlan.to_dict"
+        ) from error
+    _check_consistent(plan, manager)
+    return plan
+
+
+def _check_consistent(plan: KVCachePlan, manager: PluginManager) -> None:
+    """Refuse a plan whose kinds, pools, tensors or figures do not follow from its groups
+    and block counts (hand-edited or corrupted data would mislay the cache)."""
+    for group in plan.groups:
+        expected_kind = group_kind(group.spec, manager)
+        if group.kind != expected_kind:
+            raise ConfigError(
+                f"inconsistent KV-cache plan: group {group.id} says kind {group.kind!r} but "
+                f"its spec is of kind {expected_kind!r}; re-plan instead of editing a plan"
+            )
+
+    try:
+        expected = rebuild_with_blocks(
+            plan, [pool.num_blocks for pool in plan.pools], budget_bytes=plan.budget_bytes,
+            host_budget_bytes=plan.host_budget_bytes,
+        )
+    except (KVSpecError, TypeError, ValueError, IndexError) as error:
+        raise ConfigError(f"inconsistent KV-cache plan: {error}") from error
+    # Compared as JSON too, so that 100.0 or 0 cannot stand in for 100 or False.
+    expected_data, data = expected.to_dict(), plan.to_dict()
+    for field in attrs.fields(type(plan)):
+        name = field.name
+        if getattr(expected, name) != getattr(plan, name) or (
+                name in data and json.dumps(expected_data[name]) != json.dumps(data[name])):
+            raise ConfigError(
+                f"inconsistent KV-cache plan: field {name!r} does not follow from its "
+                f"groups and block counts (expected {getattr(expected, name)!r:.200}); "
+                "re-plan instead of editing a plan"
+            )
