@@ -117,6 +117,9 @@ def build_model(config: Mapping[str, Any], seed: int = 0) -> torch.nn.Module:
 
     fields = dict(config)
     model_type = fields.pop("model_type")
+    # transformers >= 5 reads ``dtype`` and warns on the older ``torch_dtype`` key.
+    if "dtype" in fields:
+        fields.pop("torch_dtype", None)
     hf_config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
