@@ -4,6 +4,8 @@ the per-GPU budget, the model's concurrency the least over the stages."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.pipeline import (
@@ -36,6 +38,8 @@ def test_auto_split_matches_vllms_get_pp_indices(layers: int, pp: int, rank: int
 
 
 def test_the_remainder_goes_to_stages_before_the_last_from_the_second_to_last_back() -> None:
+    # Each checked against vLLM 0.33's get_pp_indices.
+    assert stage_layer_counts(40, 3) == [13, 14, 13]
     assert stage_layer_counts(80, 3) == [27, 27, 26]
     assert stage_layer_counts(118, 3) == [39, 40, 39]
     assert stage_layer_counts(23, 4) == [6, 6, 6, 5]
@@ -119,3 +123,18 @@ def test_encoder_decoder_models_are_refused_above_one_stage(
     assert len(split_stages(prepared, 1)) == 1
     with pytest.raises(ConfigError, match="encoder-decoder"):
         split_stages(prepared, 2)
+
+
+@given(layers=st.integers(1, 2000), pp=st.integers(1, 64))
+def test_stages_cover_every_layer_once_and_differ_by_at_most_one(layers: int, pp: int) -> None:
+    if pp > layers:
+        with pytest.raises(ConfigError):
+            stage_ranges(layers, pp)
+        return
+    ranges = stage_ranges(layers, pp)
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [end - start for start, end in ranges]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    # The last stage never takes an extra layer (it holds the final norm and LM head).
+    assert sizes[-1] == layers // pp
