@@ -3,9 +3,14 @@
 Public API::
 
     from kvspec_core.models import resolve_model, plan_model, PlanOptions
-    model = resolve_model("llama-3.1-8b")                # preset, config.json or folder
+    model = resolve_model("llama-3.1-8b")    # preset, config.json, folder or hub id (org/name)
     result = plan_model(model.config, 40 << 30, PlanOptions(), manager, name=model.name)
     result.plan.max_concurrency
+
+A config is read once by :func:`normalize_config` into a :class:`ModelConfig` (the language
+model's fields, defaults filled by transformers' config class when ``kvspec-core[hf]`` is
+installed, the model dtype); every function taking a config accepts either. Pipeline stages:
+:mod:`kvspec_core.models.pipeline` (``split_stages``, ``plan_stages``).
 
 Lower level: :func:`model_layers` (config -> typed
 :class:`~kvspec_core.plugins.LayerConfig` s, the plugin contract's view of a layer),
