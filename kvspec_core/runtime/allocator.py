@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvspec_core.context import SizingContext
@@ -344,6 +344,49 @@ class KVCacheAllocator:
                 "to its first allocate_slots"
             )
         return self._grow(state, num_new_tokens, lookahead)
+
+    def allocate_step(
+        self, steps: Iterable[tuple[Request, int]], lookahead: int = 0
+    ) -> list[Allocated | NotNow]:
+        """Slots for every request of one engine step: ``steps`` holds ``(request,
+        num_new_tokens)`` pairs, e.g. each running request with the tokens scheduled for it.
+
+        Exactly ``[allocate_slots(request, n, lookahead) for request, n in steps]``, in that
+        order (results, block tables, hits and pool state alike), in one call: the steps
+        that need no block cost a few integer comparisons each. A request not running yet
+        is admitted without a cached prefix (admit with :meth:`allocate_slots` to pass one).
+        If a pair raises (a bad count, say), the error propagates as from the loop and the
+        pairs before it stay allocated.
+        """
+        if lookahead.__class__ is not int or lookahead < 0:
+            raise AllocatorError(f"allocate_step: lookahead={lookahead!r} must be an int >= 0")
+        running = self._running
+        no_new_blocks = self._no_new_blocks
+        results: list[Allocated | NotNow] = []
+        append = results.append
+        for pair in steps:
+            try:
+                request, num_new_tokens = pair
+                state = running.get(request.request_id)
+            except (TypeError, ValueError, AttributeError):
+                raise AllocatorError(
+                    f"allocate_step: item {len(results)} is {pair!r}, not a (Request, int) "
+                    "pair; the items before it were allocated"
+                ) from None
+            if state is not None and num_new_tokens.__class__ is int and num_new_tokens >= 0:
+                # allocate_slots' no-block fast path, inlined.
+                computed = state.computed
+                known = computed + num_new_tokens
+                if (
+                    known + lookahead < state.end_limit
+                    and known < state.known_limit
+                    and computed < state.computed_limit
+                ):
+                    state.computed = known
+                    append(no_new_blocks)
+                    continue
+            append(self.allocate_slots(request, num_new_tokens, lookahead))
+        return results
 
     def _check_counts(self, request: Request, num_new_tokens: int, lookahead: int) -> None:
         for name, value in (("num_new_tokens", num_new_tokens), ("lookahead", lookahead)):
