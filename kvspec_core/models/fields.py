@@ -11,9 +11,11 @@ from kvspec_core.dtypes import dtype_from_name
 from kvspec_core.errors import ConfigError, UnknownNameError
 from kvspec_core.validation import MAX_FIELD_VALUE
 
-#: Most layers a config may declare: far above any published model (Nemotron-H-56B has 118),
-#: low enough that a hostile ``num_hidden_layers: 10**12`` is refused before any allocation.
-MAX_LAYERS = 100_000
+#: Most layers a config may declare: about 80x the deepest published model (Llama-3.1-405B
+#: has 126 layers, Nemotron-H-56B 118), and low enough that a config at the limit is typed
+#: and planned in well under a second (benchmarks/plan_many_layers.py); a hostile
+#: ``num_hidden_layers: 10**12`` is refused before any allocation.
+MAX_LAYERS = 10_000
 
 #: Dtype assumed when a config names none (neither ``torch_dtype`` nor ``dtype``). Hugging
 #: Face would load float32 weights, but every published LLM checkpoint serves in 16 bits and

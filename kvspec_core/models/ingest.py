@@ -31,6 +31,7 @@ from kvspec_core.models.encoder_decoder import (
     is_encoder_decoder,
 )
 from kvspec_core.models.fields import MissingConfigFieldError, optional_int
+from kvspec_core.models.head_fields import HeadFields
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.models.layer_typing import (
     ATTENTION_LAYER_TYPES,
@@ -144,18 +145,23 @@ def _typed_layers(
     source: ModelConfig, options: PlanOptions, kv_dtype: KVCacheDtype, name: str
 ) -> ModelLayers:
     text = source.fields
-    layers = tuple(
-        LayerConfig(
+    # The shape depends on the layer's type and head fields only: resolved once for each,
+    # not for each of (up to MAX_LAYERS) layers.
+    shapes: dict[tuple[str, HeadFields], AttentionShape | None] = {}
+    layers = []
+    for slot in _layer_slots(text):
+        key = (slot.layer_type, slot.head_fields)
+        if key not in shapes:
+            shapes[key] = _attention_shape(slot, text, options, kv_dtype, source.dtype)
+        layers.append(LayerConfig(
             index=slot.index,
             name=slot.name,
             layer_type=slot.layer_type,
             config=text,
             options=options,
             model_dtype=source.dtype,
-            attention=_attention_shape(slot, text, options, kv_dtype, source.dtype),
-        )
-        for slot in _layer_slots(text)
-    )
+            attention=shapes[key],
+        ))
     if not layers:
         raise ConfigError(
             f"model {name} has no layer that holds a KV cache (every layer of its pattern is "
@@ -170,7 +176,7 @@ def _typed_layers(
         name=name,
         config=text,
         source=source,
-        layers=layers,
+        layers=tuple(layers),
         default_max_model_len=max_len,
         max_encoder_tokens=(encoder_max_len(text) or 0) if encoder_decoder else 0,
         options=options,

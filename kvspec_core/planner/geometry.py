@@ -93,17 +93,12 @@ class SegmentPlacement:
     strides: tuple[int, ...]
 
 
-def segments_of(signatures: Sequence[tuple[SlotShape, ...]]) -> list[Segment]:
-    """Segments holding every group's slot signature (groups of one pool agree slot-wise;
-    a pool of single-shape groups has as many slots as its largest group)."""
-    longest = max(signatures, key=len)
-    segments: list[Segment] = []
-    for shape in longest:
-        if segments and segments[-1].shape == shape:
-            segments[-1] = Segment(segments[-1].count + 1, shape)
-        else:
-            segments.append(Segment(1, shape))
-    return segments
+def segments_of(slot_runs: Sequence[Sequence[tuple[SlotShape, int]]]) -> list[Segment]:
+    """Segments holding every group's slots, given as ``(shape, count)`` runs of equal
+    shapes (groups of one pool agree slot-wise; a pool of single-shape groups has as many
+    slots as its largest group)."""
+    longest = max(slot_runs, key=lambda runs: sum(count for _, count in runs))
+    return [Segment(count, shape) for shape, count in longest]
 
 
 def _shape5(segment: Segment, num_blocks: int) -> tuple[int, int, int, int, int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -49,18 +50,29 @@ class GroupDraft:
 
 def pool_key(draft: GroupDraft, layout: KVCacheLayout) -> tuple[object, ...]:
     """Groups with equal keys share a pool: same slot shapes, same residency."""
-    signature = slot_signature(draft, layout)
+    runs = slot_runs(draft, layout)
     host = draft.layer_specs[0].host_resident
-    if len(set(signature)) == 1:
-        return ("single", signature[0], host)
-    return ("signature", signature, host)
+    if len({shape for shape, _ in runs}) == 1:
+        return ("single", runs[0][0], host)
+    return ("signature", runs, host)
 
 
-def slot_signature(draft: GroupDraft, layout: KVCacheLayout) -> tuple[SlotShape, ...]:
-    return tuple(
-        slot_shape(cell_shape(spec, layer), layout)
-        for layer, spec in zip(draft.layers, draft.layer_specs)
-    )
+def slot_runs(draft: GroupDraft, layout: KVCacheLayout) -> tuple[tuple[SlotShape, int], ...]:
+    """The group's slot shapes in layer order as ``(shape, count)`` runs of equal shapes.
+
+    A shape is computed once per distinct spec object: a merged group repeats one spec for
+    every layer, and page sizes cost microseconds each, too much for 100,000 layers."""
+    shapes: dict[int, SlotShape] = {}
+    runs: list[list[Any]] = []
+    for layer, spec in zip(draft.layers, draft.layer_specs):
+        shape = shapes.get(id(spec))
+        if shape is None:
+            shape = shapes[id(spec)] = slot_shape(cell_shape(spec, layer), layout)
+        if runs and (runs[-1][0] is shape or runs[-1][0] == shape):
+            runs[-1][1] += 1
+        else:
+            runs.append([shape, 1])
+    return tuple((shape, count) for shape, count in runs)
 
 
 def validate_layer_specs(layer_specs: Mapping[str, KVSpec], manager: PluginManager) -> None:

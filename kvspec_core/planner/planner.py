@@ -23,7 +23,7 @@ from kvspec_core.planner.geometry import (
     tensor_strides,
     view_extent,
 )
-from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slot_signature
+from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slot_runs
 from kvspec_core.planner.layouts import DIM_B, DIM_L, KVCacheLayout, get_layout
 from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor, PlannedGroup, Pool
 from kvspec_core.plugins.manager import PluginManager
@@ -108,12 +108,12 @@ def _build_pools(drafts: Sequence[GroupDraft], layout: KVCacheLayout) -> tuple[
     pools = []
     pool_of_group = [0] * len(drafts)
     for pool_id, (key, members) in enumerate(keys.items()):
-        segments = tuple(segments_of([slot_signature(drafts[i], layout) for i in members]))
-        alignment = lcm_alignment([
+        segments = tuple(segments_of([slot_runs(drafts[i], layout) for i in members]))
+        alignment = lcm_alignment(list({
             spec.block_stride_alignment
             for i in members
             for spec in (drafts[i].spec, *drafts[i].layer_specs)
-        ])
+        }))
         block_bytes, placements = place_segments(segments, layout, alignment, 1)
         slot_bytes = []
         for segment, placement in zip(segments, placements):
@@ -272,7 +272,8 @@ def _group_tensors(
     start = 0
     while start < len(group.layers):
         end = start + 1
-        while (end < len(group.layers) and specs[end] == specs[start]
+        while (end < len(group.layers)
+               and (specs[end] is specs[start] or specs[end] == specs[start])
                and slot_place[end][0] is slot_place[start][0]):
             end += 1
         placement, within = slot_place[start]

@@ -129,7 +129,7 @@ def test_mla_with_sliding_layers_becomes_sliding_mla() -> None:
 
 @pytest.mark.parametrize("config, message", [
     ({"hidden_size": 8, "num_attention_heads": 1}, "'num_hidden_layers' is missing"),
-    ({"num_hidden_layers": 10**12}, r"'num_hidden_layers' is 1000000000000.*\[1, 100000\]"),
+    ({"num_hidden_layers": 10**12}, r"'num_hidden_layers' is 1000000000000.*\[1, 10000\]"),
     ({"num_hidden_layers": -3}, "'num_hidden_layers' is -3"),
     ({"num_hidden_layers": 3, "layer_types": ["full_attention"]}, "one entry per layer"),
     ({"num_hidden_layers": 2, "layer_types": ["full_attention", 7]}, r"'layer_types'\[1\] is 7"),
