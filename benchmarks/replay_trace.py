@@ -15,6 +15,8 @@ Per event: admit = find the cached prefix + allocate slots for the whole prompt 
 now" queues the request; queued requests retry after the next finish, each failed try
 counts as a wait); decode = append the token and allocate one slot; finish = free.
 Decode and finish events of a request still waiting in the queue are dropped (counted).
+``--batched``: each run of consecutive decode events is one engine step, allocated through
+one ``allocate_step`` call.
 When the allocator names a ``checkpoint_at`` position (Mamba: the prompt shares content
 with earlier prompts beyond the last saved state), the prefill is split there so that the
 state is saved, as ``kvspec simulate`` does.
@@ -25,7 +27,7 @@ at most prompt length - 1, floored to whole blocks.
 
     python benchmarks/replay_trace.py [--trace shared|chat] [--hybrid | --mamba]
                                       [--blocks 32768] [--requests N] [--seed 0]
-                                      [--eviction POLICY] [--json] [--profile]
+                                      [--eviction POLICY] [--batched] [--json] [--profile]
 """
 
 from __future__ import annotations
@@ -84,7 +86,29 @@ def build_allocator(
     )
 
 
-def replay(events: list[tuple], allocator: KVCacheAllocator) -> dict[str, float | int]:
+def engine_steps(events: list[tuple]) -> list[tuple]:
+    """The events with every run of consecutive decode events (one engine step) merged
+    into one ``("step", [(request_id, token), ...])`` event."""
+    merged: list[tuple] = []
+    for event in events:
+        if event[0] != "decode":
+            merged.append(event)
+        elif merged and merged[-1][0] == "step":
+            merged[-1][1].append(event[1:])
+        else:
+            merged.append(("step", [event[1:]]))
+    return merged
+
+
+def replay(
+    events: list[tuple], allocator: KVCacheAllocator, batched: bool = False
+) -> dict[str, float | int]:
+    """Replay ``events``; ``batched``: each engine step's decodes through one
+    ``allocate_step`` call (peak blocks then sampled once per step)."""
+    num_events = len(events)
+    if batched:
+        events = engine_steps(events)
+    allocate_step = allocator.allocate_step
     requests: dict[int, Request] = {}
     waiting: collections.OrderedDict[int, Request] = collections.OrderedDict()
     pool = allocator.pools[0]
@@ -135,6 +159,21 @@ def replay(events: list[tuple], allocator: KVCacheAllocator) -> dict[str, float 
                 used = pool.num_used_blocks
                 if used > peak:
                     peak = used
+        elif kind == "step":
+            pairs = []
+            for rid, token in event[1]:
+                request = requests.get(rid)
+                if request is None:
+                    dropped += 1
+                    continue
+                request.token_ids.append(token)
+                pairs.append((request, 1))
+            results = allocate_step(pairs)
+            if results.count(no_new_blocks) != len(results):
+                decode_stalls += sum(1 for result in results if not result)
+                used = pool.num_used_blocks
+                if used > peak:
+                    peak = used
         elif kind == "admit":
             request = Request(event[1], list(event[2]))
             prompt_tokens += len(request.token_ids)
@@ -158,12 +197,12 @@ def replay(events: list[tuple], allocator: KVCacheAllocator) -> dict[str, float 
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
     return {
-        "events": len(events),
+        "events": num_events,
         "seconds": elapsed,
         "cpu_seconds": cpu,
-        "events_per_s": len(events) / elapsed,
+        "events_per_s": num_events / elapsed,
         # Less sensitive than wall time to other processes sharing the cores.
-        "events_per_cpu_s": len(events) / cpu,
+        "events_per_cpu_s": num_events / cpu,
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_hashed_per_s": prompt_tokens / elapsed,
         "hit_tokens": hit_tokens,
@@ -195,6 +234,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
                         help=f"cached-block eviction order (default: {DEFAULT_EVICTION})")
+    parser.add_argument("--batched", action="store_true",
+                        help="decode steps through allocate_step, one call per engine step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()
@@ -209,11 +250,11 @@ def main() -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-        figures = replay(events, allocator)
+        figures = replay(events, allocator, args.batched)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     else:
-        figures = replay(events, allocator)
+        figures = replay(events, allocator, args.batched)
     ideal = ideal_hit_tokens(events)
     figures.update(mode=model_name, trace=args.trace, blocks=args.blocks,
                    eviction=args.eviction, ideal_hit_tokens=ideal)
