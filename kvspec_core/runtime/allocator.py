@@ -26,11 +26,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import AllocatorError
+from kvspec_core.errors import AllocatorError, KVSpecError
 from kvspec_core.runtime.coordinator import PrefixCoordinator
 from kvspec_core.runtime.events import AllBlocksCleared, BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
-from kvspec_core.runtime.pool import BlockPool
+from kvspec_core.runtime.pool import DEFAULT_EVICTION, BlockPool
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import (
     NO_FREE_BLOCKS,
@@ -41,7 +41,7 @@ from kvspec_core.runtime.results import (
     NotNow,
     Usage,
 )
-from kvspec_core.runtime.rules import NEVER, rules_for
+from kvspec_core.runtime.rules import NEVER, plugin_rules_error, rules_for, rules_plugin
 from kvspec_core.specs.base import KVSpec
 
 if TYPE_CHECKING:
@@ -95,8 +95,8 @@ class KVCacheAllocator:
             (default: their gcd, so large pages never coarsen reuse of smaller ones).
         enable_kv_events: record :mod:`~kvspec_core.runtime.events` for :meth:`take_events`.
         hash_salt: fixed salt instead of the per-process random one (tests, replays).
-        eviction: ``"segmented"`` (reused prefixes outlive one-off blocks) or ``"lru"``;
-            see :mod:`kvspec_core.runtime.pool`.
+        eviction: ``"lru"`` (default, vLLM's order) or ``"segmented"`` (reused prefixes
+            outlive one-off blocks); see :mod:`kvspec_core.runtime.pool`.
     """
 
     def __init__(
@@ -111,7 +111,7 @@ class KVCacheAllocator:
         hash_block_size: int | None = None,
         enable_kv_events: bool = False,
         hash_salt: bytes | None = None,
-        eviction: str = "segmented",
+        eviction: str = DEFAULT_EVICTION,
     ) -> None:
         if not specs:
             raise AllocatorError("KVCacheAllocator needs at least one KV-cache group spec")
@@ -150,6 +150,7 @@ class KVCacheAllocator:
             for index, size in enumerate(pool_sizes)
         ]
         self.rules = [rules_for(spec, ctx, manager) for spec in self.specs]
+        self._rules_owners = [rules_plugin(spec, manager) for spec in self.specs]
         self.admission_caps = [spec.max_blocks_per_request(ctx) for spec in self.specs]
         self._pool_of = pools_of
         self._group_pools = [self.pools[pool] for pool in pools_of]
@@ -178,6 +179,8 @@ class KVCacheAllocator:
         self._coordinator = PrefixCoordinator(
             self.rules, self._holding, self._hash_stride, self._caches
         )
+        # Groups whose rules are plugin code: checked before a step changes anything.
+        self._guarded = [gid for gid in self._holding if self._rules_owners[gid] is not None]
         self._is_state_group = [
             gid in self._coordinator.state_groups for gid in range(len(self.specs))
         ]
@@ -296,7 +299,12 @@ class KVCacheAllocator:
             return CachedPrefix(request_id=request.request_id, num_tokens=0, block_ids=empty,
                                 epochs=epochs)
         fine = self._hasher.hashes(request, max_tokens)
-        hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens)
+        try:
+            hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens)
+        except KVSpecError:
+            raise
+        except Exception as error:
+            raise self._plugin_error(error) from None
         block_ids = tuple(
             tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
         )
@@ -325,14 +333,13 @@ class KVCacheAllocator:
         if state is None:
             return self._admit(request, num_new_tokens, lookahead, prefix)
         computed = state.computed
-        known = computed + num_new_tokens
         if (
             # Exact ints only (no bool, no float): ``__class__`` is cheaper than ``type()``.
             num_new_tokens.__class__ is int is lookahead.__class__
             and num_new_tokens >= 0
             and lookahead >= 0
             and prefix is None
-            and known + lookahead < state.end_limit
+            and (known := computed + num_new_tokens) + lookahead < state.end_limit
             and known < state.known_limit
             and computed < state.computed_limit
         ):
@@ -393,7 +400,11 @@ class KVCacheAllocator:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise AllocatorError(
                     f"allocate_slots(request {request.request_id!r}): {name}={value!r} must "
-                    "be an int >= 0"
+                    "be an int >= 0: pass " + (
+                        "the number of tokens to give slots to (1 per decode step; on "
+                        "admission the prompt length minus the cached prefix)"
+                        if name == "num_new_tokens" else "the speculative slots wanted, or 0"
+                    )
                 )
 
     def _over_length(self, request: Request, known: int) -> NotNow:
@@ -408,8 +419,51 @@ class KVCacheAllocator:
     def _admit(
         self, request: Request, num_new_tokens: int, lookahead: int, prefix: CachedPrefix | None
     ) -> Allocated | NotNow:
+        try:
+            return self._admit_checked(request, num_new_tokens, lookahead, prefix)
+        except KVSpecError:
+            raise
+        except Exception as error:
+            raise self._plugin_error(error) from None
+
+    def _plugin_error(self, error: Exception) -> Exception:
+        """``error`` as a kvspec error naming the plugin when plugin rules raised it (they
+        are asked before a step changes anything, so nothing changed), else ``error``."""
+        found = plugin_rules_error(error, self.rules, self._rules_owners)
+        if found is None:
+            raise error
+        return found
+
+    def _preflight(self, request: Request, known: int, lengths: dict[int, int],
+                   skips: dict[int, int], num_cached: Sequence[int],
+                   cache_at: Sequence[int]) -> None:
+        """Do, before a step changes anything, what could fail after it started: hash the
+        tokens it caches (bad token ids), and ask the plugin rules what the step will ask
+        them afterwards (new table ``lengths`` and ``skips`` per changed group)."""
+        available = min(known, len(request.token_ids))
+        if self._cacheable:
+            self._hasher.hashes(request, available)
+        for gid in self._guarded:
+            rules = self.rules[gid]
+            if gid in lengths:
+                rules.next_allocation_end(lengths[gid])
+                rules.next_skip_position(skips[gid])
+            if (self._cacheable and available >= cache_at[gid]
+                    and not (self._is_state_group[gid] and known > available)):
+                rules.cache_range(num_cached[gid], available)
+
+    def _admit_checked(
+        self, request: Request, num_new_tokens: int, lookahead: int, prefix: CachedPrefix | None
+    ) -> Allocated | NotNow:
         self._check_counts(request, num_new_tokens, lookahead)
         rid = request.request_id
+        if prefix is None and rid in self._freed:
+            raise AllocatorError(
+                f"request {rid!r} was freed; allocate_slots for it now would admit it again "
+                "from token 0, not continue it. To re-admit it (after preemption), call "
+                "find_cached_prefix(request) and pass prefix=...; to start over, use a new "
+                "request id"
+            )
         group_count = len(self.specs)
         if prefix is None:
             computed = 0
@@ -458,6 +512,13 @@ class KVCacheAllocator:
         shortfall = self._shortfall(need, [0] * len(pools))
         if shortfall is not None:
             return shortfall
+        self._preflight(
+            request, known,
+            {gid: len(blocks[gid]) + nulls + real for gid, nulls, real in plans},
+            dict(enumerate(num_skipped)),
+            [len(ids) for ids in prefix.block_ids] if prefix is not None else [0] * group_count,
+            [0] * group_count,
+        )
         state = _Running(request, known, blocks)
         state.num_skipped = num_skipped
         new_ids: list[tuple[int, ...]] = [()] * group_count
@@ -479,6 +540,7 @@ class KVCacheAllocator:
                 # Hit blocks are cached already; caching resumes after them.
                 state.num_cached[gid] = len(prefix.block_ids[gid])
         self._running[rid] = state
+        self._freed.pop(rid, None)
         if self._cacheable:
             self._cache_new_blocks(state, known)
         self._update_limits(state)
@@ -526,6 +588,16 @@ class KVCacheAllocator:
         return None
 
     def _grow(self, state: _Running, num_new_tokens: int, lookahead: int) -> Allocated | NotNow:
+        try:
+            return self._grow_checked(state, num_new_tokens, lookahead)
+        except KVSpecError:
+            raise
+        except Exception as error:
+            raise self._plugin_error(error) from None
+
+    def _grow_checked(
+        self, state: _Running, num_new_tokens: int, lookahead: int
+    ) -> Allocated | NotNow:
         request = state.request
         if (
             type(num_new_tokens) is not int or type(lookahead) is not int
@@ -539,6 +611,7 @@ class KVCacheAllocator:
         total = min(known + lookahead, self.max_model_len)
         if total < state.end_limit and computed < state.computed_limit:
             # Only a block became full: nothing to allocate or free, just cache it.
+            self._preflight(request, known, {}, {}, state.num_cached, state.cache_at)
             state.computed = known
             known_limit = self.max_model_len + 1
             if self._cacheable:
@@ -575,6 +648,10 @@ class KVCacheAllocator:
         shortfall = self._shortfall(need, freed)
         if shortfall is not None:
             return shortfall
+        self._preflight(
+            request, known, {gid: len(blocks[gid]) + nulls + real for gid, _, nulls, real in plans},
+            {gid: skip for gid, skip, _, _ in plans}, state.num_cached, state.cache_at,
+        )
         new_ids: list[tuple[int, ...]] = [()] * len(blocks)
         for gid, skip, _, _ in plans:
             done = state.num_skipped[gid]
@@ -675,13 +752,12 @@ class KVCacheAllocator:
         state = self._running.get(request_id)
         if state is None:
             raise AllocatorError(self._not_running_message(request_id))
-        per_pool: list[list[int]] = [[] for _ in self.pools]
+        # A running request's tables hold each block once, with a reference of its own
+        # (check_invariants), so the pools' release checks cannot fire here. Each table is
+        # released last block first, groups in order: the order one list per pool gives.
+        group_pools = self._group_pools
         for gid, table in enumerate(state.blocks):
-            per_pool[self._pool_of[gid]] += [block for block in reversed(table) if block]
-        for pool, blocks in zip(self.pools, per_pool):
-            pool.check_release(blocks)
-        for pool, blocks in zip(self.pools, per_pool):
-            pool._release_unchecked(blocks)
+            group_pools[gid]._release_unchecked(reversed(table))
         del self._running[request_id]
         self._freed[request_id] = None
         if len(self._freed) > _FREED_MEMORY:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import AllocatorError
+from kvspec_core.errors import AllocatorError, KVSpecError, PluginError
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
 
@@ -206,29 +206,78 @@ CORE_RULES: dict[str, RulesFactory] = {
 }
 
 
-def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -> FamilyRules:
-    """The rules of a group: those registered for its kind, else for its nearest ancestor
-    kind, else full attention's. A uniform-type group uses its members' family's rules."""
-    family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
-    factory: RulesFactory | None = None
+def _rules_factory(
+    spec: KVSpec, manager: PluginManager | None
+) -> tuple[RulesFactory, str, str | None]:
+    """The factory of ``spec``'s rules, the kind it was registered for, and the plugin that
+    registered it (``None`` for the core's)."""
     # A kind without rules of its own behaves like its nearest ancestor kind that has some
     # (sliding-window MLA frees blocks like a sliding window, not like full attention).
-    for klass in type(family_spec).__mro__:
+    for klass in type(spec).__mro__:
         kind = getattr(klass, "kind", "")
         if not kind:
             continue
         if manager is not None:
             factory = manager.runtime_rules(kind)
-        if factory is None:
-            factory = CORE_RULES.get(kind)
-        if factory is not None:
-            break
-    if factory is None:
-        factory = CORE_RULES["full_attention"]
-    rules = factory(family_spec, ctx)
+            if factory is not None:
+                return factory, kind, manager.spec_kinds.owner_of(kind)
+        core = CORE_RULES.get(kind)
+        if core is not None:
+            return core, kind, None
+    return CORE_RULES["full_attention"], "full_attention", None
+
+
+def rules_plugin(spec: KVSpec, manager: PluginManager | None) -> tuple[str, str] | None:
+    """``(plugin name, kind)`` of the plugin whose rules govern ``spec``'s group, or
+    ``None`` when the core's rules do."""
+    family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
+    _, kind, owner = _rules_factory(family_spec, manager)
+    return None if owner is None else (owner, kind)
+
+
+def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -> FamilyRules:
+    """The rules of a group: those registered for its kind, else for its nearest ancestor
+    kind, else full attention's. A uniform-type group uses its members' family's rules."""
+    family_spec = spec.first_spec if isinstance(spec, UniformTypeSpecs) else spec
+    factory, kind, owner = _rules_factory(family_spec, manager)
+    try:
+        rules = factory(family_spec, ctx)
+    except KVSpecError:
+        raise
+    except Exception as error:
+        if owner is None:
+            raise
+        raise PluginError(
+            f"plugin {owner!r}: its runtime rules for kind {kind!r} raised "
+            f"{type(error).__name__} when built for {family_spec.kind!r}: {error}; fix the "
+            "plugin or leave it out (KVSPEC_PLUGINS)"
+        ) from None
     if not isinstance(rules, FamilyRules):
         raise AllocatorError(
             f"runtime rules for kind {family_spec.kind!r} ({factory!r}) do not implement "
             "kvspec_core.runtime.rules.FamilyRules"
         )
     return rules
+
+
+def plugin_rules_error(
+    error: BaseException, rules: Sequence[object], owners: Sequence[tuple[str, str] | None]
+) -> PluginError | None:
+    """A :class:`PluginError` naming the plugin, kind and method when ``error`` was raised
+    inside a plugin's rules object ``rules[i]`` (``owners[i]`` its plugin and kind), found
+    from the traceback; ``None`` when no plugin rules are in it (an error of the caller or
+    of kvspec itself, to be raised as it is)."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame = traceback.tb_frame
+        owner_self = frame.f_locals.get("self")
+        for index, candidate in enumerate(rules):
+            if owner_self is candidate and owners[index] is not None:
+                plugin, kind = owners[index]  # type: ignore[misc]
+                return PluginError(
+                    f"plugin {plugin!r}: its runtime rules for kind {kind!r} (group {index}) "
+                    f"raised {type(error).__name__} in {frame.f_code.co_name}: {error}; the "
+                    "allocator changed nothing; fix the plugin or leave it out (KVSPEC_PLUGINS)"
+                )
+        traceback = traceback.tb_next
+    return None
