@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -14,8 +16,32 @@ from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.serialization import spec_to_dict
 from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
 
-#: Version of :meth:`KVCachePlan.to_dict`'s format.
-PLAN_FORMAT_VERSION = 1
+#: Version of :meth:`KVCachePlan.to_dict`'s format (2 added ``input_checksums``).
+PLAN_FORMAT_VERSION = 2
+
+#: Inputs of a plan that no other field of it derives from, checksummed in
+#: ``input_checksums`` (``num_blocks`` stands for the pools' block counts); each group's
+#: ``layers`` and ``spec`` are inputs too (``groups[0].spec``...).
+CHECKSUMMED_INPUTS = ("layout", "context", "budget_bytes", "host_budget_bytes",
+                      "memoryless_layers", "num_blocks")
+
+
+def input_checksums(data: Mapping[str, Any]) -> dict[str, str]:
+    """A checksum of each input of the plan ``data`` describes (a document written by
+    :meth:`KVCachePlan.to_dict`): :data:`CHECKSUMMED_INPUTS` and each group's layers and
+    spec. Every other field follows from these and is re-derived when a plan is read back;
+    a spec field that changes no derived figure (a window that needs as many blocks) could
+    not be told edited otherwise. They guard against hand edits and corruption, not forgery."""
+    values = {name: data[name] for name in CHECKSUMMED_INPUTS if name != "num_blocks"}
+    values["num_blocks"] = [pool["num_blocks"] for pool in data["pools"]]
+    for index, group in enumerate(data["groups"]):
+        values[f"groups[{index}].layers"] = group["layers"]
+        values[f"groups[{index}].spec"] = group["spec"]
+    return {
+        name: hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()
+                             ).hexdigest()[:16]
+        for name, value in values.items()
+    }
 
 
 def _tuple_of_str(value: Any) -> tuple[str, ...]:
@@ -318,7 +344,7 @@ class KVCachePlan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able description;
         :func:`~kvspec_core.planner.plan_from_dict` rebuilds an equal plan."""
-        return {
+        data: dict[str, Any] = {
             "format_version": PLAN_FORMAT_VERSION,
             "layout": self.layout,
             "context": attrs.asdict(self.context),
@@ -385,3 +411,5 @@ class KVCachePlan:
                 for tensor in self.tensors
             ],
         }
+        data["input_checksums"] = input_checksums(data)
+        return data

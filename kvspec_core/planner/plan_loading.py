@@ -15,6 +15,7 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import ConfigError, InvalidFieldTypeError, KVSpecError
 from kvspec_core.planner.plan import (
     PLAN_FORMAT_VERSION,
+    input_checksums,
     KVCachePlan,
     KVCacheTensor,
     PlannedGroup,
@@ -83,8 +84,52 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
             f"not a serialised KV-cache plan: missing or malformed field ({error!r}); "
             "pass a dict written by KVCachePlan.to_dict"
         ) from error
+    _check_inputs_unedited(data)
     _check_consistent(plan, manager)
+    _check_written_fields(data, plan.to_dict())
     return plan
+
+
+def _edited(field: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"inconsistent KV-cache plan: field {field!r} {why}; re-plan instead of editing a plan"
+    )
+
+
+def _check_inputs_unedited(data: Mapping[str, Any]) -> None:
+    """Refuse edits of the inputs nothing else derives from (block counts, budgets,
+    memoryless layers, context, layout), told by their checksums."""
+    written = data.get("input_checksums")
+    if not isinstance(written, Mapping):
+        raise _edited("input_checksums", "is missing; it is written by KVCachePlan.to_dict")
+    for field, checksum in input_checksums(data).items():
+        if written.get(field) != checksum:
+            raise _edited(field, "was edited after the plan was written (its checksum in "
+                          "input_checksums does not match)")
+
+
+def _check_written_fields(written: Any, expected: Any, path: str = "") -> None:
+    """Refuse a document whose every field, derived figures and flags included (total
+    ``num_blocks``, group flags, ``needs_zeroing``...), is not what the plan read from it
+    writes; the first differing field is named by its path (``groups[0].transferable``)."""
+    if isinstance(expected, dict) and isinstance(written, Mapping):
+        for key in written:
+            if key not in expected:
+                raise _edited(f"{path}{key}", "is not part of a KV-cache plan")
+        for key, value in expected.items():
+            if key not in written:
+                raise _edited(f"{path}{key}", "is missing")
+            _check_written_fields(written[key], value, f"{path}{key}.")
+        return
+    field = path.removesuffix(".")
+    if isinstance(expected, list) and isinstance(written, list) and len(expected) == len(written):
+        for index, (item, value) in enumerate(zip(written, expected)):
+            _check_written_fields(item, value, f"{field}[{index}].")
+        return
+    # Compared as JSON, so that 100.0 or 0 cannot stand in for 100 or False.
+    if json.dumps(written, default=repr) != json.dumps(expected):
+        raise _edited(field, f"is {written!r:.100} but the plan's groups and block counts give "
+                      f"{expected!r:.100}")
 
 
 def _check_consistent(plan: KVCachePlan, manager: PluginManager) -> None:
