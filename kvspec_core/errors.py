@@ -71,3 +71,13 @@ class PlanError(KVSpecError, ValueError):
 
 class AllocatorError(KVSpecError, RuntimeError):
     """The runtime allocator was asked for something that would corrupt its state."""
+
+
+class KindConflictError(PluginError):
+    """Several plugins register one spec kind. ``claimants`` are their plugin names, the
+    first one holding the kind (if any) first."""
+
+    def __init__(self, message: str, *, kind: str, claimants: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.claimants = claimants

@@ -97,7 +97,11 @@ def load_entry_points(manager: PluginManager, environ: Mapping[str, str] | None 
             fail(name, distribution, version,
                  f"importing {entry_point.value} raised {type(error).__name__}: {error}")
             continue
+        conflicts_before = len(manager.kind_conflicts)
         try:
-            manager.register(plugin, name, distribution=distribution, version=version)
+            manager.register(plugin, name, distribution=distribution, version=version,
+                             withdraw_contested_kinds=True)
         except PluginError as error:
             fail(name, distribution, version, str(error))
+        for conflict in manager.kind_conflicts[conflicts_before:]:
+            fail(name, distribution, version, str(conflict))

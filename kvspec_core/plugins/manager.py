@@ -12,7 +12,13 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvspec_core.errors import KVSpecError, MissingFamilyError, PluginError, UnknownNameError
+from kvspec_core.errors import (
+    KindConflictError,
+    KVSpecError,
+    MissingFamilyError,
+    PluginError,
+    UnknownNameError,
+)
 from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
 from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins import hookspecs, loading
@@ -39,6 +45,8 @@ class PluginManager:
         self._runtime_rules: dict[str, tuple[str, Any]] = {}
         self._infos: dict[str, PluginInfo] = {}
         self.failures: list[PluginFailure] = []
+        #: Kinds refused because several plugins claimed them (entry-point loading).
+        self.kind_conflicts: list[KindConflictError] = []
         if include_core:
             from kvspec_core.plugins import builtin
 
@@ -60,12 +68,19 @@ class PluginManager:
         *,
         distribution: str | None = None,
         version: str | None = None,
+        withdraw_contested_kinds: bool = False,
     ) -> PluginInfo:
         """Register ``plugin`` (a module or object with hook implementations).
 
         It must declare ``kvspec_contract_version == CONTRACT_VERSION``. Its registration
         hooks run at once; if any of them fails, nothing it registered is kept and
         :class:`PluginError` names the plugin, its distribution and the cause.
+
+        A spec kind another plugin already holds is such a failure, unless
+        ``withdraw_contested_kinds`` (entry-point loading, where nobody can choose): then
+        neither plugin keeps the kind (the core's kinds stay the core's), the plugin's other
+        registrations stand, and a :class:`KindConflictError` naming both is appended to
+        :attr:`kind_conflicts`.
         """
         label = f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "")
         if name in self._infos:
@@ -106,8 +121,10 @@ class PluginManager:
             raise PluginError(
                 f"{label} has invalid hook implementations: {type(error).__name__}: {error}"
             ) from error
+        contested: list[KindConflictError] = []
         try:
-            self._run_registration_hooks(plugin, name)
+            self._run_registration_hooks(
+                plugin, name, contested if withdraw_contested_kinds else None)
         except Exception as error:
             self._rollback(plugin, name)
             if isinstance(error, PluginError):
@@ -126,7 +143,32 @@ class PluginManager:
             hooks=hooks,
         )
         self._infos[name] = info
+        for conflict in contested:
+            self._withdraw_kind(conflict, name, distribution)
         return info
+
+    def _withdraw_kind(self, conflict: KindConflictError, claimant: str,
+                       distribution: str | None) -> None:
+        """Take ``conflict.kind`` from its holder and refuse it to ``claimant`` too."""
+        kinds = self.spec_kinds
+        holder = kinds.owner_of(conflict.kind) if conflict.kind in kinds else None
+        claimants = self.spec_kinds.withdraw(conflict.kind, claimant)
+        if holder is not None:
+            info = self._infos[holder]
+            self._infos[holder] = attrs.evolve(
+                info, spec_kinds=tuple(k for k in info.spec_kinds if k != conflict.kind))
+            self._runtime_rules.pop(conflict.kind, None)
+        labels = [
+            f"{name!r} ({self._infos[name].distribution or 'no distribution'})"
+            if name in self._infos else repr(name)
+            for name in claimants
+        ]
+        self.kind_conflicts.append(KindConflictError(
+            f"spec kind {conflict.kind!r} is claimed by plugins {', '.join(labels)}; none of "
+            "them gets it (their other kinds load): uninstall all but one of them, or restrict "
+            "loading with KVSPEC_PLUGINS",
+            kind=conflict.kind, claimants=claimants,
+        ))
 
     def unregister(self, name: str) -> None:
         """Remove a plugin and everything it registered."""
@@ -167,14 +209,28 @@ class PluginManager:
         # pluggy passes only the arguments an implementation names; do the same.
         return impl.function(*(kwargs[arg] for arg in impl.argnames))
 
-    def _run_registration_hooks(self, plugin: object, name: str) -> None:
+    def _run_registration_hooks(self, plugin: object, name: str,
+                                contested: list[KindConflictError] | None = None) -> None:
+        """Run ``plugin``'s registration hooks; with ``contested``, a kind another plugin
+        (not the core) holds or claimed is skipped and its conflict appended there."""
         def register_kind(spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None) -> None:
-            self.spec_kinds.add(self.spec_kinds.check(spec_class, name, uniform_base))
+            try:
+                entry = self.spec_kinds.check(spec_class, name, uniform_base)
+            except KindConflictError as conflict:
+                if contested is None or CORE_PLUGIN_NAME in conflict.claimants:
+                    raise
+                contested.append(conflict)
+                return
+            self.spec_kinds.add(entry)
 
         def register_kv_dtype(kv_dtype: KVCacheDtype) -> None:
             self.kv_dtypes.register(kv_dtype, name)
 
         def register_rules(kind: str, rules: Any) -> None:
+            if contested is not None and (
+                    kind in self.spec_kinds.contested_kinds()
+                    or any(conflict.kind == kind for conflict in contested)):
+                return  # the kind is refused to every claimant; so are its rules
             owner = self.spec_kinds.owner_of(kind)
             if owner != name:
                 raise PluginError(

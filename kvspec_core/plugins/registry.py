@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from kvspec_core.errors import MissingFamilyError, PluginError, UnknownNameError
+from kvspec_core.errors import KindConflictError, MissingFamilyError, PluginError, UnknownNameError
 from kvspec_core.plugins.known_families import KIND_DISTRIBUTIONS, install_hint
 from kvspec_core.specs.base import KVSpec
 
@@ -45,6 +45,8 @@ class SpecRegistry:
     def __init__(self) -> None:
         self._by_kind: dict[str, SpecKindEntry] = {}
         self._by_class: dict[type[KVSpec], SpecKindEntry] = {}
+        #: Kind -> every plugin that claimed it; such a kind is registered for none of them.
+        self._contested: dict[str, tuple[str, ...]] = {}
 
     def check(self, spec_class: object, owner: str, uniform_base: object = None) -> SpecKindEntry:
         """Validate a registration without applying it; returns the entry it would add."""
@@ -71,10 +73,16 @@ class SpecRegistry:
         if existing is not None and (
             existing.spec_class is not spec_class or existing.owner != owner
         ):
-            raise PluginError(
+            raise KindConflictError(
                 f"spec kind {kind!r} registered by plugin {owner!r} ({spec_class.__qualname__}) "
                 f"is already registered by plugin {existing.owner!r} "
-                f"({existing.spec_class.__qualname__})"
+                f"({existing.spec_class.__qualname__})",
+                kind=kind, claimants=(existing.owner, owner),
+            )
+        if kind in self._contested:
+            raise KindConflictError(
+                self._contested_message(kind), kind=kind,
+                claimants=(*self._contested[kind], owner),
             )
         if uniform_base is None:
             parent = self._nearest_entry(spec_class, skip_self=True)
@@ -92,6 +100,27 @@ class SpecRegistry:
         self._by_kind[entry.kind] = entry
         self._by_class[entry.spec_class] = entry
 
+    def withdraw(self, kind: str, claimant: str) -> tuple[str, ...]:
+        """Refuse ``kind`` to everyone: its owner (if it has one) loses it and ``claimant``
+        joins those who claimed it. Returns every claimant so far."""
+        entry = self._by_kind.pop(kind, None)
+        if entry is not None:
+            self._by_class.pop(entry.spec_class, None)
+        earlier = self._contested.get(kind, (entry.owner,) if entry is not None else ())
+        self._contested[kind] = (*earlier, claimant)
+        return self._contested[kind]
+
+    def contested_kinds(self) -> list[str]:
+        """Kinds several plugins claimed, so that none has them."""
+        return sorted(self._contested)
+
+    def _contested_message(self, kind: str) -> str:
+        claimants = ", ".join(repr(name) for name in self._contested[kind])
+        return (
+            f"spec kind {kind!r} is claimed by plugins {claimants}, so none of them provides "
+            "it: uninstall all but one of them, or restrict loading with KVSPEC_PLUGINS"
+        )
+
     def remove_owner(self, owner: str) -> None:
         for kind in [k for k, e in self._by_kind.items() if e.owner == owner]:
             entry = self._by_kind.pop(kind)
@@ -108,6 +137,8 @@ class SpecRegistry:
         """The registered entry for a spec or class, looked up through its class hierarchy."""
         cls = spec if isinstance(spec, type) else type(spec)
         entry = self._nearest_entry(cls)
+        if self._contested and cls.__dict__.get("kind") in self._contested:
+            raise PluginError(self._contested_message(cls.__dict__["kind"]))
         if entry is None:
             kind = getattr(cls, "kind", "")
             if kind in KIND_DISTRIBUTIONS:
@@ -132,6 +163,8 @@ class SpecRegistry:
         entry = self._by_kind.get(kind)
         if entry is not None:
             return entry.spec_class
+        if kind in self._contested:
+            raise PluginError(self._contested_message(kind))
         if kind in KIND_DISTRIBUTIONS:
             raise MissingFamilyError(
                 f"spec kind {kind!r} is provided by {KIND_DISTRIBUTIONS[kind]}, which is not "
