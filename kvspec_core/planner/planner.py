@@ -26,6 +26,7 @@ from kvspec_core.planner.geometry import (
 from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slot_runs
 from kvspec_core.planner.layouts import DIM_B, DIM_L, KVCacheLayout, get_layout
 from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor, PlannedGroup, Pool
+from kvspec_core.planner.plugin_faults import plugin_faults_named
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
@@ -325,10 +326,17 @@ def plan_kv_cache(
     at once. Block sizes are never changed. Host-resident groups are sized from
     ``host_budget_bytes``. Raises :class:`CapacityError` when one request of
     ``ctx.max_model_len`` does not fit, naming needed and available bytes and the largest
-    max model length that fits; :class:`PlanError` when the layout cannot hold the specs.
+    max model length that fits; :class:`PlanError` when the layout cannot hold the specs;
+    :class:`PluginError` naming the plugin, spec kind and method when a spec method raises.
     """
     args = _check_arguments("plan_kv_cache", budget_bytes, host_budget_bytes, ctx, manager,
                             layout)
+    with plugin_faults_named(manager, "planning the KV cache"):
+        return _plan(layer_specs, args, manager)
+
+
+def _plan(layer_specs: Mapping[str, KVSpec], args: _Arguments,
+          manager: PluginManager) -> KVCachePlan:
     budget, host_budget, ctx = args.budget, args.host_budget, args.ctx
     skeleton = _skeleton(layer_specs, ctx, manager, args.layout)
     _host_check(skeleton, host_budget)
@@ -370,8 +378,9 @@ def largest_fitting_max_model_len(
     if not 1 <= upper <= MAX_FIELD_VALUE:
         raise InvalidFieldError("largest_fitting_max_model_len", "upper", upper,
                                 f"must be an int in [1, {MAX_FIELD_VALUE}]")
-    skeleton = _skeleton(layer_specs, args.ctx, manager, args.layout)
-    return _largest_fitting(skeleton, args.ctx, args.budget, args.host_budget, upper)
+    with plugin_faults_named(manager, "finding the largest max_model_len that fits"):
+        skeleton = _skeleton(layer_specs, args.ctx, manager, args.layout)
+        return _largest_fitting(skeleton, args.ctx, args.budget, args.host_budget, upper)
 
 
 def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int],
