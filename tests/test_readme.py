@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -92,3 +94,54 @@ def test_family_table_lists_what_each_plugin_registers() -> None:
         info = by_name[entry_point]
         assert info.distribution == distribution
         assert sorted(re.findall(r"`(\w+)`", kinds_cell)) == sorted(info.spec_kinds)
+
+
+# ----------------------------------------------------------------- the plugin author guide
+def _plugin_guide() -> str:
+    """The "## Writing a plugin" section, its subsections included."""
+    start = README.index("\n## Writing a plugin\n")
+    end = README.index("\n## ", start + 1)
+    return README[start:end]
+
+
+_GUIDE_EXAMPLE = re.compile(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", re.S)
+_GUIDE_EXAMPLES = _GUIDE_EXAMPLE.findall(_plugin_guide())
+
+
+def test_the_plugin_guide_has_its_examples() -> None:
+    names = [name for name, _ in _GUIDE_EXAMPLES]
+    assert len(names) == len(set(names)) >= 4, names
+
+
+@pytest.mark.parametrize(("name", "code"), _GUIDE_EXAMPLES, ids=[n for n, _ in _GUIDE_EXAMPLES])
+def test_plugin_guide_examples_run(name: str, code: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each marked example runs on its own (it makes its own fresh managers)."""
+    for variable in ("KVSPEC_PLUGINS", "KVSPEC_STRICT_PLUGINS"):
+        monkeypatch.delenv(variable, raising=False)
+    exec(compile(code, f"README.md example {name}", "exec"), {"__name__": f"readme_{name}"})
+
+
+def _guide_imports() -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``from kvspec_core... import name`` in the guide's Python
+    blocks (the one-line hook signatures are not code) and in its inline code."""
+    found = []
+    sources = [block for block in re.findall(r"```python\n(.*?)```", _plugin_guide(), re.S)
+               if not block.startswith("def kvspec_")]
+    sources += re.findall(r"`(from kvspec_core[\w.]* import [\w, ]+)`", _plugin_guide())
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvspec_core"):
+                found += [(node.module, alias.name) for alias in node.names]
+    return sorted(set(found))
+
+
+def test_the_plugin_guide_imports_what_the_core_exports() -> None:
+    imports = _guide_imports()
+    assert ("kvspec_core", "cdiv") in imports and ("kvspec_core.testing", "manager_with") in imports
+    for module_name, name in imports:
+        assert not any(part.startswith("_") for part in module_name.split(".")), module_name
+        module = importlib.import_module(module_name)
+        exported = getattr(module, "__all__", None)
+        if exported is not None:
+            assert name in exported, f"{name} is not in {module_name}.__all__"
+        assert hasattr(module, name), f"{module_name} has no {name}"
