@@ -154,7 +154,17 @@ class BlockPool:
                 removed.setdefault(block_group[block], []).append(block_hash[block])  # type: ignore[arg-type]
             for gid, digests in removed.items():
                 self._events.append(BlockRemoved(group=gid, block_hashes=tuple(digests)))
-        victims: list[int] = []
+        if len(caches) == 1 and len(evictable) >= count:
+            # One group, never-reused blocks only (their reused flag is 0 already).
+            (cache,) = caches.values()
+            popitem = evictable.popitem
+            victims = [popitem(False)[0] for _ in range(count)]
+            for block in victims:
+                del cache[block_hash[block]]  # type: ignore[arg-type]
+                block_hash[block] = None
+            self.epoch += 1
+            return victims
+        victims = []
         append = victims.append
         protected = self._protected
         for _ in range(count):
