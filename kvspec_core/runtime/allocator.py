@@ -41,7 +41,13 @@ from kvspec_core.runtime.results import (
     NotNow,
     Usage,
 )
-from kvspec_core.runtime.rules import NEVER, plugin_rules_error, rules_for, rules_plugin
+from kvspec_core.runtime.rules import (
+    NEVER,
+    FullAttentionRules,
+    plugin_rules_error,
+    rules_for,
+    rules_plugin,
+)
 from kvspec_core.specs.base import KVSpec
 
 if TYPE_CHECKING:
@@ -184,6 +190,13 @@ class KVCacheAllocator:
         self._is_state_group = [
             gid in self._coordinator.state_groups for gid in range(len(self.specs))
         ]
+        # Every holding group keeps all its blocks and caches them as they fill (the core's
+        # full-attention rules, not a subclass) and no events are recorded: decode steps
+        # that cross a block boundary take the short path of _grow_dense.
+        self._dense = (
+            self._events is None
+            and all(type(self.rules[gid]) is FullAttentionRules for gid in self._holding)
+        )
         self._running: dict[str | int, _Running] = {}
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
@@ -350,6 +363,13 @@ class KVCacheAllocator:
                 f"request {request.request_id!r} is already running; a prefix applies only "
                 "to its first allocate_slots"
             )
+        if (
+            self._dense
+            and num_new_tokens.__class__ is int is lookahead.__class__
+            and num_new_tokens >= 0
+            and lookahead >= 0
+        ):
+            return self._grow_dense(state, num_new_tokens, lookahead)
         return self._grow(state, num_new_tokens, lookahead)
 
     def allocate_step(
@@ -677,6 +697,80 @@ class KVCacheAllocator:
             self._cache_new_blocks(state, known)
         self._update_limits(state)
         if not plans:
+            return self._no_new_blocks
+        return Allocated(new_block_ids=tuple(new_ids))
+
+    def _grow_dense(
+        self, state: _Running, num_new_tokens: int, lookahead: int
+    ) -> Allocated | NotNow:
+        """:meth:`_grow_checked` for allocators whose groups all follow the core's
+        full-attention rules (see ``_dense``): nothing is ever skipped, a group needs
+        ``cdiv(total, block_tokens)`` blocks and caches every full one. Same results and
+        state as the general path, which the tests compare on random traces."""
+        request = state.request
+        max_len = self.max_model_len
+        known = state.computed + num_new_tokens
+        if known > max_len:
+            return self._over_length(request, known)
+        total = known + lookahead
+        if total > max_len:
+            total = max_len
+        blocks = state.blocks
+        block_tokens = self._block_tokens
+        takes: list[tuple[int, int]] = []
+        for gid in self._holding:
+            real = -(-total // block_tokens[gid]) - len(blocks[gid])
+            if real > 0:
+                held = state.num_real[gid] + real
+                if held > self.admission_caps[gid]:
+                    return self._over_cap(request, gid, held)
+                takes.append((gid, real))
+        if takes:
+            pools = self.pools
+            need = [0] * len(pools)
+            for gid, real in takes:
+                need[self._pool_of[gid]] += real
+            shortfall = self._shortfall(need, [0] * len(pools))
+            if shortfall is not None:
+                return shortfall
+        cacheable = self._cacheable
+        cached_upto = min(known, len(request.token_ids))
+        if cacheable:
+            # Hash before anything changes: bad token ids refuse the step here.
+            fine = self._hasher.hashes(request, cached_upto)
+        new_ids: list[tuple[int, ...]] = [()] * len(blocks)
+        for gid, real in takes:
+            taken = self._group_pools[gid].take(real)
+            blocks[gid].extend(taken)
+            state.num_real[gid] += real
+            new_ids[gid] = tuple(taken)
+        state.computed = known
+        end_limit = known_limit = max_len + 1
+        num_cached = state.num_cached
+        cache_at = state.cache_at
+        for gid in self._holding:
+            tokens = block_tokens[gid]
+            table = blocks[gid]
+            end = len(table) * tokens + 1
+            if end < end_limit:
+                end_limit = end
+            if cacheable:
+                if cached_upto >= cache_at[gid]:
+                    start = num_cached[gid]
+                    stop = cached_upto // tokens
+                    stride = self._hash_stride[gid]
+                    self._group_pools[gid].cache_blocks(
+                        gid, fine[(start + 1) * stride - 1 : stop * stride : stride],
+                        table[start:stop],
+                    )
+                    num_cached[gid] = stop
+                    cache_at[gid] = (stop + 1) * tokens
+                if cache_at[gid] < known_limit:
+                    known_limit = cache_at[gid]
+        state.end_limit = end_limit
+        state.known_limit = known_limit
+        state.computed_limit = NEVER
+        if not takes:
             return self._no_new_blocks
         return Allocated(new_block_ids=tuple(new_ids))
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
-from array import array
 from hashlib import blake2b
 
 from kvspec_core.errors import AllocatorError
@@ -24,9 +22,8 @@ PROCESS_SALT = os.urandom(32)
 #: Bytes of one block hash.
 DIGEST_SIZE = 32
 
-_NATIVE_LITTLE = sys.byteorder == "little"
 #: Bytes of one packed token id.
-_TOKEN_BYTES = array("I").itemsize
+_TOKEN_BYTES = struct.calcsize("<I")
 
 
 def _field(value: str | bytes | None) -> bytes:
@@ -38,16 +35,15 @@ def _field(value: str | bytes | None) -> bytes:
 
 def _pack_tokens(request: Request, start: int, stop: int) -> bytes:
     """Tokens ``[start, stop)`` of ``request`` as little-endian uint32s."""
+    tokens = request.token_ids[start:stop]
     try:
-        packed = array("I", request.token_ids[start:stop])
-    except (OverflowError, TypeError) as error:
+        # struct packs a list about twice as fast as array("I", ...).tobytes().
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as error:
         raise AllocatorError(
             f"request {request.request_id!r}: token ids in [{start}, {stop}) must be ints "
             f"in [0, 2**32) to be hashed: {error}"
         ) from error
-    if not _NATIVE_LITTLE:
-        packed.byteswap()
-    return packed.tobytes()
 
 
 class PrefixHasher:

@@ -89,7 +89,7 @@ class BlockPool:
         self._reused = bytearray(num_blocks)
         self._segmented = eviction == "segmented"
         self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._block_group = array("H", bytes(2 * num_blocks))
+        self._block_group = array("H", [self.group_ids[0]]) * num_blocks
         #: Per group: block hash -> block id of the cached block.
         self.caches: dict[int, dict[bytes, int]] = {gid: {} for gid in self.group_ids}
         self._events = events
@@ -130,14 +130,31 @@ class BlockPool:
                 f"asked for {count} blocks but only {self.num_free_blocks} are free"
             )
         available = len(fresh)
+        refs = self.ref_counts
         if count <= available:
             blocks = fresh[available - count :].tolist()
             del fresh[available - count :]
         else:
             blocks = fresh.tolist()
             del fresh[:]
+            if self._events is None and len(self.caches) == 1 and len(self._evictable) >= count - available:
+                # One group, never-reused cached blocks cover the rest (the steady state of
+                # a full pool): evict and hand out in one pass.
+                (cache,) = self.caches.values()
+                block_hash = self._block_hash
+                popitem = self._evictable.popitem
+                append = blocks.append
+                for _ in range(count - available):
+                    block = popitem(False)[0]
+                    del cache[block_hash[block]]  # type: ignore[arg-type]
+                    block_hash[block] = None
+                    refs[block] = 1
+                    append(block)
+                self.epoch += 1
+                for block in blocks[:available]:
+                    refs[block] = 1
+                return blocks
             blocks.extend(self._evict(count - available))
-        refs = self.ref_counts
         for block in blocks:
             refs[block] = 1
         return blocks
@@ -154,17 +171,7 @@ class BlockPool:
                 removed.setdefault(block_group[block], []).append(block_hash[block])  # type: ignore[arg-type]
             for gid, digests in removed.items():
                 self._events.append(BlockRemoved(group=gid, block_hashes=tuple(digests)))
-        if len(caches) == 1 and len(evictable) >= count:
-            # One group, never-reused blocks only (their reused flag is 0 already).
-            (cache,) = caches.values()
-            popitem = evictable.popitem
-            victims = [popitem(False)[0] for _ in range(count)]
-            for block in victims:
-                del cache[block_hash[block]]  # type: ignore[arg-type]
-                block_hash[block] = None
-            self.epoch += 1
-            return victims
-        victims = []
+        victims: list[int] = []
         append = victims.append
         protected = self._protected
         for _ in range(count):
@@ -258,6 +265,18 @@ class BlockPool:
         protected = self._protected
         reused = self._reused
         fresh = self._fresh
+        if not self._segmented:
+            # Nothing is ever marked reused under LRU: one order for every cached block.
+            for block in blocks:
+                if block:
+                    count = refs[block] - 1
+                    refs[block] = count
+                    if not count:
+                        if block_hash[block] is None:
+                            fresh.append(block)
+                        else:
+                            evictable[block] = None
+            return
         for block in blocks:
             if block:
                 count = refs[block] - 1
@@ -276,8 +295,15 @@ class BlockPool:
         already cached keeps its block. Returns how many blocks were newly cached."""
         cache = self.caches[gid]
         block_hash = self._block_hash
-        block_group = self._block_group
         stored = 0
+        if len(self.caches) == 1:
+            # One group: every block's group id is that group's already (set at creation).
+            for digest, block in zip(digests, blocks):
+                if block and block_hash[block] is None and cache.setdefault(digest, block) == block:
+                    block_hash[block] = digest
+                    stored += 1
+            return stored
+        block_group = self._block_group
         for digest, block in zip(digests, blocks):
             if block and block_hash[block] is None and cache.setdefault(digest, block) == block:
                 block_hash[block] = digest

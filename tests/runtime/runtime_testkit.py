@@ -186,3 +186,26 @@ class Shadow:
             ):
                 return position
         return 0
+
+
+
+def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: int,
+                  running: list) -> int:
+    """Carry out ``("admit", prefix, suffix, chunk)`` on each allocator: one request of
+    ``prefix + suffix`` (its own Request object per allocator: hashes are cached on it),
+    a prefix lookup, then at most ``chunk`` tokens. Asserts that all allocators find the
+    same hit and answer alike; appends the requests to ``running`` if admitted. Returns the
+    next free request id."""
+    _, prefix, suffix, chunk = op
+    prompt = [*prefix, *suffix] or [0]
+    requests = tuple(Request(next_id, list(prompt)) for _ in allocators)
+    hits = [allocator.find_cached_prefix(request)
+            for allocator, request in zip(allocators, requests)]
+    assert all(hit == hits[0] for hit in hits)
+    count = min(chunk, len(prompt) - hits[0].num_tokens)
+    results = [allocator.allocate_slots(request, count, prefix=hit)
+               for allocator, request, hit in zip(allocators, requests, hits)]
+    assert all(result == results[0] for result in results)
+    if results[0]:
+        running.append(requests)
+    return next_id + 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
-from runtime_testkit import chunked, full, make_allocator, mamba, sliding
+from runtime_testkit import admit_on_each, chunked, full, make_allocator, mamba, sliding
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import KVCacheAllocator, Request
@@ -65,19 +65,7 @@ def test_allocate_step_equals_allocate_slots_in_order(config: str, eviction: str
     next_id = 0
     for op in program:
         if op[0] == "admit":
-            _, prefix, suffix, chunk = op
-            prompt = [*prefix, *suffix] or [0]
-            pair = (Request(next_id, list(prompt)), Request(next_id, list(prompt)))
-            next_id += 1
-            hits = [allocator.find_cached_prefix(request)
-                    for allocator, request in zip((one_by_one, batched), pair)]
-            assert hits[0] == hits[1]
-            count = min(chunk, len(prompt) - hits[0].num_tokens)
-            results = [allocator.allocate_slots(request, count, prefix=hit)
-                       for allocator, request, hit in zip((one_by_one, batched), pair, hits)]
-            assert results[0] == results[1]
-            if results[0]:
-                running.append(pair)
+            next_id = admit_on_each((one_by_one, batched), op, next_id, running)
         elif op[0] == "step":
             _, entries, lookahead, admit_new = op
             loop_steps, batch_steps = [], []

@@ -1,0 +1,82 @@
+"""The short paths for full-attention-only allocators change nothing but speed.
+
+An allocator whose groups all follow the core's full-attention rules grows requests through
+``_grow_dense`` and its pools hand out evicted blocks in one pass; with KV events on, the same
+allocator takes the general paths (``_grow_checked``, ``BlockPool._evict``). Random programs
+drive both side by side: every result, error, hit, block table and every pool field must
+stay equal.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+from runtime_testkit import admit_on_each, full, make_allocator, sliding
+from test_allocate_step import pool_state, tables
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime import Request
+from kvspec_core.runtime.pool import EVICTION_POLICIES
+
+CONFIGS = {
+    "one group": ([full(2)], 24, None),
+    "two block sizes, one pool": ([full(2), full(4)], 40, None),
+    "two pools": ([full(2), full(4)], [16, 12], [0, 1]),
+}
+PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
+
+admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
+                     st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
+# (running request index, tokens to schedule, lookahead, token to append first; -1: none,
+# -2: a token that cannot be hashed).
+grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(0, 3),
+                    st.integers(-2, 2))
+finish_op = st.tuples(st.just("finish"), st.integers(0, 63))
+programs = st.lists(st.one_of(admit_op, grow_op, grow_op, grow_op, finish_op), max_size=60)
+
+
+def outcome(call):  # type: ignore[no-untyped-def]
+    try:
+        return call()
+    except AllocatorError as error:
+        return ("error", str(error))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
+       program=programs)
+def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program: list) -> None:
+    specs, blocks, pools = CONFIGS[config]
+    dense = make_allocator(specs, blocks, pools, eviction=eviction)
+    general = make_allocator(specs, blocks, pools, eviction=eviction, enable_kv_events=True)
+    assert dense._dense and not general._dense
+    running: list[tuple[Request, Request]] = []
+    next_id = 0
+    for op in program:
+        if op[0] == "admit":
+            next_id = admit_on_each((dense, general), op, next_id, running)
+        elif op[0] == "grow" and running:
+            _, index, count, lookahead, token = op
+            pair = running[index % len(running)]
+            if token != -1:
+                for request in pair:
+                    request.append_token(-5 if token == -2 else token)
+            results = [outcome(lambda a=allocator, r=request: a.allocate_slots(r, count, lookahead))
+                       for allocator, request in zip((dense, general), pair)]
+            assert results[0] == results[1]
+            if token == -2:
+                # Refused (nothing changed); take the bad token back on both sides.
+                for request in pair:
+                    request.token_ids.pop()
+        elif op[0] == "finish" and running:
+            pair = running.pop(op[1] % len(running))
+            dense.free(pair[0].request_id)
+            general.free(pair[1].request_id)
+        assert tables(dense) == tables(general)
+        assert pool_state(dense) == pool_state(general)
+    dense.check_invariants()
+    general.check_invariants()
+
+
+def test_sliding_window_and_plugin_rules_take_the_general_path() -> None:
+    assert not make_allocator([full(2), sliding(2, 5)], 30)._dense
