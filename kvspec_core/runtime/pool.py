@@ -291,25 +291,53 @@ class BlockPool:
 
     # ----------------------------------------------------------------- prefix cache
     def cache_blocks(self, gid: int, digests: Sequence[bytes], blocks: Sequence[int]) -> int:
-        """Make in-use ``blocks`` findable under ``digests`` for group ``gid``; a hash
-        already cached keeps its block. Returns how many blocks were newly cached."""
+        """Make in-use ``blocks`` findable under ``digests`` for group ``gid``. A hash
+        cached already moves to the new block, a copy a request has just computed again (in
+        a hybrid model: a group's own hit went further than the common one), so the hash
+        lives as long as its newest copy, as in vLLM; the old copy leaves the cache (once
+        free, it is handed out before any cached block). Returns how many blocks were
+        newly cached."""
         cache = self.caches[gid]
         block_hash = self._block_hash
         stored = 0
         if len(self.caches) == 1:
             # One group: every block's group id is that group's already (set at creation).
             for digest, block in zip(digests, blocks):
-                if block and block_hash[block] is None and cache.setdefault(digest, block) == block:
+                if block and block_hash[block] is None:
+                    old = cache.setdefault(digest, block)
+                    if old != block:
+                        self._move_hash(cache, digest, old, block)
                     block_hash[block] = digest
                     stored += 1
             return stored
         block_group = self._block_group
         for digest, block in zip(digests, blocks):
-            if block and block_hash[block] is None and cache.setdefault(digest, block) == block:
+            if block and block_hash[block] is None:
+                old = cache.setdefault(digest, block)
+                if old != block:
+                    self._move_hash(cache, digest, old, block)
                 block_hash[block] = digest
                 block_group[block] = gid
                 stored += 1
         return stored
+
+    def _move_hash(self, cache: dict[bytes, int], digest: bytes, old: int, new: int) -> None:
+        """``digest`` now names ``new``; ``old`` leaves the prefix cache (its content stays
+        valid for the requests using it; free, it joins the uncached free blocks) and hands
+        its reused flag to ``new``."""
+        cache[digest] = new
+        self._block_hash[old] = None
+        if self._reused[old]:
+            self._reused[old] = 0
+            self._reused[new] = 1
+            if not self.ref_counts[old]:
+                del self._protected[old]
+                self._fresh.append(old)
+        elif not self.ref_counts[old]:
+            del self._evictable[old]
+            self._fresh.append(old)
+        # A prefix found before may name ``old``: allocate_slots checks it again.
+        self.epoch += 1
 
     def reset_prefix_cache(self, *, record_event: bool = True) -> None:
         """Forget every cached prefix. Blocks in use stay with their requests (uncached);

@@ -131,11 +131,15 @@ def test_eviction_reports_removed_hashes_per_group() -> None:
     ]
 
 
-def test_a_hash_cached_twice_keeps_its_first_block() -> None:
+def test_a_hash_cached_again_moves_to_the_newer_copy() -> None:
+    # A request computed a cached block again: the hash lives as long as the newest copy
+    # (as in vLLM, which keeps every copy); the old copy leaves the cache.
     pool = BlockPool(4)
     first, second = pool.take(2)
     assert pool.cache_blocks(0, [digest(5)], [first]) == 1
-    assert pool.cache_blocks(0, [digest(5)], [second]) == 0
-    pool.release([second])
-    assert pool.take(1) == [second]  # uncached, so reused before any cached block
+    pool.release([first])
+    assert pool.cache_blocks(0, [digest(5)], [second]) == 1
+    assert pool.caches[0] == {digest(5): second}
+    assert pool.cached_hash(first) is None and not pool.is_cached_free(first)
+    assert pool.take(1) == [first]  # uncached now, so reused before any cached block
     pool.check_invariants()
