@@ -40,7 +40,7 @@ import time
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
-from kvspec_core.runtime import KVCacheAllocator, Request, chat_trace, trace
+from kvspec_core.runtime import KVCacheAllocator, NotNow, Request, chat_trace, trace
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 
 BLOCK_SIZE = 16
@@ -170,7 +170,8 @@ def replay(
                 pairs.append((request, 1))
             results = allocate_step(pairs)
             if results.count(no_new_blocks) != len(results):
-                decode_stalls += sum(1 for result in results if not result)
+                # A class test, not truth: Allocated.__bool__ is a Python call per result.
+                decode_stalls += sum(1 for result in results if result.__class__ is NotNow)
                 used = pool.num_used_blocks
                 if used > peak:
                     peak = used

@@ -197,7 +197,11 @@ class KVCacheAllocator:
             self._events is None
             and all(type(self.rules[gid]) is FullAttentionRules for gid in self._holding)
         )
+        # Hash blocks finer than every group's block: the general path hashes each one as
+        # it completes, before any group block is full.
+        self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1
         self._running: dict[str | int, _Running] = {}
+        self._last_prefix: CachedPrefix | None = None
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
 
@@ -321,10 +325,13 @@ class KVCacheAllocator:
         block_ids = tuple(
             tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
         )
-        return CachedPrefix(
+        prefix = CachedPrefix(
             request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
             checkpoint_at=checkpoint_at,
         )
+        # Admitting with this very object at the same epochs needs no per-block check.
+        self._last_prefix = prefix
+        return prefix
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(
@@ -544,8 +551,11 @@ class KVCacheAllocator:
         new_ids: list[tuple[int, ...]] = [()] * group_count
         # Revive every group's hit blocks before any group takes new ones: groups sharing
         # a pool would otherwise evict (and take) each other's not-yet-revived hit blocks.
+        # A prefix this allocator found, with no pool's epoch changed since (checked by
+        # _stale_group), still names cached blocks only.
+        known_cached = prefix is not None and prefix is self._last_prefix
         for gid, _, _ in plans:
-            self._group_pools[gid].touch(blocks[gid])
+            self._group_pools[gid].touch(blocks[gid], known_cached=known_cached)
         for gid, nulls, real in plans:
             table = blocks[gid]
             pool = self._group_pools[gid]
@@ -726,17 +736,25 @@ class KVCacheAllocator:
                     return self._over_cap(request, gid, held)
                 takes.append((gid, real))
         if takes:
-            pools = self.pools
-            need = [0] * len(pools)
-            for gid, real in takes:
-                need[self._pool_of[gid]] += real
-            shortfall = self._shortfall(need, [0] * len(pools))
-            if shortfall is not None:
-                return shortfall
+            if len(takes) == 1 and len(self.pools) == 1:
+                short = takes[0][1] > self.pools[0].num_free_blocks
+            else:
+                need = [0] * len(self.pools)
+                for gid, real in takes:
+                    need[self._pool_of[gid]] += real
+                short = any(count > pool.num_free_blocks
+                            for count, pool in zip(need, self.pools))
+            if short:
+                need = [0] * len(self.pools)
+                for gid, real in takes:
+                    need[self._pool_of[gid]] += real
+                return self._shortfall(need, [0] * len(self.pools))  # type: ignore[return-value]
         cacheable = self._cacheable
-        cached_upto = min(known, len(request.token_ids))
-        if cacheable:
-            # Hash before anything changes: bad token ids refuse the step here.
+        available = len(request.token_ids)
+        cached_upto = known if known < available else available
+        if cacheable and (cached_upto >= state.known_limit or self._hash_finer):
+            # Hash before anything changes: bad token ids refuse the step here (as the
+            # general path's preflight, which hashes every completed hash block).
             fine = self._hasher.hashes(request, cached_upto)
         new_ids: list[tuple[int, ...]] = [()] * len(blocks)
         for gid, real in takes:

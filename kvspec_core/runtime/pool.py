@@ -1,6 +1,7 @@
 """The block pool: ref counts, free blocks, the prefix-cache map. No per-block objects.
 
-Per block the pool keeps a 4-byte ref count, an 8-byte slot for its cached hash, a 2-byte
+Per block the pool keeps an 8-byte ref count slot (a list of small ints: three times faster
+to update than an ``array`` of C ints), an 8-byte slot for its cached hash, a 2-byte
 group id and a 1-byte "reused" flag; free blocks that hold no cached prefix sit in a
 4-byte-per-entry stack. Free blocks that do hold a cached prefix stay findable until
 evicted (ordered dicts give O(1) removal when a hit revives one, and O(1) eviction).
@@ -80,7 +81,7 @@ class BlockPool:
         self.eviction = eviction
         self.num_blocks = num_blocks
         self.group_ids = tuple(group_ids)
-        self.ref_counts = array("i", bytes(4 * num_blocks))
+        self.ref_counts: list[int] = [0] * num_blocks
         # Popping from the end hands out 1, 2, 3, ... first.
         self._fresh = array("i", range(num_blocks - 1, 0, -1))
         # Cached free blocks never reused by a hit (evicted first), and reused ones.
@@ -125,6 +126,11 @@ class BlockPool:
         """``count`` blocks with ref count 1: uncached ones first, then cached ones in
         eviction order (see ``eviction``), which leave the prefix cache."""
         fresh = self._fresh
+        if count == 1 and fresh:
+            # One uncached block (a decode step's new block): the common case.
+            block = fresh.pop()
+            self.ref_counts[block] = 1
+            return [block]
         if count > self.num_free_blocks or count < 0:
             raise AllocatorError(
                 f"asked for {count} blocks but only {self.num_free_blocks} are free"
@@ -193,17 +199,20 @@ class BlockPool:
                 order.append(block)
         return order
 
-    def touch(self, blocks: Iterable[int]) -> None:
+    def touch(self, blocks: Iterable[int], *, known_cached: bool = False) -> None:
         """Add a reference to each cached block a prefix hit reuses; revived free blocks
         leave the eviction order, and all are marked reused (see ``eviction``). Refuses
-        (changing nothing) a block that is neither in use nor a cached free block."""
+        (changing nothing) a block that is neither in use nor a cached free block.
+        ``known_cached``: the caller found every block in this pool's cache with nothing
+        evicted since (the allocator's own prefix at an unchanged epoch), so the check is
+        skipped."""
         refs = self.ref_counts
         reused = self._reused
         blocks = list(blocks)
         evictable = self._evictable
         protected = self._protected
         num_blocks = self.num_blocks
-        for block in blocks:
+        for block in () if known_cached else blocks:
             if block and not (
                 0 < block < num_blocks
                 and (refs[block] or block in evictable or block in protected)

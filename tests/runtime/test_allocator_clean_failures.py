@@ -17,7 +17,7 @@ from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request
 def snapshot(allocator: KVCacheAllocator) -> object:
     """Everything a refused call must leave as it was."""
     pools = [
-        (bytes(pool.ref_counts), list(pool._fresh), list(pool._evictable),
+        (list(pool.ref_counts), list(pool._fresh), list(pool._evictable),
          list(pool._protected), {gid: dict(cache) for gid, cache in pool.caches.items()},
          pool.epoch)
         for pool in allocator.pools

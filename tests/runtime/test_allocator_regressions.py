@@ -102,8 +102,8 @@ def test_touching_a_block_no_hit_can_name_is_refused_changing_nothing(bad: str) 
     pool.cache_blocks(0, [b"x" * 32], [cached])
     pool.release([cached])
     target = 5 if bad == "uncached free" else 6
-    before = (pool.ref_counts.tolist(), pool.num_free_blocks, pool.is_cached_free(cached))
+    before = (list(pool.ref_counts), pool.num_free_blocks, pool.is_cached_free(cached))
     with pytest.raises(AllocatorError, match=f"block {target}"):
         pool.touch([cached, in_use, target])
-    assert (pool.ref_counts.tolist(), pool.num_free_blocks, pool.is_cached_free(cached)) == before
+    assert (list(pool.ref_counts), pool.num_free_blocks, pool.is_cached_free(cached)) == before
     pool.check_invariants()
