@@ -143,19 +143,29 @@ class BlockPool:
         else:
             blocks = fresh.tolist()
             del fresh[:]
-            if self._events is None and len(self.caches) == 1 and len(self._evictable) >= count - available:
-                # One group, never-reused cached blocks cover the rest (the steady state of
-                # a full pool): evict and hand out in one pass.
-                (cache,) = self.caches.values()
+            if self._events is None and len(self._evictable) >= count - available:
+                # Never-reused cached blocks cover the rest (the steady state of a full
+                # pool; their reused flag is 0 already): evict and hand out in one pass.
+                caches = self.caches
+                block_group = self._block_group
                 block_hash = self._block_hash
                 popitem = self._evictable.popitem
                 append = blocks.append
-                for _ in range(count - available):
-                    block = popitem(False)[0]
-                    del cache[block_hash[block]]  # type: ignore[arg-type]
-                    block_hash[block] = None
-                    refs[block] = 1
-                    append(block)
+                if len(caches) == 1:
+                    (cache,) = caches.values()
+                    for _ in range(count - available):
+                        block = popitem(False)[0]
+                        del cache[block_hash[block]]  # type: ignore[arg-type]
+                        block_hash[block] = None
+                        refs[block] = 1
+                        append(block)
+                else:
+                    for _ in range(count - available):
+                        block = popitem(False)[0]
+                        del caches[block_group[block]][block_hash[block]]  # type: ignore[arg-type]
+                        block_hash[block] = None
+                        refs[block] = 1
+                        append(block)
                 self.epoch += 1
                 for block in blocks[:available]:
                     refs[block] = 1
