@@ -736,19 +736,12 @@ class KVCacheAllocator:
                     return self._over_cap(request, gid, held)
                 takes.append((gid, real))
         if takes:
-            if len(takes) == 1 and len(self.pools) == 1:
-                short = takes[0][1] > self.pools[0].num_free_blocks
-            else:
-                need = [0] * len(self.pools)
-                for gid, real in takes:
-                    need[self._pool_of[gid]] += real
-                short = any(count > pool.num_free_blocks
-                            for count, pool in zip(need, self.pools))
-            if short:
-                need = [0] * len(self.pools)
-                for gid, real in takes:
-                    need[self._pool_of[gid]] += real
-                return self._shortfall(need, [0] * len(self.pools))  # type: ignore[return-value]
+            need = [0] * len(self.pools)
+            for gid, real in takes:
+                need[self._pool_of[gid]] += real
+            shortfall = self._shortfall(need, [0] * len(self.pools))
+            if shortfall is not None:
+                return shortfall
         cacheable = self._cacheable
         available = len(request.token_ids)
         cached_upto = known if known < available else available

@@ -151,21 +151,14 @@ class BlockPool:
                 block_hash = self._block_hash
                 popitem = self._evictable.popitem
                 append = blocks.append
-                if len(caches) == 1:
-                    (cache,) = caches.values()
-                    for _ in range(count - available):
-                        block = popitem(False)[0]
-                        del cache[block_hash[block]]  # type: ignore[arg-type]
-                        block_hash[block] = None
-                        refs[block] = 1
-                        append(block)
-                else:
-                    for _ in range(count - available):
-                        block = popitem(False)[0]
-                        del caches[block_group[block]][block_hash[block]]  # type: ignore[arg-type]
-                        block_hash[block] = None
-                        refs[block] = 1
-                        append(block)
+                only_cache = next(iter(caches.values())) if len(caches) == 1 else None
+                for _ in range(count - available):
+                    block = popitem(False)[0]
+                    cache = only_cache if only_cache is not None else caches[block_group[block]]
+                    del cache[block_hash[block]]  # type: ignore[arg-type]
+                    block_hash[block] = None
+                    refs[block] = 1
+                    append(block)
                 self.epoch += 1
                 for block in blocks[:available]:
                     refs[block] = 1
@@ -222,15 +215,16 @@ class BlockPool:
         evictable = self._evictable
         protected = self._protected
         num_blocks = self.num_blocks
-        for block in () if known_cached else blocks:
-            if block and not (
-                0 < block < num_blocks
-                and (refs[block] or block in evictable or block in protected)
-            ):
-                raise AllocatorError(
-                    f"block {block} is neither in use nor a cached free block of this pool "
-                    f"(ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
-                )
+        if not known_cached:
+            for block in blocks:
+                if block and not (
+                    0 < block < num_blocks
+                    and (refs[block] or block in evictable or block in protected)
+                ):
+                    raise AllocatorError(
+                        f"block {block} is neither in use nor a cached free block of this "
+                        f"pool (ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
+                    )
         for block in blocks:
             if block:
                 count = refs[block]
@@ -284,18 +278,6 @@ class BlockPool:
         protected = self._protected
         reused = self._reused
         fresh = self._fresh
-        if not self._segmented:
-            # Nothing is ever marked reused under LRU: one order for every cached block.
-            for block in blocks:
-                if block:
-                    count = refs[block] - 1
-                    refs[block] = count
-                    if not count:
-                        if block_hash[block] is None:
-                            fresh.append(block)
-                        else:
-                            evictable[block] = None
-            return
         for block in blocks:
             if block:
                 count = refs[block] - 1
@@ -318,25 +300,18 @@ class BlockPool:
         newly cached."""
         cache = self.caches[gid]
         block_hash = self._block_hash
-        stored = 0
-        if len(self.caches) == 1:
-            # One group: every block's group id is that group's already (set at creation).
-            for digest, block in zip(digests, blocks):
-                if block and block_hash[block] is None:
-                    old = cache.setdefault(digest, block)
-                    if old != block:
-                        self._move_hash(cache, digest, old, block)
-                    block_hash[block] = digest
-                    stored += 1
-            return stored
         block_group = self._block_group
+        # One group: every block's group id is that group's already (set at creation).
+        shared = len(self.caches) > 1
+        stored = 0
         for digest, block in zip(digests, blocks):
             if block and block_hash[block] is None:
                 old = cache.setdefault(digest, block)
                 if old != block:
                     self._move_hash(cache, digest, old, block)
                 block_hash[block] = digest
-                block_group[block] = gid
+                if shared:
+                    block_group[block] = gid
                 stored += 1
         return stored
 
