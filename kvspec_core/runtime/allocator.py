@@ -30,6 +30,7 @@ from kvspec_core.errors import AllocatorError, KVSpecError
 from kvspec_core.runtime.coordinator import PrefixCoordinator
 from kvspec_core.runtime.events import AllBlocksCleared, BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
+from kvspec_core.runtime.native import native
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, BlockPool
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import (
@@ -397,6 +398,12 @@ class KVCacheAllocator:
         running = self._running
         no_new_blocks = self._no_new_blocks
         results: list[Allocated | NotNow] = []
+        if native is not None:
+            # The same loop compiled; every pair it does not finish goes to _step_pair.
+            native.step(steps, running, lookahead, no_new_blocks, self.allocate_slots,
+                        lambda pair, position: self._step_pair(pair, position, lookahead),
+                        results)
+            return results
         append = results.append
         for pair in steps:
             try:
@@ -421,6 +428,18 @@ class KVCacheAllocator:
                     continue
             append(self.allocate_slots(request, num_new_tokens, lookahead))
         return results
+
+    def _step_pair(self, pair: Any, position: int, lookahead: int) -> Allocated | NotNow:
+        """``allocate_slots`` for item ``position`` of an :meth:`allocate_step`."""
+        try:
+            request, num_new_tokens = pair
+            self._running.get(request.request_id)
+        except (TypeError, ValueError, AttributeError):
+            raise AllocatorError(
+                f"allocate_step: item {position} is {pair!r}, not a (Request, int) "
+                "pair; the items before it were allocated"
+            ) from None
+        return self.allocate_slots(request, num_new_tokens, lookahead)
 
     def _check_counts(self, request: Request, num_new_tokens: int, lookahead: int) -> None:
         for name, value in (("num_new_tokens", num_new_tokens), ("lookahead", lookahead)):
@@ -862,7 +881,7 @@ class KVCacheAllocator:
         # released last block first, groups in order: the order one list per pool gives.
         group_pools = self._group_pools
         for gid, table in enumerate(state.blocks):
-            group_pools[gid]._release_unchecked(reversed(table))
+            group_pools[gid]._release_unchecked(table, reverse=True)
         del self._running[request_id]
         self._freed[request_id] = None
         if len(self._freed) > _FREED_MEMORY:

@@ -10,11 +10,13 @@ from ``os.urandom``, so hashes cannot be precomputed (or collided) from outside 
 
 from __future__ import annotations
 
+import operator
 import os
 import struct
 from hashlib import blake2b
 
 from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.native import native
 from kvspec_core.runtime.request import Request
 
 #: Salt of every hasher of this process that is not given one explicitly.
@@ -39,11 +41,27 @@ def _pack_tokens(request: Request, start: int, stop: int) -> bytes:
     try:
         # struct packs a list about twice as fast as array("I", ...).tobytes().
         return struct.pack(f"<{len(tokens)}I", *tokens)
-    except struct.error as error:
-        raise AllocatorError(
-            f"request {request.request_id!r}: token ids in [{start}, {stop}) must be ints "
-            f"in [0, 2**32) to be hashed: {error}"
-        ) from error
+    except struct.error:
+        raise _bad_tokens(request, start, stop, _first_bad_token(tokens, start)) from None
+
+
+def _first_bad_token(tokens: list[int], start: int) -> str:
+    """Which token cannot be packed, worded as the compiled kernel words it."""
+    for position, token in enumerate(tokens, start):
+        try:
+            value = operator.index(token)
+        except TypeError:
+            value = -1
+        if not 0 <= value < 2**32:
+            return f"token {position} is {token!r}, not an int in [0, 2**32)"
+    return f"struct cannot pack {tokens!r}"
+
+
+def _bad_tokens(request: Request, start: int, stop: int, detail: str) -> AllocatorError:
+    return AllocatorError(
+        f"request {request.request_id!r}: token ids in [{start}, {stop}) must be ints in "
+        f"[0, 2**32) to be hashed: {detail}"
+    )
 
 
 class PrefixHasher:
@@ -81,6 +99,12 @@ class PrefixHasher:
             return hashes
         start, stop = done * size, target * size
         parent = hashes[-1] if hashes else self.root(request)
+        if native is not None and not request.mm_inputs:
+            try:
+                native.chain_hashes(parent, request.token_ids, start, stop, size, hashes)
+            except ValueError as error:
+                raise _bad_tokens(request, start, stop, str(error)) from None
+            return hashes
         data = _pack_tokens(request, start, stop)
         if target == done + 1 and not request.mm_inputs:
             # One new block (a decode step completed it): skip the general loop.

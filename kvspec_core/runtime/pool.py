@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from kvspec_core.runtime.native import native
 
 #: Id of the null block in every pool.
 NULL_BLOCK = 0
@@ -146,6 +147,13 @@ class BlockPool:
             if self._events is None and len(self._evictable) >= count - available:
                 # Never-reused cached blocks cover the rest (the steady state of a full
                 # pool; their reused flag is 0 already): evict and hand out in one pass.
+                if native is not None:
+                    native.evict_take(count - available, blocks, self._evictable, self.caches,
+                                      self._block_group, self._block_hash, refs)
+                    self.epoch += 1
+                    for block in blocks[:available]:
+                        refs[block] = 1
+                    return blocks
                 caches = self.caches
                 block_group = self._block_group
                 block_hash = self._block_hash
@@ -215,6 +223,16 @@ class BlockPool:
         evictable = self._evictable
         protected = self._protected
         num_blocks = self.num_blocks
+        if native is not None:
+            bad = native.touch(blocks, refs, reused, evictable, protected, self._segmented,
+                               not known_cached)
+            if bad < 0:
+                return
+            block = blocks[bad]
+            raise AllocatorError(
+                f"block {block} is neither in use nor a cached free block of this "
+                f"pool (ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
+            )
         if not known_cached:
             for block in blocks:
                 if block and not (
@@ -271,7 +289,15 @@ class BlockPool:
                         f"block {block} released {times} times but has ref count {refs[block]}"
                     )
 
-    def _release_unchecked(self, blocks: Iterable[int]) -> None:
+    def _release_unchecked(self, blocks: Sequence[int], *, reverse: bool = False) -> None:
+        """Release as :meth:`release` does, unchecked (the caller knows every count stays
+        >= 0); ``reverse``: last block first."""
+        if native is not None and blocks.__class__ is list:
+            native.release(blocks, reverse, self.ref_counts, self._block_hash, self._reused,
+                           self._fresh, self._evictable, self._protected)
+            return
+        if reverse:
+            blocks = blocks[::-1]
         refs = self.ref_counts
         block_hash = self._block_hash
         evictable = self._evictable
@@ -303,6 +329,9 @@ class BlockPool:
         block_group = self._block_group
         # One group: every block's group id is that group's already (set at creation).
         shared = len(self.caches) > 1
+        if native is not None and digests.__class__ is list and blocks.__class__ is list:
+            return native.cache_blocks(gid, digests, blocks, cache, block_hash,
+                                       block_group if shared else None, self._move_hash)
         stored = 0
         for digest, block in zip(digests, blocks):
             if block and block_hash[block] is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
@@ -209,3 +210,12 @@ def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: in
     if results[0]:
         running.append(requests)
     return next_id + 1
+
+
+def use_pure_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn the compiled kernels (``kvspec_core.runtime._native``) off in every module that
+    takes them, so the pure-Python code they mirror runs."""
+    from kvspec_core.runtime import allocator, hashing, pool
+
+    for module in (hashing, pool, allocator):
+        monkeypatch.setattr(module, "native", None)

@@ -20,7 +20,16 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
-from runtime_testkit import Shadow, chunked, full, live_indices, make_allocator, mamba, sliding
+from runtime_testkit import (
+    Shadow,
+    chunked,
+    full,
+    live_indices,
+    make_allocator,
+    mamba,
+    sliding,
+    use_pure_python,
+)
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import NotNow, Request
@@ -159,3 +168,14 @@ AllocatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+class TestAllocatorMachinePurePython(AllocatorMachine.TestCase):  # type: ignore[misc,valid-type]
+    """The same machine over the pure-Python code the compiled kernels mirror."""
+
+    def setUp(self) -> None:
+        self._patch = pytest.MonkeyPatch()
+        use_pure_python(self._patch)
+
+    def tearDown(self) -> None:
+        self._patch.undo()

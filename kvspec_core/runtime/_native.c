@@ -1,0 +1,675 @@
+/* Optional compiled kernels of kvspec's runtime allocator.
+ *
+ * The pure-Python modules (hashing.py, pool.py) are the reference; every function here
+ * computes exactly what its Python twin computes (tests compare them), only without the
+ * interpreter's per-block cost. The extension is built when a C compiler is present
+ * (pyproject.toml: optional = true); without it kvspec runs the Python code unchanged.
+ *
+ * BLAKE2b is implemented from RFC 7693 (unkeyed, no salt or personalisation, as
+ * hashlib.blake2b(data, digest_size=n)); the digests are byte-identical to hashlib's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ BLAKE2b */
+
+static const uint64_t blake2b_iv[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
+    0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
+    0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t blake2b_sigma[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+static inline uint64_t rotr64(uint64_t x, unsigned n) { return (x >> n) | (x << (64 - n)); }
+
+static inline uint64_t load64_le(const uint8_t *p) {
+    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16)
+        | ((uint64_t)p[3] << 24) | ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40)
+        | ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
+}
+
+#define G(a, b, c, d, x, y)            \
+    do {                               \
+        v[a] = v[a] + v[b] + (x);      \
+        v[d] = rotr64(v[d] ^ v[a], 32); \
+        v[c] = v[c] + v[d];            \
+        v[b] = rotr64(v[b] ^ v[c], 24); \
+        v[a] = v[a] + v[b] + (y);      \
+        v[d] = rotr64(v[d] ^ v[a], 16); \
+        v[c] = v[c] + v[d];            \
+        v[b] = rotr64(v[b] ^ v[c], 63); \
+    } while (0)
+
+static void blake2b_compress(uint64_t h[8], const uint8_t block[128], uint64_t counter, int last) {
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++) m[i] = load64_le(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = blake2b_iv[i];
+    }
+    v[12] ^= counter; /* messages here are far below 2**64 bytes: the high word stays 0 */
+    if (last) v[14] = ~v[14];
+    /* Rounds unrolled with constant message indices, so v and m stay in registers. */
+#define ROUND(r)                                                                   \
+    do {                                                                           \
+        G(0, 4, 8, 12, m[blake2b_sigma[r][0]], m[blake2b_sigma[r][1]]);           \
+        G(1, 5, 9, 13, m[blake2b_sigma[r][2]], m[blake2b_sigma[r][3]]);           \
+        G(2, 6, 10, 14, m[blake2b_sigma[r][4]], m[blake2b_sigma[r][5]]);          \
+        G(3, 7, 11, 15, m[blake2b_sigma[r][6]], m[blake2b_sigma[r][7]]);          \
+        G(0, 5, 10, 15, m[blake2b_sigma[r][8]], m[blake2b_sigma[r][9]]);          \
+        G(1, 6, 11, 12, m[blake2b_sigma[r][10]], m[blake2b_sigma[r][11]]);        \
+        G(2, 7, 8, 13, m[blake2b_sigma[r][12]], m[blake2b_sigma[r][13]]);         \
+        G(3, 4, 9, 14, m[blake2b_sigma[r][14]], m[blake2b_sigma[r][15]]);         \
+    } while (0)
+    ROUND(0); ROUND(1); ROUND(2); ROUND(3); ROUND(4); ROUND(5);
+    ROUND(6); ROUND(7); ROUND(8); ROUND(9); ROUND(10); ROUND(11);
+#undef ROUND
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* hashlib.blake2b(data, digest_size=out_len).digest() into out; 1 <= out_len <= 64. */
+static void blake2b_digest(const uint8_t *data, size_t len, uint8_t *out, size_t out_len) {
+    uint64_t h[8];
+    uint8_t block[128];
+    uint64_t counter = 0;
+    memcpy(h, blake2b_iv, sizeof h);
+    h[0] ^= 0x01010000ULL ^ (uint64_t)out_len;
+    while (len > 128) {
+        counter += 128;
+        blake2b_compress(h, data, counter, 0);
+        data += 128;
+        len -= 128;
+    }
+    memset(block, 0, sizeof block);
+    memcpy(block, data, len);
+    counter += len;
+    blake2b_compress(h, block, counter, 1);
+    for (size_t i = 0; i < out_len; i++) out[i] = (uint8_t)(h[i / 8] >> (8 * (i % 8)));
+}
+
+static PyObject *py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer data;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "blake2b(data, digest_size) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t out_len = PyLong_AsSsize_t(args[1]);
+    if (out_len == -1 && PyErr_Occurred()) return NULL;
+    if (out_len < 1 || out_len > 64) {
+        PyErr_SetString(PyExc_ValueError, "digest_size must be in [1, 64]");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) return NULL;
+    uint8_t out[64];
+    blake2b_digest((const uint8_t *)data.buf, (size_t)data.len, out, (size_t)out_len);
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)out, out_len);
+}
+
+/* ------------------------------------------------------------------ chained block hashes */
+
+/* chain_hashes(parent, tokens, start, stop, block_tokens, out): append to ``out`` the
+ * chained digests of tokens[start:stop] in blocks of ``block_tokens``:
+ * d_i = BLAKE2b(d_{i-1} || uint32-LE tokens of block i), d_{-1} = parent, digest size
+ * len(parent). All tokens are checked before anything is appended: a token that is not an
+ * int in [0, 2**32) raises ValueError naming its position, and ``out`` is unchanged. */
+static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chain_hashes(parent, tokens, start, stop, block_tokens, out)");
+        return NULL;
+    }
+    PyObject *parent = args[0], *tokens = args[1], *out = args[5];
+    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) < 1 || PyBytes_GET_SIZE(parent) > 64) {
+        PyErr_SetString(PyExc_TypeError, "parent must be bytes of length 1..64");
+        return NULL;
+    }
+    if (!PyList_Check(tokens) || !PyList_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "tokens and out must be lists");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t stop = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (size < 1 || start < 0 || stop < start || stop > PyList_GET_SIZE(tokens)
+        || (stop - start) % size) {
+        PyErr_SetString(PyExc_ValueError,
+                        "need 0 <= start <= stop <= len(tokens), whole blocks of block_tokens >= 1");
+        return NULL;
+    }
+    size_t digest = (size_t)PyBytes_GET_SIZE(parent);
+    Py_ssize_t count = stop - start;
+    size_t message_len = digest + 4 * (size_t)size;
+    uint8_t *packed = PyMem_Malloc(4 * (size_t)count + 1);
+    uint8_t *message = PyMem_Malloc(message_len);
+    if (packed == NULL || message == NULL) {
+        PyMem_Free(packed);
+        PyMem_Free(message);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(tokens, start + i);
+        unsigned long long value;
+        int bad = 0;
+        if (PyLong_CheckExact(item)) {
+            value = PyLong_AsUnsignedLongLong(item);
+            bad = value == (unsigned long long)-1 && PyErr_Occurred();
+        } else {
+            PyObject *index = PyNumber_Index(item); /* as struct.pack: anything with __index__ */
+            if (index == NULL) {
+                bad = 1;
+                value = 0;
+            } else {
+                value = PyLong_AsUnsignedLongLong(index);
+                bad = value == (unsigned long long)-1 && PyErr_Occurred();
+                Py_DECREF(index);
+            }
+        }
+        if (bad || value > 0xFFFFFFFFULL) {
+            PyErr_Clear();
+            PyObject *repr = PyObject_Repr(item);
+            PyErr_Format(PyExc_ValueError, "token %zd is %S, not an int in [0, 2**32)",
+                         start + i, repr ? repr : Py_None);
+            Py_XDECREF(repr);
+            PyMem_Free(packed);
+            PyMem_Free(message);
+            return NULL;
+        }
+        uint8_t *p = packed + 4 * i;
+        p[0] = (uint8_t)value;
+        p[1] = (uint8_t)(value >> 8);
+        p[2] = (uint8_t)(value >> 16);
+        p[3] = (uint8_t)(value >> 24);
+    }
+    memcpy(message, PyBytes_AS_STRING(parent), digest);
+    for (Py_ssize_t offset = 0; offset < count; offset += size) {
+        memcpy(message + digest, packed + 4 * offset, 4 * (size_t)size);
+        PyObject *item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)digest);
+        if (item == NULL) goto fail;
+        uint8_t *digest_out = (uint8_t *)PyBytes_AS_STRING(item);
+        blake2b_digest(message, message_len, digest_out, digest);
+        int appended = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (appended < 0) goto fail;
+        memcpy(message, digest_out, digest);
+    }
+    PyMem_Free(packed);
+    PyMem_Free(message);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(packed);
+    PyMem_Free(message);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ pool kernels
+ *
+ * Twins of BlockPool's per-block loops, over the pool's own containers: ref counts (a list of
+ * ints), cached hashes (a list of bytes or None), reused flags (a bytearray), group ids (an
+ * array of uint16), the free stack (an array of int) and the two eviction orders
+ * (OrderedDicts). Block ids are bounds-checked before anything changes. */
+
+static PyObject *str_popitem, *str_extend, *str_request_id, *str_computed, *str_end_limit,
+    *str_known_limit, *str_computed_limit;
+
+static inline int block_in_range(Py_ssize_t block, Py_ssize_t size) {
+    if (block < 0 || block >= size) {
+        PyErr_Format(PyExc_IndexError, "block id %zd is not in this pool (0..%zd)", block,
+                     size - 1);
+        return 0;
+    }
+    return 1;
+}
+
+/* Block ids of a list, bounds-checked; NULL with an exception on a bad item. */
+static Py_ssize_t *block_ids_of(PyObject *blocks, Py_ssize_t size, Py_ssize_t *count) {
+    if (!PyList_Check(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "blocks must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    Py_ssize_t *ids = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+        ids[i] = block;
+    }
+    *count = n;
+    return ids;
+}
+
+static inline Py_ssize_t ref_of(PyObject *refs, Py_ssize_t block) {
+    return PyLong_AsSsize_t(PyList_GET_ITEM(refs, block));
+}
+
+static inline int set_ref(PyObject *refs, Py_ssize_t block, Py_ssize_t count) {
+    PyObject *value = PyLong_FromSsize_t(count);
+    if (value == NULL) return -1;
+    PyObject *old = PyList_GET_ITEM(refs, block);
+    PyList_SET_ITEM(refs, block, value);
+    Py_DECREF(old);
+    return 0;
+}
+
+static int check_pool_lists(PyObject *refs, PyObject *block_hash, PyObject *reused) {
+    if (!PyList_CheckExact(refs) || !PyList_CheckExact(block_hash)
+        || !PyByteArray_CheckExact(reused)
+        || PyList_GET_SIZE(block_hash) != PyList_GET_SIZE(refs)
+        || PyByteArray_GET_SIZE(reused) != PyList_GET_SIZE(refs)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "refs, block_hash (lists) and reused (bytearray) must be one pool's");
+        return -1;
+    }
+    return 0;
+}
+
+/* release(blocks, reverse, refs, block_hash, reused, fresh, evictable, protected): drop one
+ * reference from each non-null block (last first if ``reverse``); a block reaching 0 joins
+ * ``fresh`` (no cached hash), ``protected`` (reused) or ``evictable``, in release order.
+ * BlockPool._release_unchecked; the caller has checked no count goes below 0. */
+static PyObject *py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "release takes 8 arguments");
+        return NULL;
+    }
+    PyObject *refs = args[2], *block_hash = args[3], *reused = args[4], *fresh = args[5],
+             *evictable = args[6], *protected_ = args[7];
+    int reverse = PyObject_IsTrue(args[1]);
+    if (reverse < 0 || check_pool_lists(refs, block_hash, reused) < 0) return NULL;
+    Py_ssize_t count;
+    Py_ssize_t *ids = block_ids_of(args[0], PyList_GET_SIZE(refs), &count);
+    if (ids == NULL) return NULL;
+    const char *flags = PyByteArray_AS_STRING(reused);
+    PyObject *uncached = PyList_New(0);
+    if (uncached == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t block = ids[reverse ? count - 1 - i : i];
+        if (!block) continue;
+        Py_ssize_t refs_left = ref_of(refs, block) - 1;
+        if (set_ref(refs, block, refs_left) < 0) goto fail;
+        if (refs_left) continue;
+        PyObject *key = PyList_GET_ITEM(args[0], reverse ? count - 1 - i : i);
+        int failed;
+        if (PyList_GET_ITEM(block_hash, block) == Py_None)
+            failed = PyList_Append(uncached, key);
+        else
+            failed = PyObject_SetItem(flags[block] ? protected_ : evictable, key, Py_None);
+        if (failed < 0) goto fail;
+    }
+    if (PyList_GET_SIZE(uncached)) {
+        PyObject *done = PyObject_CallMethodOneArg(fresh, str_extend, uncached);
+        if (done == NULL) goto fail;
+        Py_DECREF(done);
+    }
+    Py_DECREF(uncached);
+    PyMem_Free(ids);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(uncached);
+    PyMem_Free(ids);
+    return NULL;
+}
+
+/* touch(blocks, refs, reused, evictable, protected, segmented, check) -> int: add a
+ * reference to each non-null block; a free one leaves its eviction order; ``segmented``
+ * marks each reused. With ``check``, first finds a block that is neither in use nor a cached
+ * free block: returns its position in ``blocks`` and changes nothing. Returns -1 when done.
+ * BlockPool.touch. */
+static PyObject *py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "touch takes 7 arguments");
+        return NULL;
+    }
+    PyObject *refs = args[1], *reused = args[2], *evictable = args[3], *protected_ = args[4];
+    int segmented = PyObject_IsTrue(args[5]), check = PyObject_IsTrue(args[6]);
+    if (segmented < 0 || check < 0) return NULL;
+    if (!PyList_CheckExact(refs) || !PyByteArray_CheckExact(reused)
+        || PyByteArray_GET_SIZE(reused) != PyList_GET_SIZE(refs) || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "touch: blocks and refs must be lists, reused a bytearray");
+        return NULL;
+    }
+    PyObject *blocks = args[0];
+    Py_ssize_t size = PyList_GET_SIZE(refs), count = PyList_GET_SIZE(blocks);
+    if (check) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *key = PyList_GET_ITEM(blocks, i);
+            Py_ssize_t block = PyLong_AsSsize_t(key);
+            if (block == -1 && PyErr_Occurred()) return NULL;
+            if (!block) continue;
+            if (block < 0 || block >= size) return PyLong_FromSsize_t(i);
+            if (ref_of(refs, block)) continue;
+            int found = PyDict_Contains(evictable, key);
+            if (found == 0) found = PyDict_Contains(protected_, key);
+            if (found < 0) return NULL;
+            if (!found) return PyLong_FromSsize_t(i);
+        }
+    }
+    char *flags = PyByteArray_AS_STRING(reused);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t block = PyLong_AsSsize_t(key);
+        if (block == -1 && PyErr_Occurred()) return NULL;
+        if (!block) continue;
+        if (!block_in_range(block, size)) return NULL;
+        Py_ssize_t refs_now = ref_of(refs, block);
+        if (refs_now == 0 && PyObject_DelItem(flags[block] ? protected_ : evictable, key) < 0)
+            return NULL;
+        if (segmented) flags[block] = 1;
+        if (set_ref(refs, block, refs_now + 1) < 0) return NULL;
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* evict_take(count, out, evictable, caches, block_group, block_hash, refs): pop ``count``
+ * blocks from the front of ``evictable`` (never-reused cached free blocks, oldest first),
+ * drop each from its group's cache (``caches[block_group[block]]``), give it ref count 1 and
+ * append it to ``out``. BlockPool.take's one-pass eviction; the caller checked that
+ * ``evictable`` holds ``count`` blocks. */
+static PyObject *py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "evict_take takes 7 arguments");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[0]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    PyObject *out = args[1], *evictable = args[2], *caches = args[3], *block_hash = args[5],
+             *refs = args[6];
+    if (!PyList_Check(out) || !PyDict_Check(caches) || !PyList_CheckExact(block_hash)
+        || !PyList_CheckExact(refs) || PyList_GET_SIZE(refs) != PyList_GET_SIZE(block_hash)) {
+        PyErr_SetString(PyExc_TypeError, "evict_take: bad pool containers");
+        return NULL;
+    }
+    Py_buffer groups;
+    if (PyObject_GetBuffer(args[4], &groups, PyBUF_FORMAT) < 0) return NULL;
+    if (groups.itemsize != 2 || groups.len / 2 != PyList_GET_SIZE(refs)) {
+        PyBuffer_Release(&groups);
+        PyErr_SetString(PyExc_TypeError, "evict_take: block_group must be the pool's array('H')");
+        return NULL;
+    }
+    const uint16_t *group_of = (const uint16_t *)groups.buf;
+    Py_ssize_t size = PyList_GET_SIZE(refs);
+    PyObject *cache = NULL, *cache_gid; /* cache: borrowed, the last group's */
+    long last_gid = -1;
+    PyObject *call_args[2] = {evictable, Py_False};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyObject_VectorcallMethod(
+            str_popitem, call_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (item == NULL) goto fail;
+        PyObject *key = PyTuple_GET_ITEM(item, 0);
+        Py_INCREF(key);
+        Py_DECREF(item);
+        Py_ssize_t block = PyLong_AsSsize_t(key);
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        if (group_of[block] != last_gid) {
+            last_gid = group_of[block];
+            cache_gid = PyLong_FromLong(last_gid);
+            if (cache_gid == NULL) {
+                Py_DECREF(key);
+                goto fail;
+            }
+            cache = PyDict_GetItemWithError(caches, cache_gid);
+            Py_DECREF(cache_gid);
+            if (cache == NULL) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "no cache of group %ld", last_gid);
+                Py_DECREF(key);
+                goto fail;
+            }
+        }
+        PyObject *digest = PyList_GET_ITEM(block_hash, block);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(block_hash, block, Py_None);
+        int failed = PyDict_DelItem(cache, digest);
+        Py_DECREF(digest);
+        if (failed < 0 || set_ref(refs, block, 1) < 0 || PyList_Append(out, key) < 0) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        Py_DECREF(key);
+    }
+    PyBuffer_Release(&groups);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&groups);
+    return NULL;
+}
+
+/* cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int: for
+ * each (digest, block) pair of a non-null block with no cached hash: map ``digest`` to it in
+ * ``cache`` (an entry naming another block calls ``move_hash(cache, digest, old, block)``),
+ * record the hash and, with ``block_group`` not None, the group. Returns how many blocks were
+ * newly cached. BlockPool.cache_blocks. */
+static PyObject *py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "cache_blocks takes 7 arguments");
+        return NULL;
+    }
+    long gid = PyLong_AsLong(args[0]);
+    if (gid == -1 && PyErr_Occurred()) return NULL;
+    PyObject *digests = args[1], *blocks = args[2], *cache = args[3], *block_hash = args[4],
+             *move_hash = args[6];
+    if (!PyList_Check(digests) || !PyList_Check(blocks) || !PyDict_Check(cache)
+        || !PyList_CheckExact(block_hash)) {
+        PyErr_SetString(PyExc_TypeError, "cache_blocks: digests, blocks, block_hash must be lists");
+        return NULL;
+    }
+    Py_buffer groups;
+    uint16_t *group_of = NULL;
+    Py_ssize_t size = PyList_GET_SIZE(block_hash);
+    if (args[5] != Py_None) {
+        if (PyObject_GetBuffer(args[5], &groups, PyBUF_FORMAT | PyBUF_WRITABLE) < 0) return NULL;
+        if (groups.itemsize != 2 || groups.len / 2 != size) {
+            PyBuffer_Release(&groups);
+            PyErr_SetString(PyExc_TypeError, "cache_blocks: block_group must be array('H')");
+            return NULL;
+        }
+        group_of = (uint16_t *)groups.buf;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(digests);
+    if (PyList_GET_SIZE(blocks) < n) n = PyList_GET_SIZE(blocks);
+    Py_ssize_t stored = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t block = PyLong_AsSsize_t(key);
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) goto fail;
+        if (!block || PyList_GET_ITEM(block_hash, block) != Py_None) continue;
+        PyObject *digest = PyList_GET_ITEM(digests, i);
+        PyObject *old = PyDict_SetDefault(cache, digest, key); /* borrowed */
+        if (old == NULL) goto fail;
+        if (old != key) {
+            Py_ssize_t old_block = PyLong_AsSsize_t(old);
+            if (old_block == -1 && PyErr_Occurred()) goto fail;
+            if (old_block != block) {
+                Py_INCREF(old);
+                PyObject *call[4] = {cache, digest, old, key};
+                PyObject *done = PyObject_Vectorcall(move_hash, call, 4, NULL);
+                Py_DECREF(old);
+                if (done == NULL) goto fail;
+                Py_DECREF(done);
+            }
+        }
+        Py_INCREF(digest);
+        PyObject *previous = PyList_GET_ITEM(block_hash, block);
+        PyList_SET_ITEM(block_hash, block, digest);
+        Py_DECREF(previous);
+        if (group_of != NULL) group_of[block] = (uint16_t)gid;
+        stored++;
+    }
+    if (group_of != NULL) PyBuffer_Release(&groups);
+    return PyLong_FromSsize_t(stored);
+fail:
+    if (group_of != NULL) PyBuffer_Release(&groups);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ allocator step kernel */
+
+static inline int slot_int(PyObject *state, PyObject *name, Py_ssize_t *value) {
+    PyObject *item = PyObject_GetAttr(state, name);
+    if (item == NULL) return -1;
+    *value = PyLong_AsSsize_t(item);
+    Py_DECREF(item);
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* step(pairs, running, lookahead, no_new_blocks, allocate_slots, one_pair, results): for
+ * each item of ``pairs``, a 2-tuple (request, n) of a running request whose n new tokens need
+ * no new block, no newly cacheable block and free nothing (its state's end_limit, known_limit
+ * and computed_limit, as allocate_slots' first test) just counts them as computed and appends
+ * ``no_new_blocks``; another 2-tuple (request with a hashable request_id, int n) appends
+ * ``allocate_slots(request, n, lookahead)``; any other item appends ``one_pair(item,
+ * position)``. The loop of KVCacheAllocator.allocate_step. */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "step takes 7 arguments");
+        return NULL;
+    }
+    PyObject *running = args[1], *no_new_blocks = args[3], *allocate_slots = args[4],
+             *one_pair = args[5], *results = args[6];
+    Py_ssize_t lookahead = PyLong_AsSsize_t(args[2]);
+    if (lookahead == -1 && PyErr_Occurred()) return NULL;
+    if (!PyDict_Check(running) || !PyList_Check(results)) {
+        PyErr_SetString(PyExc_TypeError, "step: running must be a dict, results a list");
+        return NULL;
+    }
+    PyObject *iterator = PyObject_GetIter(args[0]);
+    if (iterator == NULL) return NULL;
+    PyObject *pair;
+    while ((pair = PyIter_Next(iterator)) != NULL) {
+        int done = 0, well_formed = 0;
+        if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2
+            && PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+            Py_ssize_t count = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+            if (count == -1 && PyErr_Occurred()) PyErr_Clear(); /* too large: the slow path says so */
+            else if (count >= 0) {
+                PyObject *rid = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0), str_request_id);
+                if (rid == NULL) PyErr_Clear(); /* not a Request: the slow path says so */
+                else {
+                    PyObject *state = PyDict_GetItemWithError(running, rid);
+                    Py_DECREF(rid);
+                    if (state == NULL && PyErr_Occurred()) PyErr_Clear(); /* unhashable id */
+                    else well_formed = 1;
+                    Py_ssize_t computed, end_limit, known_limit, computed_limit;
+                    if (state != NULL) {
+                        Py_INCREF(state);
+                        if (slot_int(state, str_computed, &computed) < 0
+                            || slot_int(state, str_end_limit, &end_limit) < 0
+                            || slot_int(state, str_known_limit, &known_limit) < 0
+                            || slot_int(state, str_computed_limit, &computed_limit) < 0) {
+                            Py_DECREF(state);
+                            goto fail_pair;
+                        }
+                        Py_ssize_t known = computed + count;
+                        if (known + lookahead < end_limit && known < known_limit
+                            && computed < computed_limit) {
+                            PyObject *value = PyLong_FromSsize_t(known);
+                            int failed = value == NULL
+                                || PyObject_SetAttr(state, str_computed, value) < 0
+                                || PyList_Append(results, no_new_blocks) < 0;
+                            Py_XDECREF(value);
+                            if (failed) {
+                                Py_DECREF(state);
+                                goto fail_pair;
+                            }
+                            done = 1;
+                        }
+                        Py_DECREF(state);
+                    }
+                }
+            }
+        }
+        if (!done) {
+            PyObject *result;
+            if (well_formed) {
+                PyObject *call[3] = {PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), args[2]};
+                result = PyObject_Vectorcall(allocate_slots, call, 3, NULL);
+            } else {
+                PyObject *position = PyLong_FromSsize_t(PyList_GET_SIZE(results));
+                if (position == NULL) goto fail_pair;
+                PyObject *call[2] = {pair, position};
+                result = PyObject_Vectorcall(one_pair, call, 2, NULL);
+                Py_DECREF(position);
+            }
+            if (result == NULL) goto fail_pair;
+            int failed = PyList_Append(results, result);
+            Py_DECREF(result);
+            if (failed < 0) goto fail_pair;
+        }
+        Py_DECREF(pair);
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+fail_pair:
+    Py_DECREF(pair);
+    Py_DECREF(iterator);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef native_methods[] = {
+    {"blake2b", (PyCFunction)(void (*)(void))py_blake2b, METH_FASTCALL,
+     "blake2b(data, digest_size) -> bytes: hashlib.blake2b(data, digest_size=n).digest()"},
+    {"chain_hashes", (PyCFunction)(void (*)(void))py_chain_hashes, METH_FASTCALL,
+     "chain_hashes(parent, tokens, start, stop, block_tokens, out): append chained digests"},
+    {"release", (PyCFunction)(void (*)(void))py_release, METH_FASTCALL,
+     "release(blocks, reverse, refs, block_hash, reused, fresh, evictable, protected)"},
+    {"touch", (PyCFunction)(void (*)(void))py_touch, METH_FASTCALL,
+     "touch(blocks, refs, reused, evictable, protected, segmented, check) -> int"},
+    {"evict_take", (PyCFunction)(void (*)(void))py_evict_take, METH_FASTCALL,
+     "evict_take(count, out, evictable, caches, block_group, block_hash, refs)"},
+    {"cache_blocks", (PyCFunction)(void (*)(void))py_cache_blocks, METH_FASTCALL,
+     "cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int"},
+    {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
+     "step(pairs, running, lookahead, no_new_blocks, one_pair, results)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "kvspec_core.runtime._native",
+    "Compiled kernels of kvspec's runtime allocator (optional; see hashing.py, pool.py).",
+    -1, native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&str_popitem, "popitem"}, {&str_extend, "extend"}, {&str_request_id, "request_id"},
+        {&str_computed, "computed"}, {&str_end_limit, "end_limit"},
+        {&str_known_limit, "known_limit"}, {&str_computed_limit, "computed_limit"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].slot == NULL) return NULL;
+    }
+    return PyModule_Create(&native_module);
+}

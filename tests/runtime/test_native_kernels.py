@@ -1,0 +1,192 @@
+"""The compiled kernels (``kvspec_core.runtime._native``) compute what the Python code does.
+
+BLAKE2b and the chained block hashes are compared with hashlib and the pure-Python hasher
+byte for byte; random programs drive one allocator on the kernels and one on the pure-Python
+code side by side, and every result, error, hit, block table and pool field must stay equal
+(full attention, sliding window, Mamba, two pools, both eviction orders, KV events on and off).
+The rest of the runtime suite runs once per implementation (see ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+from runtime_testkit import admit_on_each, full, make_allocator, mamba, sliding, use_pure_python
+from test_allocate_step import pool_state, tables
+from test_dense_path import outcome
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime import KVCacheAllocator, PrefixHasher, Request
+from kvspec_core.runtime.native import native
+from kvspec_core.runtime.pool import EVICTION_POLICIES
+
+pytestmark = [
+    pytest.mark.both_kernels,
+    pytest.mark.skipif(native is None, reason="kvspec_core.runtime._native is not built"),
+]
+
+
+@contextlib.contextmanager
+def pure_python() -> Iterator[None]:
+    patch = pytest.MonkeyPatch()
+    use_pure_python(patch)
+    try:
+        yield
+    finally:
+        patch.undo()
+
+
+class OnPurePython:
+    """An allocator whose every method call runs with the kernels turned off."""
+
+    def __init__(self, allocator: KVCacheAllocator) -> None:
+        self._allocator = allocator
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._allocator, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with pure_python():
+                return attribute(*args, **kwargs)
+
+        return call
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=600), digest_size=st.integers(1, 64))
+def test_blake2b_equals_hashlib(data: bytes, digest_size: int) -> None:
+    assert native.blake2b(data, digest_size) == hashlib.blake2b(
+        data, digest_size=digest_size
+    ).digest()
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+       block=st.sampled_from([1, 4, 16, 33]), cut=st.integers(0, 200))
+def test_chained_hashes_equal_the_python_hasher(tokens: list[int], block: int, cut: int) -> None:
+    hasher = PrefixHasher(block, salt=b"tenant")
+    compiled = hasher.hashes(Request("r", list(tokens)), cut)[:]
+    with pure_python():
+        reference = hasher.hashes(Request("r", list(tokens)), cut)[:]
+    assert compiled == reference
+    parent = hasher.root(Request("r", []))
+    for index, digest in enumerate(reference):
+        data = struct.pack(f"<{block}I", *tokens[index * block : (index + 1) * block])
+        parent = hashlib.blake2b(parent + data, digest_size=32).digest()
+        assert digest == parent
+
+
+class TokenLike:
+    """An int stand-in with ``__index__`` (as numpy integers are)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7", None])
+def test_a_bad_token_is_refused_and_nothing_is_appended(bad: object) -> None:
+    out = [b"kept"]
+    tokens = [1, 2, 3, bad, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match=r"token 3 is .*not an int in \[0, 2\*\*32\)"):
+        native.chain_hashes(b"p" * 32, tokens, 0, 8, 4, out)
+    assert out == [b"kept"]
+    request = Request("r", tokens)  # type: ignore[arg-type]
+    with pytest.raises(AllocatorError, match=r"request 'r': token ids in \[0, 8\)"):
+        PrefixHasher(4).hashes(request, 8)
+    assert request.block_hashes == []
+
+
+def test_index_objects_hash_as_their_ints() -> None:
+    out: list[bytes] = []
+    native.chain_hashes(b"p" * 32, [TokenLike(value) for value in range(8)], 0, 8, 4, out)
+    expected: list[bytes] = []
+    native.chain_hashes(b"p" * 32, list(range(8)), 0, 8, 4, expected)
+    assert out == expected
+
+
+def test_kernels_refuse_malformed_arguments_without_crashing() -> None:
+    with pytest.raises(ValueError, match="whole blocks"):
+        native.chain_hashes(b"p" * 32, [1, 2, 3], 0, 3, 2, [])
+    with pytest.raises(TypeError):
+        native.chain_hashes("not bytes", [1, 2], 0, 2, 2, [])
+    with pytest.raises(IndexError, match="block id 99"):
+        native.release([99], False, [0] * 4, [None] * 4, bytearray(4), [], {}, {})
+
+
+CONFIGS: dict[str, tuple[list, Any, Any]] = {
+    "full attention": ([full(2)], 24, None),
+    "sliding window + full, one pool": ([full(2), sliding(2, 5)], 40, None),
+    "mamba + full, one pool": ([full(2), mamba(2)], 40, None),
+    "two pools": ([full(2), full(4)], [16, 12], [0, 1]),
+}
+PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
+
+admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
+                     st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
+# (running request index, tokens to schedule, token to append first; -1: none, -2: a token
+# that cannot be hashed).
+grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(-2, 2))
+step_op = st.tuples(st.just("step"), st.lists(st.integers(0, 63), max_size=6))
+finish_op = st.tuples(st.just("finish"), st.integers(0, 63))
+programs = st.lists(st.one_of(admit_op, grow_op, grow_op, step_op, finish_op), max_size=60)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
+       events=st.booleans(), program=programs)
+def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, events: bool,
+                                                    program: list) -> None:
+    specs, blocks, pools = CONFIGS[config]
+    compiled = make_allocator(specs, blocks, pools, eviction=eviction, enable_kv_events=events)
+    with pure_python():
+        reference = OnPurePython(
+            make_allocator(specs, blocks, pools, eviction=eviction, enable_kv_events=events)
+        )
+    sides = (compiled, reference)
+    running: list[tuple[Request, Request]] = []
+    next_id = 0
+    for op in program:
+        if op[0] == "admit":
+            next_id = admit_on_each(sides, op, next_id, running)  # type: ignore[arg-type]
+        elif op[0] == "grow" and running:
+            _, index, count, token = op
+            pair = running[index % len(running)]
+            if token != -1:
+                for request in pair:
+                    request.append_token(-5 if token == -2 else token)
+            results = [outcome(lambda a=side, r=request: a.allocate_slots(r, count))
+                       for side, request in zip(sides, pair)]
+            assert results[0] == results[1]
+            if token == -2:
+                for request in pair:
+                    request.token_ids.pop()
+        elif op[0] == "step" and running:
+            chosen = [running[index % len(running)] for index in op[1]]
+            for pair in chosen:
+                for request in pair:
+                    request.append_token(1)
+            results = [outcome(lambda a=side, s=side_index: a.allocate_step(
+                [(pair[s], 1) for pair in chosen]))
+                for side_index, side in enumerate(sides)]
+            assert results[0] == results[1]
+        elif op[0] == "finish" and running:
+            pair = running.pop(op[1] % len(running))
+            for side, request in zip(sides, pair):
+                side.free(request.request_id)
+        assert tables(compiled) == tables(reference._allocator)
+        assert pool_state(compiled) == pool_state(reference._allocator)
+        assert compiled.take_events() == reference.take_events()
+    compiled.check_invariants()
+    reference.check_invariants()
