@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX: the member type of __slots__ fields */
 #include <stdint.h>
 #include <string.h>
 
@@ -226,7 +227,7 @@ fail:
  * array of uint16), the free stack (an array of int) and the two eviction orders
  * (OrderedDicts). Block ids are bounds-checked before anything changes. */
 
-static PyObject *str_popitem, *str_extend, *str_request_id, *str_computed, *str_end_limit,
+static PyObject *str_extend, *str_request_id, *str_computed, *str_end_limit,
     *str_known_limit, *str_computed_limit;
 
 static inline int block_in_range(Py_ssize_t block, Py_ssize_t size) {
@@ -414,14 +415,33 @@ static PyObject *py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_ssize_t size = PyList_GET_SIZE(refs);
     PyObject *cache = NULL, *cache_gid; /* cache: borrowed, the last group's */
     long last_gid = -1;
-    PyObject *call_args[2] = {evictable, Py_False};
+    /* The oldest ``count`` keys in one pass of an iterator, then each deleted: cheaper than
+     * ``count`` popitem calls (no method call, no result tuple per block). */
+    Py_ssize_t first = PyList_GET_SIZE(out);
+    PyObject *iterator = PyObject_GetIter(evictable);
+    if (iterator == NULL) goto fail;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PyObject_VectorcallMethod(
-            str_popitem, call_args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        if (item == NULL) goto fail;
-        PyObject *key = PyTuple_GET_ITEM(item, 0);
+        PyObject *key = PyIter_Next(iterator);
+        if (key == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
+            Py_DECREF(iterator);
+            goto fail;
+        }
+        int appended = PyList_Append(out, key);
+        Py_DECREF(key);
+        if (appended < 0) {
+            Py_DECREF(iterator);
+            goto fail;
+        }
+    }
+    Py_DECREF(iterator);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyList_GET_ITEM(out, first + i);
         Py_INCREF(key);
-        Py_DECREF(item);
+        if (PyObject_DelItem(evictable, key) < 0) {
+            Py_DECREF(key);
+            goto fail;
+        }
         Py_ssize_t block = PyLong_AsSsize_t(key);
         if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
             Py_DECREF(key);
@@ -447,7 +467,7 @@ static PyObject *py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t
         PyList_SET_ITEM(block_hash, block, Py_None);
         int failed = PyDict_DelItem(cache, digest);
         Py_DECREF(digest);
-        if (failed < 0 || set_ref(refs, block, 1) < 0 || PyList_Append(out, key) < 0) {
+        if (failed < 0 || set_ref(refs, block, 1) < 0) {
             Py_DECREF(key);
             goto fail;
         }
@@ -528,14 +548,104 @@ fail:
     return NULL;
 }
 
+/* longest_hit(digests, cache, max_blocks) -> list: the blocks ``cache`` maps the first
+ * digests to, up to the first digest it lacks, at most ``max_blocks``.
+ * FullAttentionRules.longest_hit. */
+static PyObject *py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "longest_hit(digests, cache, max_blocks)");
+        return NULL;
+    }
+    PyObject *digests = args[0], *cache = args[1];
+    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
+    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(digests) || !PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "longest_hit: digests must be a list, cache a dict");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(digests);
+    if (max_blocks < n) n = max_blocks < 0 ? 0 : max_blocks;
+    PyObject *found = PyList_New(0);
+    if (found == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = PyDict_GetItemWithError(cache, PyList_GET_ITEM(digests, i));
+        if (block == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(found);
+                return NULL;
+            }
+            break;
+        }
+        if (PyList_Append(found, block) < 0) {
+            Py_DECREF(found);
+            return NULL;
+        }
+    }
+    return found;
+}
+
 /* ------------------------------------------------------------------ allocator step kernel */
 
-static inline int slot_int(PyObject *state, PyObject *name, Py_ssize_t *value) {
-    PyObject *item = PyObject_GetAttr(state, name);
-    if (item == NULL) return -1;
+/* The allocator's per-request state class (``_Running``, a __slots__ class) and where its
+ * four step fields sit in its instances, from its member descriptors: reading a slot there
+ * skips the attribute lookup. Set by register_state_type; other objects take getattr. */
+static PyTypeObject *state_type;
+static Py_ssize_t state_offsets[4]; /* computed, end_limit, known_limit, computed_limit */
+
+static PyObject *py_register_state_type(PyObject *self, PyObject *type) {
+    if (!PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "register_state_type needs a class");
+        return NULL;
+    }
+    PyObject *names[4] = {str_computed, str_end_limit, str_known_limit, str_computed_limit};
+    Py_ssize_t offsets[4];
+    for (int i = 0; i < 4; i++) {
+        PyObject *descr = PyObject_GetAttr(type, names[i]);
+        if (descr == NULL) return NULL;
+        int is_slot = Py_IS_TYPE(descr, &PyMemberDescr_Type)
+            && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
+        if (is_slot) offsets[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        Py_DECREF(descr);
+        if (!is_slot) {
+            PyErr_Format(PyExc_TypeError, "%R.%U must be a __slots__ field", type, names[i]);
+            return NULL;
+        }
+    }
+    Py_INCREF(type);
+    Py_XSETREF(state_type, (PyTypeObject *)type);
+    memcpy(state_offsets, offsets, sizeof offsets);
+    Py_RETURN_NONE;
+}
+
+/* Field ``index`` of a state as an int; -1 with an exception if unset or not an int. */
+static inline int state_int(PyObject *state, int index, Py_ssize_t *value) {
+    static PyObject **names[4] = {&str_computed, &str_end_limit, &str_known_limit,
+                                  &str_computed_limit};
+    PyObject *item;
+    if (Py_TYPE(state) == state_type) {
+        item = *(PyObject **)((char *)state + state_offsets[index]);
+        if (item == NULL) {
+            PyErr_SetObject(PyExc_AttributeError, *names[index]);
+            return -1;
+        }
+        Py_INCREF(item);
+    } else {
+        item = PyObject_GetAttr(state, *names[index]);
+        if (item == NULL) return -1;
+    }
     *value = PyLong_AsSsize_t(item);
     Py_DECREF(item);
     return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline int set_state_computed(PyObject *state, PyObject *value) {
+    if (Py_TYPE(state) == state_type) {
+        PyObject **slot = (PyObject **)((char *)state + state_offsets[0]);
+        Py_INCREF(value);
+        Py_XSETREF(*slot, value);
+        return 0;
+    }
+    return PyObject_SetAttr(state, str_computed, value);
 }
 
 /* step(pairs, running, lookahead, no_new_blocks, allocate_slots, one_pair, results): for
@@ -578,10 +688,10 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                     Py_ssize_t computed, end_limit, known_limit, computed_limit;
                     if (state != NULL) {
                         Py_INCREF(state);
-                        if (slot_int(state, str_computed, &computed) < 0
-                            || slot_int(state, str_end_limit, &end_limit) < 0
-                            || slot_int(state, str_known_limit, &known_limit) < 0
-                            || slot_int(state, str_computed_limit, &computed_limit) < 0) {
+                        if (state_int(state, 0, &computed) < 0
+                            || state_int(state, 1, &end_limit) < 0
+                            || state_int(state, 2, &known_limit) < 0
+                            || state_int(state, 3, &computed_limit) < 0) {
                             Py_DECREF(state);
                             goto fail_pair;
                         }
@@ -590,7 +700,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                             && computed < computed_limit) {
                             PyObject *value = PyLong_FromSsize_t(known);
                             int failed = value == NULL
-                                || PyObject_SetAttr(state, str_computed, value) < 0
+                                || set_state_computed(state, value) < 0
                                 || PyList_Append(results, no_new_blocks) < 0;
                             Py_XDECREF(value);
                             if (failed) {
@@ -647,6 +757,10 @@ static PyMethodDef native_methods[] = {
      "evict_take(count, out, evictable, caches, block_group, block_hash, refs)"},
     {"cache_blocks", (PyCFunction)(void (*)(void))py_cache_blocks, METH_FASTCALL,
      "cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int"},
+    {"longest_hit", (PyCFunction)(void (*)(void))py_longest_hit, METH_FASTCALL,
+     "longest_hit(digests, cache, max_blocks) -> list of the cached prefix's blocks"},
+    {"register_state_type", py_register_state_type, METH_O,
+     "register_state_type(cls): the allocator's per-request state class (__slots__)"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(pairs, running, lookahead, no_new_blocks, one_pair, results)"},
     {NULL, NULL, 0, NULL},
@@ -663,7 +777,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyObject **slot;
         const char *text;
     } names[] = {
-        {&str_popitem, "popitem"}, {&str_extend, "extend"}, {&str_request_id, "request_id"},
+        {&str_extend, "extend"}, {&str_request_id, "request_id"},
         {&str_computed, "computed"}, {&str_end_limit, "end_limit"},
         {&str_known_limit, "known_limit"}, {&str_computed_limit, "computed_limit"},
     };

@@ -88,6 +88,11 @@ class _Running:
         self.computed_limit = 0
 
 
+if native is not None:
+    # allocate_step's compiled loop reads these slots directly.
+    native.register_state_type(_Running)
+
+
 class KVCacheAllocator:
     """Block allocator with prefix caching over one or more KV-cache groups and pools.
 
@@ -201,6 +206,9 @@ class KVCacheAllocator:
         # Hash blocks finer than every group's block: the general path hashes each one as
         # it completes, before any group block is full.
         self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1
+        # One dense holding group (a plain full-attention model): _grow_single, the same
+        # short path without the per-group loops.
+        self._single = self._holding[0] if self._dense and len(self._holding) == 1 else None
         self._running: dict[str | int, _Running] = {}
         self._last_prefix: CachedPrefix | None = None
         self._freed: OrderedDict[str | int, None] = OrderedDict()
@@ -377,6 +385,8 @@ class KVCacheAllocator:
             and num_new_tokens >= 0
             and lookahead >= 0
         ):
+            if self._single is not None:
+                return self._grow_single(state, num_new_tokens, lookahead)
             return self._grow_dense(state, num_new_tokens, lookahead)
         return self._grow(state, num_new_tokens, lookahead)
 
@@ -655,9 +665,12 @@ class KVCacheAllocator:
             self._check_counts(request, num_new_tokens, lookahead)
         computed = state.computed
         known = computed + num_new_tokens
-        if known > self.max_model_len:
+        max_len = self.max_model_len
+        if known > max_len:
             return self._over_length(request, known)
-        total = min(known + lookahead, self.max_model_len)
+        total = known + lookahead
+        if total > max_len:
+            total = max_len
         if total < state.end_limit and computed < state.computed_limit:
             # Only a block became full: nothing to allocate or free, just cache it.
             self._preflight(request, known, {}, {}, state.num_cached, state.cache_at)
@@ -679,28 +692,38 @@ class KVCacheAllocator:
             rules = self.rules[gid]
             table = blocks[gid]
             done = state.num_skipped[gid]
-            skip = max(done, min(rules.skipped_tokens(computed) // self._block_tokens[gid],
-                                 len(table)))
+            skip = rules.skipped_tokens(computed) // self._block_tokens[gid]
+            if skip > len(table):
+                skip = len(table)
+            if skip < done:
+                skip = done
             nulls, real = rules.blocks_needed(len(table), known, total, request.num_encoder_tokens)
             if not (nulls or real or skip > done):
                 continue
             pool_index = self._pool_of[gid]
-            refs = pools[pool_index].ref_counts
-            dropped = [block for block in table[done:skip] if block]
+            if skip > done:
+                refs = pools[pool_index].ref_counts
+                dropped = [block for block in table[done:skip] if block]
+                freed[pool_index] += [refs[block] for block in dropped].count(1)
+                num_dropped = len(dropped)
+            else:
+                num_dropped = 0
             if real:
-                held = state.num_real[gid] - len(dropped) + real
+                held = state.num_real[gid] - num_dropped + real
                 if held > self.admission_caps[gid]:
                     return self._over_cap(request, gid, held)
             need[pool_index] += real
-            freed[pool_index] += sum(1 for block in dropped if refs[block] == 1)
             plans.append((gid, skip, nulls, real))
         shortfall = self._shortfall(need, freed)
         if shortfall is not None:
             return shortfall
-        self._preflight(
-            request, known, {gid: len(blocks[gid]) + nulls + real for gid, _, nulls, real in plans},
-            {gid: skip for gid, skip, _, _ in plans}, state.num_cached, state.cache_at,
-        )
+        if self._guarded:
+            lengths = {gid: len(blocks[gid]) + nulls + real for gid, _, nulls, real in plans}
+            skips = {gid: skip for gid, skip, _, _ in plans}
+        else:
+            # Only plugin rules are asked in advance (core rules cannot raise).
+            lengths = skips = {}
+        self._preflight(request, known, lengths, skips, state.num_cached, state.cache_at)
         new_ids: list[tuple[int, ...]] = [()] * len(blocks)
         for gid, skip, _, _ in plans:
             done = state.num_skipped[gid]
@@ -804,20 +827,83 @@ class KVCacheAllocator:
             return self._no_new_blocks
         return Allocated(new_block_ids=tuple(new_ids))
 
+    def _grow_single(
+        self, state: _Running, num_new_tokens: int, lookahead: int
+    ) -> Allocated | NotNow:
+        """:meth:`_grow_dense` for one holding group (``_single``); same results and state
+        (tests compare it with the general path on random programs)."""
+        request = state.request
+        max_len = self.max_model_len
+        known = state.computed + num_new_tokens
+        if known > max_len:
+            return self._over_length(request, known)
+        total = known + lookahead
+        if total > max_len:
+            total = max_len
+        gid: int = self._single  # type: ignore[assignment]
+        tokens = self._block_tokens[gid]
+        table = state.blocks[gid]
+        pool = self._group_pools[gid]
+        real = -(-total // tokens) - len(table)
+        if real > 0:
+            held = state.num_real[gid] + real
+            if held > self.admission_caps[gid]:
+                return self._over_cap(request, gid, held)
+            if real > pool.num_free_blocks:
+                need = [0] * len(self.pools)
+                need[self._pool_of[gid]] = real
+                return self._shortfall(need, [0] * len(self.pools))  # type: ignore[return-value]
+        cacheable = self._cacheable
+        available = len(request.token_ids)
+        cached_upto = known if known < available else available
+        if cacheable and (cached_upto >= state.known_limit or self._hash_finer):
+            # Hash before anything changes (bad token ids refuse the step), as _grow_dense.
+            fine = self._hasher.hashes(request, cached_upto)
+        result = self._no_new_blocks
+        if real > 0:
+            taken = pool.take(real)
+            table.extend(taken)
+            state.num_real[gid] += real
+            new_ids: list[tuple[int, ...]] = [()] * len(state.blocks)
+            new_ids[gid] = tuple(taken)
+            result = Allocated(new_block_ids=tuple(new_ids))
+        state.computed = known
+        end_limit = len(table) * tokens + 1
+        state.end_limit = end_limit if end_limit <= max_len else max_len + 1
+        known_limit = max_len + 1
+        if cacheable:
+            cache_at = state.cache_at
+            if cached_upto >= cache_at[gid]:
+                num_cached = state.num_cached
+                start = num_cached[gid]
+                stop = cached_upto // tokens
+                stride = self._hash_stride[gid]
+                pool.cache_blocks(gid, fine[(start + 1) * stride - 1 : stop * stride : stride],
+                                  table[start:stop])
+                num_cached[gid] = stop
+                cache_at[gid] = (stop + 1) * tokens
+            if cache_at[gid] < known_limit:
+                known_limit = cache_at[gid]
+        state.known_limit = known_limit
+        state.computed_limit = NEVER
+        return result
+
     def _cache_new_blocks(self, state: _Running, known: int) -> None:
         request = state.request
         available = len(request.token_ids)
+        upto = known if known < available else available
+        num_cached = state.num_cached
+        cache_at = state.cache_at
         for gid in self._holding:
-            if min(known, available) < state.cache_at[gid]:
+            if upto < cache_at[gid]:
                 continue
-            rules = self.rules[gid]
             tokens = self._block_tokens[gid]
             if self._is_state_group[gid] and known > available:
                 # The step ends past the tokens the engine appended (drafts): the state
                 # it saves is not the state of a known prefix, so nothing is cached.
                 start = stop = known // tokens
             else:
-                start, stop = rules.cache_range(state.num_cached[gid], min(known, available))
+                start, stop = self.rules[gid].cache_range(num_cached[gid], upto)
             if stop > start:
                 stride = self._hash_stride[gid]
                 fine = self._hasher.hashes(request, stop * tokens)
@@ -827,8 +913,9 @@ class KVCacheAllocator:
                 pool.cache_blocks(gid, digests, table[start:stop])
                 if self._events is not None:
                     self._record_stored(self._events, gid, request, fine, table, start, stop)
-            state.num_cached[gid] = max(stop, state.num_cached[gid])
-            state.cache_at[gid] = (state.num_cached[gid] + 1) * tokens
+            if stop > num_cached[gid]:
+                num_cached[gid] = stop
+            cache_at[gid] = (num_cached[gid] + 1) * tokens
 
     def _record_stored(self, events: list[KVCacheEvent], gid: int, request: Request,
                        fine: Sequence[bytes], table: list[int], start: int, stop: int) -> None:
@@ -855,15 +942,23 @@ class KVCacheAllocator:
             )
 
     def _update_limits(self, state: _Running) -> None:
-        end_limit = self.max_model_len + 1
-        known_limit = self.max_model_len + 1
+        end_limit = known_limit = self.max_model_len + 1
         computed_limit = NEVER
+        cacheable = self._cacheable
+        rules = self.rules
+        blocks = state.blocks
+        num_skipped = state.num_skipped
+        cache_at = state.cache_at
         for gid in self._holding:
-            rules = self.rules[gid]
-            end_limit = min(end_limit, rules.next_allocation_end(len(state.blocks[gid])))
-            computed_limit = min(computed_limit, rules.next_skip_position(state.num_skipped[gid]))
-            if self._cacheable:
-                known_limit = min(known_limit, state.cache_at[gid])
+            group = rules[gid]
+            end = group.next_allocation_end(len(blocks[gid]))
+            if end < end_limit:
+                end_limit = end
+            skip_at = group.next_skip_position(num_skipped[gid])
+            if skip_at < computed_limit:
+                computed_limit = skip_at
+            if cacheable and cache_at[gid] < known_limit:
+                known_limit = cache_at[gid]
         state.end_limit = end_limit
         state.known_limit = known_limit
         state.computed_limit = computed_limit

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import AllocatorError, KVSpecError, PluginError
+from kvspec_core.runtime.native import native
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
 
@@ -127,6 +128,8 @@ class FullAttentionRules:
     ) -> list[int]:
         if not self.prefix_cacheable:
             return []
+        if native is not None and hashes.__class__ is list and cache.__class__ is dict:
+            return native.longest_hit(hashes, cache, max_blocks)  # type: ignore[arg-type]
         found: list[int] = []
         get = cache.get
         append = found.append
