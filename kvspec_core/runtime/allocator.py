@@ -385,8 +385,6 @@ class KVCacheAllocator:
             and num_new_tokens >= 0
             and lookahead >= 0
         ):
-            if self._single is not None:
-                return self._grow_single(state, num_new_tokens, lookahead)
             return self._grow_dense(state, num_new_tokens, lookahead)
         return self._grow(state, num_new_tokens, lookahead)
 
@@ -767,6 +765,8 @@ class KVCacheAllocator:
         total = known + lookahead
         if total > max_len:
             total = max_len
+        if self._single is not None:
+            return self._grow_single(state, known, total)
         blocks = state.blocks
         block_tokens = self._block_tokens
         takes: list[tuple[int, int]] = []
@@ -827,19 +827,12 @@ class KVCacheAllocator:
             return self._no_new_blocks
         return Allocated(new_block_ids=tuple(new_ids))
 
-    def _grow_single(
-        self, state: _Running, num_new_tokens: int, lookahead: int
-    ) -> Allocated | NotNow:
-        """:meth:`_grow_dense` for one holding group (``_single``); same results and state
-        (tests compare it with the general path on random programs)."""
+    def _grow_single(self, state: _Running, known: int, total: int) -> Allocated | NotNow:
+        """The rest of :meth:`_grow_dense` for one holding group (``_single``), without
+        the per-group loops; same results and state (tests compare it with the general
+        path on random programs)."""
         request = state.request
         max_len = self.max_model_len
-        known = state.computed + num_new_tokens
-        if known > max_len:
-            return self._over_length(request, known)
-        total = known + lookahead
-        if total > max_len:
-            total = max_len
         gid: int = self._single  # type: ignore[assignment]
         tokens = self._block_tokens[gid]
         table = state.blocks[gid]

@@ -129,7 +129,7 @@ class FullAttentionRules:
         if not self.prefix_cacheable:
             return []
         if native is not None and hashes.__class__ is list and cache.__class__ is dict:
-            return native.longest_hit(hashes, cache, max_blocks)  # type: ignore[arg-type]
+            return native.longest_hit(hashes, cache, max_blocks)
         found: list[int] = []
         get = cache.get
         append = found.append
