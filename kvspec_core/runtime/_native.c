@@ -84,6 +84,24 @@ static void blake2b_compress(uint64_t h[8], const uint8_t block[128], uint64_t c
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
+static inline void blake2b_output(const uint64_t h[8], uint8_t *out, size_t out_len) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(out, h, out_len);
+#else
+    for (size_t i = 0; i < out_len; i++) out[i] = (uint8_t)(h[i / 8] >> (8 * (i % 8)));
+#endif
+}
+
+/* The digest of a message of ``len`` <= 128 bytes already zero-padded to one block. */
+static inline void blake2b_one_block(const uint8_t block[128], size_t len, uint8_t *out,
+                                     size_t out_len) {
+    uint64_t h[8];
+    memcpy(h, blake2b_iv, sizeof h);
+    h[0] ^= 0x01010000ULL ^ (uint64_t)out_len;
+    blake2b_compress(h, block, (uint64_t)len, 1);
+    blake2b_output(h, out, out_len);
+}
+
 /* hashlib.blake2b(data, digest_size=out_len).digest() into out; 1 <= out_len <= 64. */
 static void blake2b_digest(const uint8_t *data, size_t len, uint8_t *out, size_t out_len) {
     uint64_t h[8];
@@ -101,7 +119,7 @@ static void blake2b_digest(const uint8_t *data, size_t len, uint8_t *out, size_t
     memcpy(block, data, len);
     counter += len;
     blake2b_compress(h, block, counter, 1);
-    for (size_t i = 0; i < out_len; i++) out[i] = (uint8_t)(h[i / 8] >> (8 * (i % 8)));
+    blake2b_output(h, out, out_len);
 }
 
 static PyObject *py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -200,11 +218,28 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
         p[3] = (uint8_t)(value >> 24);
     }
     memcpy(message, PyBytes_AS_STRING(parent), digest);
+    /* Parent and tokens fit one BLAKE2b block (16 tokens and a 32-byte parent do): build
+     * it in place, zero padding written once. */
+    uint8_t block[128];
+    int one_block = message_len <= 128;
+    if (one_block) {
+        memset(block, 0, sizeof block);
+        memcpy(block, message, digest);
+    }
     for (Py_ssize_t offset = 0; offset < count; offset += size) {
-        memcpy(message + digest, packed + 4 * offset, 4 * (size_t)size);
         PyObject *item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)digest);
         if (item == NULL) goto fail;
         uint8_t *digest_out = (uint8_t *)PyBytes_AS_STRING(item);
+        if (one_block) {
+            memcpy(block + digest, packed + 4 * offset, 4 * (size_t)size);
+            blake2b_one_block(block, message_len, digest_out, digest);
+            int appended = PyList_Append(out, item);
+            Py_DECREF(item);
+            if (appended < 0) goto fail;
+            memcpy(block, digest_out, digest);
+            continue;
+        }
+        memcpy(message + digest, packed + 4 * offset, 4 * (size_t)size);
         blake2b_digest(message, message_len, digest_out, digest);
         int appended = PyList_Append(out, item);
         Py_DECREF(item);
