@@ -255,6 +255,304 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ BlockQueue
+ *
+ * An insertion-ordered set of block ids 0..capacity-1: the subset of OrderedDict[int, None]
+ * the pool's eviction orders use (q[b] = None appends b unless present, del q[b], b in q,
+ * len, iteration oldest first, popitem(last=False), clear), as an intrusive doubly linked
+ * list over two int32 arrays allocated on first use (8 bytes per block), so no per-entry
+ * object exists and the kernels below link and unlink blocks directly. */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t capacity;
+    Py_ssize_t length;
+    Py_ssize_t version; /* changes on every mutation: iterators refuse a changed queue */
+    int32_t *prev;      /* prev[b] == -1: b is not queued; index capacity is the sentinel */
+    int32_t *next;
+} BlockQueue;
+
+static PyTypeObject BlockQueue_Type;
+
+static int queue_alloc(BlockQueue *q) {
+    if (q->prev != NULL) return 0;
+    size_t n = (size_t)q->capacity + 1;
+    q->prev = PyMem_Malloc(n * sizeof(int32_t));
+    q->next = PyMem_Malloc(n * sizeof(int32_t));
+    if (q->prev == NULL || q->next == NULL) {
+        PyMem_Free(q->prev);
+        PyMem_Free(q->next);
+        q->prev = q->next = NULL;
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(q->prev, 0xff, n * sizeof(int32_t));
+    Py_ssize_t s = q->capacity;
+    q->prev[s] = q->next[s] = (int32_t)s;
+    return 0;
+}
+
+static inline int queue_has(const BlockQueue *q, Py_ssize_t b) {
+    return q->prev != NULL && b >= 0 && b < q->capacity && q->prev[b] != -1;
+}
+
+/* Append b (0 <= b < capacity, not queued). */
+static inline void queue_push(BlockQueue *q, Py_ssize_t b) {
+    Py_ssize_t s = q->capacity;
+    int32_t tail = q->prev[s];
+    q->prev[b] = tail;
+    q->next[b] = (int32_t)s;
+    q->next[tail] = (int32_t)b;
+    q->prev[s] = (int32_t)b;
+    q->length++;
+    q->version++;
+}
+
+/* Unlink queued b. */
+static inline void queue_unlink(BlockQueue *q, Py_ssize_t b) {
+    int32_t before = q->prev[b], after = q->next[b];
+    q->next[before] = after;
+    q->prev[after] = before;
+    q->prev[b] = -1;
+    q->length--;
+    q->version++;
+}
+
+static int queue_block_arg(BlockQueue *q, PyObject *key, Py_ssize_t *block) {
+    if (!PyLong_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "BlockQueue holds block ids (ints), not %R", key);
+        return -1;
+    }
+    *block = PyLong_AsSsize_t(key);
+    if (*block == -1 && PyErr_Occurred()) return -1;
+    if (*block < 0 || *block >= q->capacity) {
+        PyErr_Format(PyExc_KeyError, "block id %zd is not in 0..%zd", *block, q->capacity - 1);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *BlockQueue_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t capacity;
+    static char *names[] = {"capacity", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", names, &capacity)) return NULL;
+    if (capacity < 1 || capacity >= INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "BlockQueue capacity must be in [1, 2**31 - 1)");
+        return NULL;
+    }
+    BlockQueue *q = (BlockQueue *)type->tp_alloc(type, 0);
+    if (q == NULL) return NULL;
+    q->capacity = capacity;
+    return (PyObject *)q;
+}
+
+static void BlockQueue_dealloc(BlockQueue *q) {
+    PyMem_Free(q->prev);
+    PyMem_Free(q->next);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static Py_ssize_t BlockQueue_len(BlockQueue *q) { return q->length; }
+
+static int BlockQueue_contains(BlockQueue *q, PyObject *key) {
+    if (!PyLong_Check(key)) return 0;
+    Py_ssize_t b = PyLong_AsSsize_t(key);
+    if (b == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return queue_has(q, b);
+}
+
+static int BlockQueue_ass_sub(BlockQueue *q, PyObject *key, PyObject *value) {
+    Py_ssize_t b;
+    if (queue_block_arg(q, key, &b) < 0) return -1;
+    if (value == NULL) {
+        if (!queue_has(q, b)) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        queue_unlink(q, b);
+        return 0;
+    }
+    if (value != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "BlockQueue values are None (it is an ordered set)");
+        return -1;
+    }
+    if (queue_alloc(q) < 0) return -1;
+    if (!queue_has(q, b)) queue_push(q, b); /* as OrderedDict: present keys keep their place */
+    return 0;
+}
+
+static PyObject *BlockQueue_subscript(BlockQueue *q, PyObject *key) {
+    if (BlockQueue_contains(q, key)) Py_RETURN_NONE;
+    PyErr_SetObject(PyExc_KeyError, key);
+    return NULL;
+}
+
+static PyObject *BlockQueue_popitem(BlockQueue *q, PyObject *args, PyObject *kwargs) {
+    int last = 1;
+    static char *names[] = {"last", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p", names, &last)) return NULL;
+    if (q->length == 0) {
+        PyErr_SetString(PyExc_KeyError, "popitem(): BlockQueue is empty");
+        return NULL;
+    }
+    Py_ssize_t s = q->capacity;
+    Py_ssize_t b = last ? q->prev[s] : q->next[s];
+    queue_unlink(q, b);
+    PyObject *key = PyLong_FromSsize_t(b);
+    if (key == NULL) return NULL;
+    PyObject *pair = PyTuple_Pack(2, key, Py_None);
+    Py_DECREF(key);
+    return pair;
+}
+
+static PyObject *BlockQueue_clear(BlockQueue *q, PyObject *unused) {
+    PyMem_Free(q->prev);
+    PyMem_Free(q->next);
+    q->prev = q->next = NULL;
+    q->length = 0;
+    q->version++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *BlockQueue_sizeof(BlockQueue *q, PyObject *unused) {
+    Py_ssize_t size = (Py_ssize_t)sizeof(BlockQueue);
+    if (q->prev != NULL) size += 2 * (q->capacity + 1) * (Py_ssize_t)sizeof(int32_t);
+    return PyLong_FromSsize_t(size);
+}
+
+static PyObject *BlockQueue_list(BlockQueue *q) {
+    PyObject *items = PyList_New(q->length);
+    if (items == NULL) return NULL;
+    Py_ssize_t s = q->capacity, i = 0;
+    for (Py_ssize_t b = q->length ? q->next[s] : s; b != s; b = q->next[b]) {
+        PyObject *key = PyLong_FromSsize_t(b);
+        if (key == NULL) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        PyList_SET_ITEM(items, i++, key);
+    }
+    return items;
+}
+
+static PyObject *BlockQueue_repr(BlockQueue *q) {
+    PyObject *items = BlockQueue_list(q);
+    if (items == NULL) return NULL;
+    PyObject *text = PyUnicode_FromFormat("BlockQueue(capacity=%zd, %R)", q->capacity, items);
+    Py_DECREF(items);
+    return text;
+}
+
+static PyObject *BlockQueue_richcompare(PyObject *a, PyObject *b, int op) {
+    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(b, &BlockQueue_Type))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *left = BlockQueue_list((BlockQueue *)a);
+    if (left == NULL) return NULL;
+    PyObject *right = BlockQueue_list((BlockQueue *)b);
+    if (right == NULL) {
+        Py_DECREF(left);
+        return NULL;
+    }
+    int equal = ((BlockQueue *)a)->capacity == ((BlockQueue *)b)->capacity
+        && PyObject_RichCompareBool(left, right, Py_EQ) == 1;
+    Py_DECREF(left);
+    Py_DECREF(right);
+    if (op == Py_NE) equal = !equal;
+    return PyBool_FromLong(equal);
+}
+
+typedef struct {
+    PyObject_HEAD
+    BlockQueue *queue;
+    Py_ssize_t at;      /* next block to yield; the sentinel when done */
+    Py_ssize_t version; /* the queue's version when the iterator was made */
+} BlockQueueIter;
+
+static PyTypeObject BlockQueueIter_Type;
+
+static PyObject *BlockQueue_iter(BlockQueue *q) {
+    BlockQueueIter *it = PyObject_New(BlockQueueIter, &BlockQueueIter_Type);
+    if (it == NULL) return NULL;
+    Py_INCREF(q);
+    it->queue = q;
+    it->at = q->length ? q->next[q->capacity] : q->capacity;
+    it->version = q->version;
+    return (PyObject *)it;
+}
+
+static void BlockQueueIter_dealloc(BlockQueueIter *it) {
+    Py_DECREF(it->queue);
+    PyObject_Free(it);
+}
+
+static PyObject *BlockQueueIter_next(BlockQueueIter *it) {
+    BlockQueue *q = it->queue;
+    if (it->version != q->version) {
+        PyErr_SetString(PyExc_RuntimeError, "BlockQueue changed during iteration");
+        return NULL;
+    }
+    if (it->at == q->capacity) return NULL;
+    Py_ssize_t b = it->at;
+    it->at = q->next[b];
+    return PyLong_FromSsize_t(b);
+}
+
+static PyTypeObject BlockQueueIter_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvspec_core.runtime._native.BlockQueueIterator",
+    .tp_basicsize = sizeof(BlockQueueIter),
+    .tp_dealloc = (destructor)BlockQueueIter_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)BlockQueueIter_next,
+};
+
+static PyMappingMethods BlockQueue_mapping = {
+    .mp_length = (lenfunc)BlockQueue_len,
+    .mp_subscript = (binaryfunc)BlockQueue_subscript,
+    .mp_ass_subscript = (objobjargproc)BlockQueue_ass_sub,
+};
+
+static PySequenceMethods BlockQueue_sequence = {
+    .sq_contains = (objobjproc)BlockQueue_contains,
+};
+
+static PyMethodDef BlockQueue_methods[] = {
+    {"popitem", (PyCFunction)(void (*)(void))BlockQueue_popitem, METH_VARARGS | METH_KEYWORDS,
+     "popitem(last=True) -> (block, None): remove the newest (last=False: oldest) block"},
+    {"clear", (PyCFunction)BlockQueue_clear, METH_NOARGS, "remove every block"},
+    {"__sizeof__", (PyCFunction)BlockQueue_sizeof, METH_NOARGS, "bytes held"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BlockQueue_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvspec_core.runtime._native.BlockQueue",
+    .tp_doc = "BlockQueue(capacity): an insertion-ordered set of block ids 0..capacity-1 "
+              "with OrderedDict[int, None]'s interface (8 bytes per block once used)",
+    .tp_basicsize = sizeof(BlockQueue),
+    .tp_dealloc = (destructor)BlockQueue_dealloc,
+    .tp_repr = (reprfunc)BlockQueue_repr,
+    .tp_as_sequence = &BlockQueue_sequence,
+    .tp_as_mapping = &BlockQueue_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_richcompare = BlockQueue_richcompare,
+    .tp_iter = (getiterfunc)BlockQueue_iter,
+    .tp_methods = BlockQueue_methods,
+    .tp_new = BlockQueue_new,
+    .tp_hash = PyObject_HashNotImplemented,
+};
+
+/* The queue if ``object`` is a BlockQueue of at least ``size`` ids, else NULL. */
+static inline BlockQueue *as_queue(PyObject *object, Py_ssize_t size) {
+    if (Py_IS_TYPE(object, &BlockQueue_Type) && ((BlockQueue *)object)->capacity >= size)
+        return (BlockQueue *)object;
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ pool kernels
  *
  * Twins of BlockPool's per-block loops, over the pool's own containers: ref counts (a list of
@@ -350,10 +648,18 @@ static PyObject *py_release(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (refs_left) continue;
         PyObject *key = PyList_GET_ITEM(args[0], reverse ? count - 1 - i : i);
         int failed;
-        if (PyList_GET_ITEM(block_hash, block) == Py_None)
+        if (PyList_GET_ITEM(block_hash, block) == Py_None) {
             failed = PyList_Append(uncached, key);
-        else
-            failed = PyObject_SetItem(flags[block] ? protected_ : evictable, key, Py_None);
+        } else {
+            PyObject *target = flags[block] ? protected_ : evictable;
+            BlockQueue *queue = as_queue(target, PyList_GET_SIZE(refs));
+            if (queue != NULL && (queue->prev != NULL || queue_alloc(queue) == 0)) {
+                if (!queue_has(queue, block)) queue_push(queue, block);
+                failed = 0;
+            } else {
+                failed = queue != NULL ? -1 : PyObject_SetItem(target, key, Py_None);
+            }
+        }
         if (failed < 0) goto fail;
     }
     if (PyList_GET_SIZE(uncached)) {
@@ -398,8 +704,8 @@ static PyObject *py_touch(PyObject *self, PyObject *const *args, Py_ssize_t narg
             if (!block) continue;
             if (block < 0 || block >= size) return PyLong_FromSsize_t(i);
             if (ref_of(refs, block)) continue;
-            int found = PyDict_Contains(evictable, key);
-            if (found == 0) found = PyDict_Contains(protected_, key);
+            int found = PySequence_Contains(evictable, key);
+            if (found == 0) found = PySequence_Contains(protected_, key);
             if (found < 0) return NULL;
             if (!found) return PyLong_FromSsize_t(i);
         }
@@ -412,8 +718,14 @@ static PyObject *py_touch(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (!block) continue;
         if (!block_in_range(block, size)) return NULL;
         Py_ssize_t refs_now = ref_of(refs, block);
-        if (refs_now == 0 && PyObject_DelItem(flags[block] ? protected_ : evictable, key) < 0)
-            return NULL;
+        if (refs_now == 0) {
+            PyObject *target = flags[block] ? protected_ : evictable;
+            BlockQueue *queue = as_queue(target, size);
+            if (queue != NULL && queue_has(queue, block))
+                queue_unlink(queue, block);
+            else if (PyObject_DelItem(target, key) < 0)
+                return NULL;
+        }
         if (segmented) flags[block] = 1;
         if (set_ref(refs, block, refs_now + 1) < 0) return NULL;
     }
@@ -453,7 +765,25 @@ static PyObject *py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t
     /* The oldest ``count`` keys in one pass of an iterator, then each deleted: cheaper than
      * ``count`` popitem calls (no method call, no result tuple per block). */
     Py_ssize_t first = PyList_GET_SIZE(out);
-    PyObject *iterator = PyObject_GetIter(evictable);
+    BlockQueue *queue = as_queue(evictable, size);
+    if (queue != NULL) {
+        if (queue->length < count) {
+            PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
+            goto fail;
+        }
+        Py_ssize_t sentinel = queue->capacity;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t block = queue->next[sentinel];
+            PyObject *key = PyLong_FromSsize_t(block);
+            if (key == NULL) goto fail;
+            int appended = PyList_Append(out, key);
+            Py_DECREF(key);
+            if (appended < 0) goto fail;
+            queue_unlink(queue, block);
+        }
+    }
+    PyObject *iterator = queue != NULL ? NULL : PyObject_GetIter(evictable);
+    if (queue != NULL) goto evicted;
     if (iterator == NULL) goto fail;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *key = PyIter_Next(iterator);
@@ -470,10 +800,11 @@ static PyObject *py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t
         }
     }
     Py_DECREF(iterator);
+evicted:
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *key = PyList_GET_ITEM(out, first + i);
         Py_INCREF(key);
-        if (PyObject_DelItem(evictable, key) < 0) {
+        if (queue == NULL && PyObject_DelItem(evictable, key) < 0) {
             Py_DECREF(key);
             goto fail;
         }
@@ -820,5 +1151,15 @@ PyMODINIT_FUNC PyInit__native(void) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);
         if (*names[i].slot == NULL) return NULL;
     }
-    return PyModule_Create(&native_module);
+    if (PyType_Ready(&BlockQueue_Type) < 0 || PyType_Ready(&BlockQueueIter_Type) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL) return NULL;
+    Py_INCREF(&BlockQueue_Type);
+    if (PyModule_AddObject(module, "BlockQueue", (PyObject *)&BlockQueue_Type) < 0) {
+        Py_DECREF(&BlockQueue_Type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

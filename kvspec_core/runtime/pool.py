@@ -48,6 +48,12 @@ EVICTION_POLICIES = ("lru", "segmented")
 DEFAULT_EVICTION = "lru"
 
 
+def _eviction_queue(num_blocks: int) -> OrderedDict[int, None]:
+    if native is not None:
+        return native.BlockQueue(num_blocks)
+    return OrderedDict()
+
+
 class BlockPool:
     """Blocks ``1 .. num_blocks - 1`` of one physical pool, shared by ``group_ids``.
 
@@ -85,9 +91,10 @@ class BlockPool:
         self.ref_counts: list[int] = [0] * num_blocks
         # Popping from the end hands out 1, 2, 3, ... first.
         self._fresh = array("i", range(num_blocks - 1, 0, -1))
-        # Cached free blocks never reused by a hit (evicted first), and reused ones.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._protected: OrderedDict[int, None] = OrderedDict()
+        # Cached free blocks never reused by a hit (evicted first), and reused ones: ordered
+        # sets, OrderedDicts or the compiled BlockQueue (same interface, no per-entry object).
+        self._evictable: OrderedDict[int, None] = _eviction_queue(num_blocks)
+        self._protected: OrderedDict[int, None] = _eviction_queue(num_blocks)
         self._reused = bytearray(num_blocks)
         self._segmented = eviction == "segmented"
         self._block_hash: list[bytes | None] = [None] * num_blocks

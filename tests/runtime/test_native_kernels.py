@@ -10,6 +10,7 @@ The rest of the runtime suite runs once per implementation (see ``conftest.py``)
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 import hashlib
 import struct
 from collections.abc import Iterator
@@ -190,3 +191,70 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
         assert compiled.take_events() == reference.take_events()
     compiled.check_invariants()
     reference.check_invariants()
+
+
+queue_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 11)),
+        st.tuples(st.just("remove"), st.integers(0, 11)),
+        st.tuples(st.just("popitem"), st.booleans()),
+        st.tuples(st.just("clear"), st.just(0)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=queue_ops)
+def test_block_queue_behaves_as_an_ordered_dict_of_nones(ops: list) -> None:
+    queue = native.BlockQueue(12)
+    reference: OrderedDict[int, None] = OrderedDict()
+    for op, value in ops:
+        if op == "add":
+            queue[value] = None
+            reference[value] = None
+        elif op == "remove":
+            expected = outcome_of(lambda: reference.__delitem__(value))
+            assert outcome_of(lambda: queue.__delitem__(value)) == expected
+        elif op == "popitem":
+            expected = outcome_of(lambda: reference.popitem(last=value))
+            assert outcome_of(lambda: queue.popitem(last=value)) == expected
+        else:
+            queue.clear()
+            reference.clear()
+        assert list(queue) == list(reference)
+        assert len(queue) == len(reference)
+        assert all((block in queue) == (block in reference) for block in range(-1, 14))
+    twin = native.BlockQueue(12)
+    for block in reference:
+        twin[block] = None
+    assert twin == queue and not twin != queue
+
+
+def outcome_of(call: Any) -> Any:
+    try:
+        return call()
+    except KeyError:
+        return "KeyError"
+
+
+def test_block_queue_refuses_what_it_cannot_hold() -> None:
+    queue = native.BlockQueue(4)
+    with pytest.raises(KeyError, match="block id 4 is not in 0..3"):
+        queue[4] = None
+    with pytest.raises(TypeError, match="block ids"):
+        queue["1"] = None
+    with pytest.raises(TypeError, match="values are None"):
+        queue[1] = 5
+    with pytest.raises(ValueError, match="capacity"):
+        native.BlockQueue(0)
+    queue[1] = None
+    queue[3] = None
+    assert queue[1] is None and "1" not in queue and 7 not in queue
+    iterator = iter(queue)
+    assert next(iterator) == 1
+    del queue[3]
+    with pytest.raises(RuntimeError, match="changed during iteration"):
+        next(iterator)
+    assert repr(queue) == "BlockQueue(capacity=4, [1])"
+    assert queue.__sizeof__() > native.BlockQueue(4).__sizeof__()
