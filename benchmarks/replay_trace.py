@@ -8,15 +8,15 @@ Traces (``--trace``): ``shared`` (default), the shared-system-prompt request tra
 Block size 16, prefix caching on, all groups sharing one pool. Models: default one
 full-attention group; ``--hybrid``: Gemma-2-like, sliding window 4096 + full attention;
 ``--mamba``: Jamba-like, a Mamba state group (the real ``MambaSpec``, ``align`` prefix
-caching) + full attention. All events are generated before timing starts; the timed replay
-includes admission hashing.
+caching) + full attention. All events are generated before timing starts (and the heap frozen, as an engine
+freezes it after start-up); the timed replay includes admission hashing.
 
 Per event: admit = find the cached prefix + allocate slots for the whole prompt (a "not
 now" queues the request; queued requests retry after the next finish, each failed try
 counts as a wait); decode = append the token and allocate one slot; finish = free.
 Decode and finish events of a request still waiting in the queue are dropped (counted).
 ``--batched``: each run of consecutive decode events is one engine step, allocated through
-one ``allocate_step`` call.
+one ``allocate_step`` call (its running requests, bare: one new token each).
 When the allocator names a ``checkpoint_at`` position (Mamba: the prompt shares content
 with earlier prompts beyond the last saved state), the prefill is split there so that the
 state is saved, as ``kvspec simulate`` does.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import time
 
@@ -160,6 +161,8 @@ def replay(
                 if used > peak:
                     peak = used
         elif kind == "step":
+            # A decode step: each running request's one new token (a bare Request means
+            # one token, so no (request, 1) pair is built per decode).
             pairs = []
             for rid, token in event[1]:
                 request = requests.get(rid)
@@ -167,7 +170,7 @@ def replay(
                     dropped += 1
                     continue
                 request.token_ids.append(token)
-                pairs.append((request, 1))
+                pairs.append(request)
             results = allocate_step(pairs)
             if results.count(no_new_blocks) != len(results):
                 # A class test, not truth: Allocated.__bool__ is a Python call per result.
@@ -243,6 +246,9 @@ def main() -> None:
     make_trace, default_requests = TRACES[args.trace]
     requests = default_requests if args.requests is None else args.requests
     events = list(make_trace(seed=args.seed, num_requests=requests))
+    # As an engine freezes its heap after start-up (vLLM's engine core does; vs_vllm.py too).
+    gc.collect()
+    gc.freeze()
     model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
     allocator = build_allocator(args.blocks, model_name, args.eviction)
     if args.profile:

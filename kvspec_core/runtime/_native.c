@@ -560,6 +560,7 @@ static inline BlockQueue *as_queue(PyObject *object, Py_ssize_t size) {
  * array of uint16), the free stack (an array of int) and the two eviction orders
  * (OrderedDicts). Block ids are bounds-checked before anything changes. */
 
+static PyObject *one; /* the int 1 */
 static PyObject *str_extend, *str_request_id, *str_computed, *str_end_limit,
     *str_known_limit, *str_computed_limit;
 
@@ -955,14 +956,18 @@ static PyObject *py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_
 /* The allocator's per-request state class (``_Running``, a __slots__ class) and where its
  * four step fields sit in its instances, from its member descriptors: reading a slot there
  * skips the attribute lookup. Set by register_state_type; other objects take getattr. */
-static PyTypeObject *state_type;
+static PyTypeObject *state_type, *request_type;
 static Py_ssize_t state_offsets[4]; /* computed, end_limit, known_limit, computed_limit */
 
-static PyObject *py_register_state_type(PyObject *self, PyObject *type) {
-    if (!PyType_Check(type)) {
-        PyErr_SetString(PyExc_TypeError, "register_state_type needs a class");
+/* register_types(state_class, request_class): the allocator's per-request state class (its
+ * step fields are read in place) and the Request class (a bare Request in a step is one
+ * new token). */
+static PyObject *py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "register_types(state_class, request_class)");
         return NULL;
     }
+    PyObject *type = args[0];
     PyObject *names[4] = {str_computed, str_end_limit, str_known_limit, str_computed_limit};
     Py_ssize_t offsets[4];
     for (int i = 0; i < 4; i++) {
@@ -979,6 +984,8 @@ static PyObject *py_register_state_type(PyObject *self, PyObject *type) {
     }
     Py_INCREF(type);
     Py_XSETREF(state_type, (PyTypeObject *)type);
+    Py_INCREF(args[1]);
+    Py_XSETREF(request_type, (PyTypeObject *)args[1]);
     memcpy(state_offsets, offsets, sizeof offsets);
     Py_RETURN_NONE;
 }
@@ -1015,12 +1022,12 @@ static inline int set_state_computed(PyObject *state, PyObject *value) {
 }
 
 /* step(pairs, running, lookahead, no_new_blocks, allocate_slots, one_pair, results): for
- * each item of ``pairs``, a 2-tuple (request, n) of a running request whose n new tokens need
- * no new block, no newly cacheable block and free nothing (its state's end_limit, known_limit
- * and computed_limit, as allocate_slots' first test) just counts them as computed and appends
- * ``no_new_blocks``; another 2-tuple (request with a hashable request_id, int n) appends
- * ``allocate_slots(request, n, lookahead)``; any other item appends ``one_pair(item,
- * position)``. The loop of KVCacheAllocator.allocate_step. */
+ * each item of ``pairs``, a 2-tuple (request, n) or a bare Request (n = 1), of a running
+ * request whose n new tokens need no new block, no newly cacheable block and free nothing
+ * (its state's end_limit, known_limit and computed_limit, as allocate_slots' first test) just
+ * counts them as computed and appends ``no_new_blocks``; another such item (a request with a
+ * hashable request_id, an int n) appends ``allocate_slots(request, n, lookahead)``; any other
+ * item appends ``one_pair(item, position)``. The loop of KVCacheAllocator.allocate_step. */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "step takes 7 arguments");
@@ -1039,12 +1046,20 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *pair;
     while ((pair = PyIter_Next(iterator)) != NULL) {
         int done = 0, well_formed = 0;
+        PyObject *request = NULL, *count_object = NULL; /* borrowed */
         if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2
             && PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
-            Py_ssize_t count = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+            request = PyTuple_GET_ITEM(pair, 0);
+            count_object = PyTuple_GET_ITEM(pair, 1);
+        } else if (request_type != NULL && PyObject_TypeCheck(pair, request_type)) {
+            request = pair;
+            count_object = one;
+        }
+        if (request != NULL) {
+            Py_ssize_t count = PyLong_AsSsize_t(count_object);
             if (count == -1 && PyErr_Occurred()) PyErr_Clear(); /* too large: the slow path says so */
             else if (count >= 0) {
-                PyObject *rid = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0), str_request_id);
+                PyObject *rid = PyObject_GetAttr(request, str_request_id);
                 if (rid == NULL) PyErr_Clear(); /* not a Request: the slow path says so */
                 else {
                     PyObject *state = PyDict_GetItemWithError(running, rid);
@@ -1083,7 +1098,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         if (!done) {
             PyObject *result;
             if (well_formed) {
-                PyObject *call[3] = {PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), args[2]};
+                PyObject *call[3] = {request, count_object, args[2]};
                 result = PyObject_Vectorcall(allocate_slots, call, 3, NULL);
             } else {
                 PyObject *position = PyLong_FromSsize_t(PyList_GET_SIZE(results));
@@ -1125,8 +1140,8 @@ static PyMethodDef native_methods[] = {
      "cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int"},
     {"longest_hit", (PyCFunction)(void (*)(void))py_longest_hit, METH_FASTCALL,
      "longest_hit(digests, cache, max_blocks) -> list of the cached prefix's blocks"},
-    {"register_state_type", py_register_state_type, METH_O,
-     "register_state_type(cls): the allocator's per-request state class (__slots__)"},
+    {"register_types", (PyCFunction)(void (*)(void))py_register_types, METH_FASTCALL,
+     "register_types(state_class, request_class): the classes step reads directly"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(pairs, running, lookahead, no_new_blocks, one_pair, results)"},
     {NULL, NULL, 0, NULL},
@@ -1151,6 +1166,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);
         if (*names[i].slot == NULL) return NULL;
     }
+    one = PyLong_FromLong(1);
+    if (one == NULL) return NULL;
     if (PyType_Ready(&BlockQueue_Type) < 0 || PyType_Ready(&BlockQueueIter_Type) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&native_module);

@@ -89,8 +89,8 @@ class _Running:
 
 
 if native is not None:
-    # allocate_step's compiled loop reads these slots directly.
-    native.register_state_type(_Running)
+    # allocate_step's compiled loop reads these slots directly and knows bare requests.
+    native.register_types(_Running, Request)
 
 
 class KVCacheAllocator:
@@ -389,10 +389,11 @@ class KVCacheAllocator:
         return self._grow(state, num_new_tokens, lookahead)
 
     def allocate_step(
-        self, steps: Iterable[tuple[Request, int]], lookahead: int = 0
+        self, steps: Iterable[tuple[Request, int] | Request], lookahead: int = 0
     ) -> list[Allocated | NotNow]:
         """Slots for every request of one engine step: ``steps`` holds ``(request,
-        num_new_tokens)`` pairs, e.g. each running request with the tokens scheduled for it.
+        num_new_tokens)`` pairs, e.g. each running request with the tokens scheduled for it;
+        a bare :class:`Request` stands for ``(request, 1)`` (a decode step).
 
         Exactly ``[allocate_slots(request, n, lookahead) for request, n in steps]``, in that
         order (results, block tables, hits and pool state alike), in one call: the steps
@@ -415,12 +416,15 @@ class KVCacheAllocator:
         append = results.append
         for pair in steps:
             try:
-                request, num_new_tokens = pair
+                if isinstance(pair, Request):
+                    request, num_new_tokens = pair, 1
+                else:
+                    request, num_new_tokens = pair
                 state = running.get(request.request_id)
             except (TypeError, ValueError, AttributeError):
                 raise AllocatorError(
-                    f"allocate_step: item {len(results)} is {pair!r}, not a (Request, int) "
-                    "pair; the items before it were allocated"
+                    f"allocate_step: item {len(results)} is {pair!r}, not a Request or a "
+                    "(Request, int) pair; the items before it were allocated"
                 ) from None
             if state is not None and num_new_tokens.__class__ is int and num_new_tokens >= 0:
                 # allocate_slots' no-block fast path, inlined.
@@ -440,12 +444,15 @@ class KVCacheAllocator:
     def _step_pair(self, pair: Any, position: int, lookahead: int) -> Allocated | NotNow:
         """``allocate_slots`` for item ``position`` of an :meth:`allocate_step`."""
         try:
-            request, num_new_tokens = pair
+            if isinstance(pair, Request):
+                request, num_new_tokens = pair, 1
+            else:
+                request, num_new_tokens = pair
             self._running.get(request.request_id)
         except (TypeError, ValueError, AttributeError):
             raise AllocatorError(
-                f"allocate_step: item {position} is {pair!r}, not a (Request, int) "
-                "pair; the items before it were allocated"
+                f"allocate_step: item {position} is {pair!r}, not a Request or a "
+                "(Request, int) pair; the items before it were allocated"
             ) from None
         return self.allocate_slots(request, num_new_tokens, lookahead)
 

@@ -89,7 +89,8 @@ def test_allocate_step_equals_allocate_slots_in_order(config: str, eviction: str
                     for request in pair:
                         request.append_token(token)
                 loop_steps.append((pair[0], count))
-                batch_steps.append((pair[1], count))
+                # A bare Request stands for (request, 1).
+                batch_steps.append(pair[1] if count == 1 and index % 2 else (pair[1], count))
             expected = []
             for request, count in loop_steps:
                 try:
@@ -116,7 +117,8 @@ def test_allocate_step_equals_allocate_slots_in_order(config: str, eviction: str
 def test_allocate_step_refuses_malformed_items_naming_the_index() -> None:
     allocator = make_allocator([full(2)], 16)
     first = Request(1, [1, 2, 3])
-    with pytest.raises(AllocatorError, match="item 1 is 'oops', not a \\(Request, int\\) pair"):
+    with pytest.raises(AllocatorError,
+                       match="item 1 is 'oops', not a Request or a \\(Request, int\\) pair"):
         allocator.allocate_step([(first, 3), "oops"])
     # The item before the malformed one was allocated, as in a loop of allocate_slots.
     assert allocator.num_computed_tokens(1) == 3
@@ -136,3 +138,9 @@ def test_allocate_step_returns_the_shared_no_new_blocks_result() -> None:
     results = allocator.allocate_step([(request, 1) for request in requests])
     assert all(result is allocator.no_new_blocks for result in results)
     assert [allocator.num_computed_tokens(rid) for rid in range(3)] == [6, 6, 6]
+    for request in requests:
+        request.append_token(9)
+    # Bare requests: one new token each.
+    results = allocator.allocate_step(requests)
+    assert all(result is allocator.no_new_blocks for result in results)
+    assert [allocator.num_computed_tokens(rid) for rid in range(3)] == [7, 7, 7]

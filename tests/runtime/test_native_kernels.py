@@ -178,8 +178,9 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
             for pair in chosen:
                 for request in pair:
                     request.append_token(1)
+            # Bare requests (one token each) and pairs, mixed.
             results = [outcome(lambda a=side, s=side_index: a.allocate_step(
-                [(pair[s], 1) for pair in chosen]))
+                [pair[s] if k % 2 else (pair[s], 1) for k, pair in enumerate(chosen)]))
                 for side_index, side in enumerate(sides)]
             assert results[0] == results[1]
         elif op[0] == "finish" and running:
