@@ -336,8 +336,8 @@ static PyObject *BlockQueue_new(PyTypeObject *type, PyObject *args, PyObject *kw
     Py_ssize_t capacity;
     static char *names[] = {"capacity", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", names, &capacity)) return NULL;
-    if (capacity < 1 || capacity >= INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "BlockQueue capacity must be in [1, 2**31 - 1)");
+    if (capacity < 1 || capacity > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "BlockQueue capacity must be in [1, 2**31 - 1]");
         return NULL;
     }
     BlockQueue *q = (BlockQueue *)type->tp_alloc(type, 0);
