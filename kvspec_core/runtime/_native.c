@@ -184,7 +184,15 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (start + i >= PyList_GET_SIZE(tokens)) {
+            /* An __index__ method below shortened the list. */
+            PyErr_SetString(PyExc_ValueError, "token ids changed while they were hashed");
+            PyMem_Free(packed);
+            PyMem_Free(message);
+            return NULL;
+        }
         PyObject *item = PyList_GET_ITEM(tokens, start + i);
+        Py_INCREF(item); /* held: an __index__ method below may drop it from the list */
         unsigned long long value;
         int bad = 0;
         if (PyLong_CheckExact(item)) {
@@ -207,6 +215,7 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
             PyErr_Format(PyExc_ValueError, "token %zd is %S, not an int in [0, 2**32)",
                          start + i, repr ? repr : Py_None);
             Py_XDECREF(repr);
+            Py_DECREF(item);
             PyMem_Free(packed);
             PyMem_Free(message);
             return NULL;
@@ -216,6 +225,7 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
         p[1] = (uint8_t)(value >> 8);
         p[2] = (uint8_t)(value >> 16);
         p[3] = (uint8_t)(value >> 24);
+        Py_DECREF(item);
     }
     memcpy(message, PyBytes_AS_STRING(parent), digest);
     /* Parent and tokens fit one BLAKE2b block (16 tokens and a 32-byte parent do): build
@@ -934,8 +944,12 @@ static PyObject *py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_
     if (max_blocks < n) n = max_blocks < 0 ? 0 : max_blocks;
     PyObject *found = PyList_New(0);
     if (found == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *block = PyDict_GetItemWithError(cache, PyList_GET_ITEM(digests, i));
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(digests); i++) {
+        /* Held: a key's __eq__ may change the list. */
+        PyObject *digest = PyList_GET_ITEM(digests, i);
+        Py_INCREF(digest);
+        PyObject *block = PyDict_GetItemWithError(cache, digest);
+        Py_DECREF(digest);
         if (block == NULL) {
             if (PyErr_Occurred()) {
                 Py_DECREF(found);

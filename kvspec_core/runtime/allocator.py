@@ -568,7 +568,8 @@ class KVCacheAllocator:
                 return self._over_cap(request, gid, held)
             pool_index = self._pool_of[gid]
             refs = pools[pool_index].ref_counts
-            need[pool_index] += real + sum(1 for block in table if block and refs[block] == 0)
+            # Hit blocks with no reference (cached free ones) leave the free blocks on revival.
+            need[pool_index] += real + [refs[block] for block in table if block].count(0)
             plans.append((gid, nulls, real))
         shortfall = self._shortfall(need, [0] * len(pools))
         if shortfall is not None:

@@ -259,3 +259,21 @@ def test_block_queue_refuses_what_it_cannot_hold() -> None:
         next(iterator)
     assert repr(queue) == "BlockQueue(capacity=4, [1])"
     assert queue.__sizeof__() > native.BlockQueue(4).__sizeof__()
+
+
+class ShrinkingToken:
+    """A token whose ``__index__`` empties the list being hashed (hostile input)."""
+
+    def __init__(self, tokens: list) -> None:
+        self.tokens = tokens
+
+    def __index__(self) -> int:
+        self.tokens.clear()
+        return 1
+
+
+def test_a_token_list_changed_while_hashing_is_refused_not_crashed() -> None:
+    tokens: list = [1, 2]
+    tokens += [ShrinkingToken(tokens), 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="changed while they were hashed"):
+        native.chain_hashes(b"p" * 32, tokens, 0, 8, 4, [])

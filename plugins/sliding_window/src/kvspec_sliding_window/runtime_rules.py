@@ -51,20 +51,20 @@ class SlidingWindowRules(FullAttentionRules):
         need = self.window_blocks
         if need == 0:  # a window of one token attends only to itself
             return [0] * max_blocks
-        get = cache.get
-        run = 0
-        # Scan down from the largest candidate: the first run of `need` cached blocks ends
-        # at the largest resumable position.
-        for index in range(max_blocks - 1, -1, -1):
-            if get(hashes[index]) is not None:
-                run += 1
-                if run >= need:
-                    return [0] * index + [cache[hashes[j]] for j in range(index, index + run)]
-            else:
-                run = 0
+        # Every lookup at once (map and list run them without a Python frame per block).
+        found: list = list(map(cache.get, hashes[:max_blocks]))  # block ids, None: a miss
+        # The latest run of `need` cached blocks ends at the largest resumable position: try
+        # the window ending at `end`; a miss inside it moves `end` down to that miss.
+        end = len(found)
+        while end >= need:
+            window = found[end - need : end]
+            if None not in window:
+                return [0] * (end - need) + window
+            end = end - need + (need - 1 - window[::-1].index(None))
         # No full window anywhere: only a position inside the first window can resume, and
         # that needs every block from the start.
-        return [cache[digest] for digest in hashes[:run]]
+        leading = found.index(None) if None in found else len(found)
+        return found[:leading]
 
 
 class KpoolTailRules(SingleBlockRules):
