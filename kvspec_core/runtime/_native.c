@@ -1035,6 +1035,50 @@ static inline int set_state_computed(PyObject *state, PyObject *value) {
     return PyObject_SetAttr(state, str_computed, value);
 }
 
+/* allocate_slots(request, count_object, lookahead)'s first test, for a running request:
+ * 1: the step needs no new block, caches and frees nothing, and its tokens were counted as
+ * computed (the answer is no_new_blocks); 2: a running or new request whose step needs the
+ * general path; 0: not an exact int count >= 0 or no hashable request_id (the general path
+ * says what is wrong); -1: an error. */
+static int fast_step(PyObject *running, PyObject *request, PyObject *count_object,
+                     Py_ssize_t lookahead) {
+    if (!PyLong_CheckExact(count_object)) return 0;
+    Py_ssize_t count = PyLong_AsSsize_t(count_object);
+    if (count == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (count < 0) return 0;
+    PyObject *rid = PyObject_GetAttr(request, str_request_id);
+    if (rid == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *state = PyDict_GetItemWithError(running, rid);
+    Py_DECREF(rid);
+    if (state == NULL) {
+        if (!PyErr_Occurred()) return 2; /* not running yet: an admission */
+        PyErr_Clear(); /* an unhashable id */
+        return 0;
+    }
+    Py_INCREF(state);
+    Py_ssize_t computed, end_limit, known_limit, computed_limit;
+    int result = 2;
+    if (state_int(state, 0, &computed) < 0 || state_int(state, 1, &end_limit) < 0
+        || state_int(state, 2, &known_limit) < 0 || state_int(state, 3, &computed_limit) < 0) {
+        result = -1;
+    } else {
+        Py_ssize_t known = computed + count;
+        if (known + lookahead < end_limit && known < known_limit && computed < computed_limit) {
+            PyObject *value = PyLong_FromSsize_t(known);
+            result = (value == NULL || set_state_computed(state, value) < 0) ? -1 : 1;
+            Py_XDECREF(value);
+        }
+    }
+    Py_DECREF(state);
+    return result;
+}
+
 /* step(pairs, running, lookahead, no_new_blocks, allocate_slots, one_pair, results): for
  * each item of ``pairs``, a 2-tuple (request, n) or a bare Request (n = 1), of a running
  * request whose n new tokens need no new block, no newly cacheable block and free nothing
@@ -1070,44 +1114,13 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             count_object = one;
         }
         if (request != NULL) {
-            Py_ssize_t count = PyLong_AsSsize_t(count_object);
-            if (count == -1 && PyErr_Occurred()) PyErr_Clear(); /* too large: the slow path says so */
-            else if (count >= 0) {
-                PyObject *rid = PyObject_GetAttr(request, str_request_id);
-                if (rid == NULL) PyErr_Clear(); /* not a Request: the slow path says so */
-                else {
-                    PyObject *state = PyDict_GetItemWithError(running, rid);
-                    Py_DECREF(rid);
-                    if (state == NULL && PyErr_Occurred()) PyErr_Clear(); /* unhashable id */
-                    else well_formed = 1;
-                    Py_ssize_t computed, end_limit, known_limit, computed_limit;
-                    if (state != NULL) {
-                        Py_INCREF(state);
-                        if (state_int(state, 0, &computed) < 0
-                            || state_int(state, 1, &end_limit) < 0
-                            || state_int(state, 2, &known_limit) < 0
-                            || state_int(state, 3, &computed_limit) < 0) {
-                            Py_DECREF(state);
-                            goto fail_pair;
-                        }
-                        Py_ssize_t known = computed + count;
-                        if (known + lookahead < end_limit && known < known_limit
-                            && computed < computed_limit) {
-                            PyObject *value = PyLong_FromSsize_t(known);
-                            int failed = value == NULL
-                                || set_state_computed(state, value) < 0
-                                || PyList_Append(results, no_new_blocks) < 0;
-                            Py_XDECREF(value);
-                            if (failed) {
-                                Py_DECREF(state);
-                                goto fail_pair;
-                            }
-                            done = 1;
-                        }
-                        Py_DECREF(state);
-                    }
-                }
+            int fast = fast_step(running, request, count_object, lookahead);
+            if (fast < 0) goto fail_pair;
+            if (fast == 1) {
+                if (PyList_Append(results, no_new_blocks) < 0) goto fail_pair;
+                done = 1;
             }
+            well_formed = fast == 2;
         }
         if (!done) {
             PyObject *result;
@@ -1137,6 +1150,126 @@ fail_pair:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ SlotsFastPath
+ *
+ * SlotsFastPath(running, no_new_blocks, general): a callable taking allocate_slots'
+ * arguments. A call (request, n[, lookahead]) with exact ints n, lookahead >= 0, for a
+ * running request whose step needs no new block, caches nothing and frees nothing (as
+ * allocate_slots' first test) counts the tokens as computed and returns no_new_blocks, with
+ * no Python frame; every other call is general(*args, **kwargs). An allocator built with the
+ * kernels holds one as its allocate_slots. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *running;
+    PyObject *no_new_blocks;
+    PyObject *general;
+    vectorcallfunc vectorcall;
+} SlotsFastPath;
+
+static PyTypeObject SlotsFastPath_Type;
+
+static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *args,
+                                          size_t nargsf, PyObject *kwnames) {
+    SlotsFastPath *self = (SlotsFastPath *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && (nargs == 2 || nargs == 3)) {
+        Py_ssize_t lookahead = 0;
+        int valid = 1;
+        if (nargs == 3) {
+            valid = PyLong_CheckExact(args[2]);
+            if (valid) {
+                lookahead = PyLong_AsSsize_t(args[2]);
+                if (lookahead == -1 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    valid = 0;
+                }
+                valid = valid && lookahead >= 0;
+            }
+        }
+        if (valid) {
+            int fast = fast_step(self->running, args[0], args[1], lookahead);
+            if (fast < 0) return NULL;
+            if (fast == 1) {
+                Py_INCREF(self->no_new_blocks);
+                return self->no_new_blocks;
+            }
+        }
+    }
+    return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+}
+
+static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *running, *no_new_blocks, *general;
+    static char *names[] = {"running", "no_new_blocks", "general", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO", names, &PyDict_Type, &running,
+                                     &no_new_blocks, &general))
+        return NULL;
+    if (!PyCallable_Check(general)) {
+        PyErr_SetString(PyExc_TypeError, "SlotsFastPath: general must be callable");
+        return NULL;
+    }
+    SlotsFastPath *self = (SlotsFastPath *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(running);
+    Py_INCREF(no_new_blocks);
+    Py_INCREF(general);
+    self->running = running;
+    self->no_new_blocks = no_new_blocks;
+    self->general = general;
+    self->vectorcall = SlotsFastPath_vectorcall;
+    return (PyObject *)self;
+}
+
+static int SlotsFastPath_traverse(SlotsFastPath *self, visitproc visit, void *arg) {
+    Py_VISIT(self->running);
+    Py_VISIT(self->no_new_blocks);
+    Py_VISIT(self->general);
+    return 0;
+}
+
+static int SlotsFastPath_clear(SlotsFastPath *self) {
+    Py_CLEAR(self->running);
+    Py_CLEAR(self->no_new_blocks);
+    Py_CLEAR(self->general);
+    return 0;
+}
+
+static void SlotsFastPath_dealloc(SlotsFastPath *self) {
+    PyObject_GC_UnTrack(self);
+    SlotsFastPath_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *SlotsFastPath_get_doc(SlotsFastPath *self, void *closure) {
+    return PyObject_GetAttrString(self->general, "__doc__");
+}
+
+static PyObject *SlotsFastPath_get_wrapped(SlotsFastPath *self, void *closure) {
+    Py_INCREF(self->general);
+    return self->general;
+}
+
+static PyGetSetDef SlotsFastPath_getset[] = {
+    {"__doc__", (getter)SlotsFastPath_get_doc, NULL, "the general path's docstring", NULL},
+    {"__wrapped__", (getter)SlotsFastPath_get_wrapped, NULL, "the general path", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SlotsFastPath_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvspec_core.runtime._native.SlotsFastPath",
+    .tp_basicsize = sizeof(SlotsFastPath),
+    .tp_dealloc = (destructor)SlotsFastPath_dealloc,
+    .tp_vectorcall_offset = offsetof(SlotsFastPath, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_traverse = (traverseproc)SlotsFastPath_traverse,
+    .tp_clear = (inquiry)SlotsFastPath_clear,
+    .tp_getset = SlotsFastPath_getset,
+    .tp_new = SlotsFastPath_new,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -1164,7 +1297,7 @@ static PyMethodDef native_methods[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "kvspec_core.runtime._native",
     "Compiled kernels of kvspec's runtime allocator (optional; see hashing.py, pool.py).",
-    -1, native_methods,
+    -1, native_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
@@ -1182,13 +1315,20 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     one = PyLong_FromLong(1);
     if (one == NULL) return NULL;
-    if (PyType_Ready(&BlockQueue_Type) < 0 || PyType_Ready(&BlockQueueIter_Type) < 0)
+    if (PyType_Ready(&BlockQueue_Type) < 0 || PyType_Ready(&BlockQueueIter_Type) < 0
+        || PyType_Ready(&SlotsFastPath_Type) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
     Py_INCREF(&BlockQueue_Type);
     if (PyModule_AddObject(module, "BlockQueue", (PyObject *)&BlockQueue_Type) < 0) {
         Py_DECREF(&BlockQueue_Type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&SlotsFastPath_Type);
+    if (PyModule_AddObject(module, "SlotsFastPath", (PyObject *)&SlotsFastPath_Type) < 0) {
+        Py_DECREF(&SlotsFastPath_Type);
         Py_DECREF(module);
         return NULL;
     }

@@ -213,6 +213,12 @@ class KVCacheAllocator:
         self._last_prefix: CachedPrefix | None = None
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
+        if native is not None and type(self).allocate_slots is KVCacheAllocator.allocate_slots:
+            # Decode steps that need no block are answered without a Python frame; every
+            # other call reaches the method below.
+            self.allocate_slots = native.SlotsFastPath(  # type: ignore[method-assign]
+                self._running, self._no_new_blocks, self._allocate_slots
+            )
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -388,6 +394,11 @@ class KVCacheAllocator:
             return self._grow_dense(state, num_new_tokens, lookahead)
         return self._grow(state, num_new_tokens, lookahead)
 
+    #: The method itself, also under this name: what an instance's compiled fast path
+    #: (``native.SlotsFastPath``, its ``allocate_slots`` when the kernels are built) calls
+    #: for every step it does not answer itself.
+    _allocate_slots = allocate_slots
+
     def allocate_step(
         self, steps: Iterable[tuple[Request, int] | Request], lookahead: int = 0
     ) -> list[Allocated | NotNow]:
@@ -409,7 +420,7 @@ class KVCacheAllocator:
         results: list[Allocated | NotNow] = []
         if native is not None:
             # The same loop compiled; every pair it does not finish goes to _step_pair.
-            native.step(steps, running, lookahead, no_new_blocks, self.allocate_slots,
+            native.step(steps, running, lookahead, no_new_blocks, self._allocate_slots,
                         lambda pair, position: self._step_pair(pair, position, lookahead),
                         results)
             return results

@@ -10,6 +10,8 @@ The rest of the runtime suite runs once per implementation (see ``conftest.py``)
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections import OrderedDict
 import hashlib
 import struct
@@ -277,3 +279,25 @@ def test_a_token_list_changed_while_hashing_is_refused_not_crashed() -> None:
     tokens += [ShrinkingToken(tokens), 4, 5, 6, 7, 8]
     with pytest.raises(ValueError, match="changed while they were hashed"):
         native.chain_hashes(b"p" * 32, tokens, 0, 8, 4, [])
+
+
+def test_the_fast_allocate_slots_answers_as_the_method_and_is_collected() -> None:
+    allocator = make_allocator([full(2)], 24)
+    assert isinstance(allocator.allocate_slots, native.SlotsFastPath)
+    assert allocator.allocate_slots.__doc__ == KVCacheAllocator.allocate_slots.__doc__
+    request = Request("r", [1, 2, 3])
+    # Admission and keyword calls go to the method itself.
+    assert allocator.allocate_slots(request, 3, prefix=allocator.find_cached_prefix(request))
+    request.append_token(4)
+    assert allocator.allocate_slots(request, 1) is allocator.no_new_blocks
+    request.append_token(5)
+    assert allocator.allocate_slots(request, num_new_tokens=1).new_block_ids == ((3,),)
+    with pytest.raises(AllocatorError, match="num_new_tokens=-1"):
+        allocator.allocate_slots(request, -1)
+    with pytest.raises(AllocatorError, match="already running"):
+        allocator.allocate_slots(request, 0, 0, allocator.find_cached_prefix(Request("s", [1])))
+    # The allocator and its fast path refer to each other: the collector frees both.
+    reference = weakref.ref(allocator)
+    del allocator
+    gc.collect()
+    assert reference() is None
