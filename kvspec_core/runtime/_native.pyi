@@ -1,4 +1,4 @@
-"""Types of the compiled kernels (``_native.c``); see :mod:`kvspec_core.runtime.native`."""
+"""Types of the compiled kernels (``_native_src/``); see :mod:`kvspec_core.runtime.native`."""
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator

@@ -1,6 +1,6 @@
 """The compiled kernels (``_native``), or ``None`` where they are not built or not wanted.
 
-``kvspec_core/runtime/_native.c`` holds compiled twins of the runtime's per-block loops
+``kvspec_core/runtime/_native_src/`` holds compiled twins of the runtime's per-block loops
 (chained BLAKE2b block hashes, ...). They compute exactly what the Python code computes; the
 install builds them when a C compiler is present. ``KVSPEC_PURE_PYTHON=1`` in the environment
 (read at import) runs the pure-Python code even where they are built, e.g. to compare the two.

@@ -1,0 +1,151 @@
+/* blake2b(data, digest_size) and chain_hashes: the prefix cache's chained block hashes
+ * (PrefixHasher.hashes' loop). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blake2b.h"
+#include "kernels.h"
+
+PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer data;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "blake2b(data, digest_size) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t out_len = PyLong_AsSsize_t(args[1]);
+    if (out_len == -1 && PyErr_Occurred()) return NULL;
+    if (out_len < 1 || out_len > 64) {
+        PyErr_SetString(PyExc_ValueError, "digest_size must be in [1, 64]");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0) return NULL;
+    uint8_t out[64];
+    kv_blake2b_digest((const uint8_t *)data.buf, (size_t)data.len, out, (size_t)out_len);
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)out, out_len);
+}
+
+/* chain_hashes(parent, tokens, start, stop, block_tokens, out): append to ``out`` the
+ * chained digests of tokens[start:stop] in blocks of ``block_tokens``:
+ * d_i = BLAKE2b(d_{i-1} || uint32-LE tokens of block i), d_{-1} = parent, digest size
+ * len(parent). All tokens are checked before anything is appended: a token that is not an
+ * int in [0, 2**32) raises ValueError naming its position, and ``out`` is unchanged. */
+PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chain_hashes(parent, tokens, start, stop, block_tokens, out)");
+        return NULL;
+    }
+    PyObject *parent = args[0], *tokens = args[1], *out = args[5];
+    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) < 1 || PyBytes_GET_SIZE(parent) > 64) {
+        PyErr_SetString(PyExc_TypeError, "parent must be bytes of length 1..64");
+        return NULL;
+    }
+    if (!PyList_Check(tokens) || !PyList_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "tokens and out must be lists");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t stop = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (size < 1 || start < 0 || stop < start || stop > PyList_GET_SIZE(tokens)
+        || (stop - start) % size) {
+        PyErr_SetString(PyExc_ValueError,
+                        "need 0 <= start <= stop <= len(tokens), whole blocks of "
+                        "block_tokens >= 1");
+        return NULL;
+    }
+    size_t digest = (size_t)PyBytes_GET_SIZE(parent);
+    Py_ssize_t count = stop - start;
+    size_t message_len = digest + 4 * (size_t)size;
+    uint8_t *packed = PyMem_Malloc(4 * (size_t)count + 1);
+    uint8_t *message = PyMem_Malloc(message_len);
+    if (packed == NULL || message == NULL) {
+        PyMem_Free(packed);
+        PyMem_Free(message);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (start + i >= PyList_GET_SIZE(tokens)) {
+            /* An __index__ method below shortened the list. */
+            PyErr_SetString(PyExc_ValueError, "token ids changed while they were hashed");
+            PyMem_Free(packed);
+            PyMem_Free(message);
+            return NULL;
+        }
+        PyObject *item = PyList_GET_ITEM(tokens, start + i);
+        Py_INCREF(item); /* held: an __index__ method below may drop it from the list */
+        unsigned long long value;
+        int bad = 0;
+        if (PyLong_CheckExact(item)) {
+            value = PyLong_AsUnsignedLongLong(item);
+            bad = value == (unsigned long long)-1 && PyErr_Occurred();
+        } else {
+            PyObject *index = PyNumber_Index(item); /* as struct.pack: anything with __index__ */
+            if (index == NULL) {
+                bad = 1;
+                value = 0;
+            } else {
+                value = PyLong_AsUnsignedLongLong(index);
+                bad = value == (unsigned long long)-1 && PyErr_Occurred();
+                Py_DECREF(index);
+            }
+        }
+        if (bad || value > 0xFFFFFFFFULL) {
+            PyErr_Clear();
+            PyObject *repr = PyObject_Repr(item);
+            PyErr_Format(PyExc_ValueError, "token %zd is %S, not an int in [0, 2**32)",
+                         start + i, repr ? repr : Py_None);
+            Py_XDECREF(repr);
+            Py_DECREF(item);
+            PyMem_Free(packed);
+            PyMem_Free(message);
+            return NULL;
+        }
+        uint8_t *p = packed + 4 * i;
+        p[0] = (uint8_t)value;
+        p[1] = (uint8_t)(value >> 8);
+        p[2] = (uint8_t)(value >> 16);
+        p[3] = (uint8_t)(value >> 24);
+        Py_DECREF(item);
+    }
+    memcpy(message, PyBytes_AS_STRING(parent), digest);
+    /* Parent and tokens fit one BLAKE2b block (16 tokens and a 32-byte parent do): build
+     * it in place, zero padding written once. */
+    uint8_t block[128];
+    int one_block = message_len <= 128;
+    if (one_block) {
+        memset(block, 0, sizeof block);
+        memcpy(block, message, digest);
+    }
+    for (Py_ssize_t offset = 0; offset < count; offset += size) {
+        PyObject *item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)digest);
+        if (item == NULL) goto fail;
+        uint8_t *digest_out = (uint8_t *)PyBytes_AS_STRING(item);
+        if (one_block) {
+            memcpy(block + digest, packed + 4 * offset, 4 * (size_t)size);
+            kv_blake2b_one_block(block, message_len, digest_out, digest);
+            int appended = PyList_Append(out, item);
+            Py_DECREF(item);
+            if (appended < 0) goto fail;
+            memcpy(block, digest_out, digest);
+            continue;
+        }
+        memcpy(message + digest, packed + 4 * offset, 4 * (size_t)size);
+        kv_blake2b_digest(message, message_len, digest_out, digest);
+        int appended = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (appended < 0) goto fail;
+        memcpy(message, digest_out, digest);
+    }
+    PyMem_Free(packed);
+    PyMem_Free(message);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(packed);
+    PyMem_Free(message);
+    return NULL;
+}

@@ -1,0 +1,30 @@
+/* What the kernel files of kvspec_core.runtime._native share: the interned attribute names,
+ * the int 1, and each file's Python-facing functions (registered in module.c). */
+#ifndef KVSPEC_KERNELS_H
+#define KVSPEC_KERNELS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Set by module.c when the module is created. */
+extern PyObject *kv_one; /* the int 1 */
+extern PyObject *kv_str_extend, *kv_str_request_id, *kv_str_computed, *kv_str_end_limit,
+    *kv_str_known_limit, *kv_str_computed_limit;
+
+/* hashing.c */
+PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* pool.c */
+PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* step.c */
+extern PyTypeObject kv_SlotsFastPath_Type;
+PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+#endif

@@ -1,0 +1,405 @@
+/* Twins of BlockPool's per-block loops, over the pool's own containers: ref counts (a list of
+ * ints), cached hashes (a list of bytes or None), reused flags (a bytearray), group ids (an
+ * array of uint16), the free stack (an array of int) and the two eviction orders
+ * (OrderedDicts or BlockQueues). Block ids are bounds-checked before anything changes. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "block_queue.h"
+#include "kernels.h"
+
+
+static inline int block_in_range(Py_ssize_t block, Py_ssize_t size) {
+    if (block < 0 || block >= size) {
+        PyErr_Format(PyExc_IndexError, "block id %zd is not in this pool (0..%zd)", block,
+                     size - 1);
+        return 0;
+    }
+    return 1;
+}
+
+/* Block ids of a list, bounds-checked; NULL with an exception on a bad item. */
+static Py_ssize_t *block_ids_of(PyObject *blocks, Py_ssize_t size, Py_ssize_t *count) {
+    if (!PyList_Check(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "blocks must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    Py_ssize_t *ids = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+        ids[i] = block;
+    }
+    *count = n;
+    return ids;
+}
+
+static inline Py_ssize_t ref_of(PyObject *refs, Py_ssize_t block) {
+    return PyLong_AsSsize_t(PyList_GET_ITEM(refs, block));
+}
+
+static inline int set_ref(PyObject *refs, Py_ssize_t block, Py_ssize_t count) {
+    PyObject *value = PyLong_FromSsize_t(count);
+    if (value == NULL) return -1;
+    PyObject *old = PyList_GET_ITEM(refs, block);
+    PyList_SET_ITEM(refs, block, value);
+    Py_DECREF(old);
+    return 0;
+}
+
+static int check_pool_lists(PyObject *refs, PyObject *block_hash, PyObject *reused) {
+    if (!PyList_CheckExact(refs) || !PyList_CheckExact(block_hash)
+        || !PyByteArray_CheckExact(reused)
+        || PyList_GET_SIZE(block_hash) != PyList_GET_SIZE(refs)
+        || PyByteArray_GET_SIZE(reused) != PyList_GET_SIZE(refs)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "refs, block_hash (lists) and reused (bytearray) must be one pool's");
+        return -1;
+    }
+    return 0;
+}
+
+/* release(blocks, reverse, refs, block_hash, reused, fresh, evictable, protected): drop one
+ * reference from each non-null block (last first if ``reverse``); a block reaching 0 joins
+ * ``fresh`` (no cached hash), ``protected`` (reused) or ``evictable``, in release order.
+ * BlockPool._release_unchecked; the caller has checked no count goes below 0. */
+PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "release takes 8 arguments");
+        return NULL;
+    }
+    PyObject *refs = args[2], *block_hash = args[3], *reused = args[4], *fresh = args[5],
+             *evictable = args[6], *protected_ = args[7];
+    int reverse = PyObject_IsTrue(args[1]);
+    if (reverse < 0 || check_pool_lists(refs, block_hash, reused) < 0) return NULL;
+    Py_ssize_t count;
+    Py_ssize_t *ids = block_ids_of(args[0], PyList_GET_SIZE(refs), &count);
+    if (ids == NULL) return NULL;
+    const char *flags = PyByteArray_AS_STRING(reused);
+    PyObject *uncached = PyList_New(0);
+    if (uncached == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t block = ids[reverse ? count - 1 - i : i];
+        if (!block) continue;
+        Py_ssize_t refs_left = ref_of(refs, block) - 1;
+        if (set_ref(refs, block, refs_left) < 0) goto fail;
+        if (refs_left) continue;
+        PyObject *key = PyList_GET_ITEM(args[0], reverse ? count - 1 - i : i);
+        int failed;
+        if (PyList_GET_ITEM(block_hash, block) == Py_None) {
+            failed = PyList_Append(uncached, key);
+        } else {
+            PyObject *target = flags[block] ? protected_ : evictable;
+            BlockQueue *queue = as_queue(target, PyList_GET_SIZE(refs));
+            if (queue != NULL && (queue->prev != NULL || kv_queue_alloc(queue) == 0)) {
+                if (!queue_has(queue, block)) queue_push(queue, block);
+                failed = 0;
+            } else {
+                failed = queue != NULL ? -1 : PyObject_SetItem(target, key, Py_None);
+            }
+        }
+        if (failed < 0) goto fail;
+    }
+    if (PyList_GET_SIZE(uncached)) {
+        PyObject *done = PyObject_CallMethodOneArg(fresh, kv_str_extend, uncached);
+        if (done == NULL) goto fail;
+        Py_DECREF(done);
+    }
+    Py_DECREF(uncached);
+    PyMem_Free(ids);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(uncached);
+    PyMem_Free(ids);
+    return NULL;
+}
+
+/* touch(blocks, refs, reused, evictable, protected, segmented, check) -> int: add a
+ * reference to each non-null block; a free one leaves its eviction order; ``segmented``
+ * marks each reused. With ``check``, first finds a block that is neither in use nor a cached
+ * free block: returns its position in ``blocks`` and changes nothing. Returns -1 when done.
+ * BlockPool.touch. */
+PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "touch takes 7 arguments");
+        return NULL;
+    }
+    PyObject *refs = args[1], *reused = args[2], *evictable = args[3], *protected_ = args[4];
+    int segmented = PyObject_IsTrue(args[5]), check = PyObject_IsTrue(args[6]);
+    if (segmented < 0 || check < 0) return NULL;
+    if (!PyList_CheckExact(refs) || !PyByteArray_CheckExact(reused)
+        || PyByteArray_GET_SIZE(reused) != PyList_GET_SIZE(refs) || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "touch: blocks and refs must be lists, reused a bytearray");
+        return NULL;
+    }
+    PyObject *blocks = args[0];
+    Py_ssize_t size = PyList_GET_SIZE(refs), count = PyList_GET_SIZE(blocks);
+    if (check) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *key = PyList_GET_ITEM(blocks, i);
+            Py_ssize_t block = PyLong_AsSsize_t(key);
+            if (block == -1 && PyErr_Occurred()) return NULL;
+            if (!block) continue;
+            if (block < 0 || block >= size) return PyLong_FromSsize_t(i);
+            if (ref_of(refs, block)) continue;
+            int found = PySequence_Contains(evictable, key);
+            if (found == 0) found = PySequence_Contains(protected_, key);
+            if (found < 0) return NULL;
+            if (!found) return PyLong_FromSsize_t(i);
+        }
+    }
+    char *flags = PyByteArray_AS_STRING(reused);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t block = PyLong_AsSsize_t(key);
+        if (block == -1 && PyErr_Occurred()) return NULL;
+        if (!block) continue;
+        if (!block_in_range(block, size)) return NULL;
+        Py_ssize_t refs_now = ref_of(refs, block);
+        if (refs_now == 0) {
+            PyObject *target = flags[block] ? protected_ : evictable;
+            BlockQueue *queue = as_queue(target, size);
+            if (queue != NULL && queue_has(queue, block))
+                queue_unlink(queue, block);
+            else if (PyObject_DelItem(target, key) < 0)
+                return NULL;
+        }
+        if (segmented) flags[block] = 1;
+        if (set_ref(refs, block, refs_now + 1) < 0) return NULL;
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* evict_take(count, out, evictable, caches, block_group, block_hash, refs): pop ``count``
+ * blocks from the front of ``evictable`` (never-reused cached free blocks, oldest first),
+ * drop each from its group's cache (``caches[block_group[block]]``), give it ref count 1 and
+ * append it to ``out``. BlockPool.take's one-pass eviction; the caller checked that
+ * ``evictable`` holds ``count`` blocks. */
+PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "evict_take takes 7 arguments");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[0]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    PyObject *out = args[1], *evictable = args[2], *caches = args[3], *block_hash = args[5],
+             *refs = args[6];
+    if (!PyList_Check(out) || !PyDict_Check(caches) || !PyList_CheckExact(block_hash)
+        || !PyList_CheckExact(refs) || PyList_GET_SIZE(refs) != PyList_GET_SIZE(block_hash)) {
+        PyErr_SetString(PyExc_TypeError, "evict_take: bad pool containers");
+        return NULL;
+    }
+    Py_buffer groups;
+    if (PyObject_GetBuffer(args[4], &groups, PyBUF_FORMAT) < 0) return NULL;
+    if (groups.itemsize != 2 || groups.len / 2 != PyList_GET_SIZE(refs)) {
+        PyBuffer_Release(&groups);
+        PyErr_SetString(PyExc_TypeError, "evict_take: block_group must be the pool's array('H')");
+        return NULL;
+    }
+    const uint16_t *group_of = (const uint16_t *)groups.buf;
+    Py_ssize_t size = PyList_GET_SIZE(refs);
+    PyObject *cache = NULL, *cache_gid; /* cache: borrowed, the last group's */
+    long last_gid = -1;
+    /* The oldest ``count`` keys in one pass of an iterator, then each deleted: cheaper than
+     * ``count`` popitem calls (no method call, no result tuple per block). */
+    Py_ssize_t first = PyList_GET_SIZE(out);
+    BlockQueue *queue = as_queue(evictable, size);
+    if (queue != NULL) {
+        if (queue->length < count) {
+            PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
+            goto fail;
+        }
+        Py_ssize_t sentinel = queue->capacity;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_ssize_t block = queue->next[sentinel];
+            PyObject *key = PyLong_FromSsize_t(block);
+            if (key == NULL) goto fail;
+            int appended = PyList_Append(out, key);
+            Py_DECREF(key);
+            if (appended < 0) goto fail;
+            queue_unlink(queue, block);
+        }
+    }
+    PyObject *iterator = queue != NULL ? NULL : PyObject_GetIter(evictable);
+    if (queue != NULL) goto evicted;
+    if (iterator == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyIter_Next(iterator);
+        if (key == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
+            Py_DECREF(iterator);
+            goto fail;
+        }
+        int appended = PyList_Append(out, key);
+        Py_DECREF(key);
+        if (appended < 0) {
+            Py_DECREF(iterator);
+            goto fail;
+        }
+    }
+    Py_DECREF(iterator);
+evicted:
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyList_GET_ITEM(out, first + i);
+        Py_INCREF(key);
+        if (queue == NULL && PyObject_DelItem(evictable, key) < 0) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        Py_ssize_t block = PyLong_AsSsize_t(key);
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        if (group_of[block] != last_gid) {
+            last_gid = group_of[block];
+            cache_gid = PyLong_FromLong(last_gid);
+            if (cache_gid == NULL) {
+                Py_DECREF(key);
+                goto fail;
+            }
+            cache = PyDict_GetItemWithError(caches, cache_gid);
+            Py_DECREF(cache_gid);
+            if (cache == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_KeyError, "no cache of group %ld", last_gid);
+                Py_DECREF(key);
+                goto fail;
+            }
+        }
+        PyObject *digest = PyList_GET_ITEM(block_hash, block);
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(block_hash, block, Py_None);
+        int failed = PyDict_DelItem(cache, digest);
+        Py_DECREF(digest);
+        if (failed < 0 || set_ref(refs, block, 1) < 0) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        Py_DECREF(key);
+    }
+    PyBuffer_Release(&groups);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&groups);
+    return NULL;
+}
+
+/* cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int: for
+ * each (digest, block) pair of a non-null block with no cached hash: map ``digest`` to it in
+ * ``cache`` (an entry naming another block calls ``move_hash(cache, digest, old, block)``),
+ * record the hash and, with ``block_group`` not None, the group. Returns how many blocks were
+ * newly cached. BlockPool.cache_blocks. */
+PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "cache_blocks takes 7 arguments");
+        return NULL;
+    }
+    long gid = PyLong_AsLong(args[0]);
+    if (gid == -1 && PyErr_Occurred()) return NULL;
+    PyObject *digests = args[1], *blocks = args[2], *cache = args[3], *block_hash = args[4],
+             *move_hash = args[6];
+    if (!PyList_Check(digests) || !PyList_Check(blocks) || !PyDict_Check(cache)
+        || !PyList_CheckExact(block_hash)) {
+        PyErr_SetString(PyExc_TypeError, "cache_blocks: digests, blocks, block_hash must be lists");
+        return NULL;
+    }
+    Py_buffer groups;
+    uint16_t *group_of = NULL;
+    Py_ssize_t size = PyList_GET_SIZE(block_hash);
+    if (args[5] != Py_None) {
+        if (PyObject_GetBuffer(args[5], &groups, PyBUF_FORMAT | PyBUF_WRITABLE) < 0) return NULL;
+        if (groups.itemsize != 2 || groups.len / 2 != size) {
+            PyBuffer_Release(&groups);
+            PyErr_SetString(PyExc_TypeError, "cache_blocks: block_group must be array('H')");
+            return NULL;
+        }
+        group_of = (uint16_t *)groups.buf;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(digests);
+    if (PyList_GET_SIZE(blocks) < n) n = PyList_GET_SIZE(blocks);
+    Py_ssize_t stored = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t block = PyLong_AsSsize_t(key);
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) goto fail;
+        if (!block || PyList_GET_ITEM(block_hash, block) != Py_None) continue;
+        PyObject *digest = PyList_GET_ITEM(digests, i);
+        PyObject *old = PyDict_SetDefault(cache, digest, key); /* borrowed */
+        if (old == NULL) goto fail;
+        if (old != key) {
+            Py_ssize_t old_block = PyLong_AsSsize_t(old);
+            if (old_block == -1 && PyErr_Occurred()) goto fail;
+            if (old_block != block) {
+                Py_INCREF(old);
+                PyObject *call[4] = {cache, digest, old, key};
+                PyObject *done = PyObject_Vectorcall(move_hash, call, 4, NULL);
+                Py_DECREF(old);
+                if (done == NULL) goto fail;
+                Py_DECREF(done);
+            }
+        }
+        Py_INCREF(digest);
+        PyObject *previous = PyList_GET_ITEM(block_hash, block);
+        PyList_SET_ITEM(block_hash, block, digest);
+        Py_DECREF(previous);
+        if (group_of != NULL) group_of[block] = (uint16_t)gid;
+        stored++;
+    }
+    if (group_of != NULL) PyBuffer_Release(&groups);
+    return PyLong_FromSsize_t(stored);
+fail:
+    if (group_of != NULL) PyBuffer_Release(&groups);
+    return NULL;
+}
+
+/* longest_hit(digests, cache, max_blocks) -> list: the blocks ``cache`` maps the first
+ * digests to, up to the first digest it lacks, at most ``max_blocks``.
+ * FullAttentionRules.longest_hit. */
+PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "longest_hit(digests, cache, max_blocks)");
+        return NULL;
+    }
+    PyObject *digests = args[0], *cache = args[1];
+    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
+    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(digests) || !PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "longest_hit: digests must be a list, cache a dict");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(digests);
+    if (max_blocks < n) n = max_blocks < 0 ? 0 : max_blocks;
+    PyObject *found = PyList_New(0);
+    if (found == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(digests); i++) {
+        /* Held: a key's __eq__ may change the list. */
+        PyObject *digest = PyList_GET_ITEM(digests, i);
+        Py_INCREF(digest);
+        PyObject *block = PyDict_GetItemWithError(cache, digest);
+        Py_DECREF(digest);
+        if (block == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(found);
+                return NULL;
+            }
+            break;
+        }
+        if (PyList_Append(found, block) < 0) {
+            Py_DECREF(found);
+            return NULL;
+        }
+    }
+    return found;
+}

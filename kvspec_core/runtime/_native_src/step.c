@@ -1,0 +1,311 @@
+/* The allocator's per-step kernels: allocate_step's loop (step) and SlotsFastPath, the
+ * compiled allocate_slots of an allocator built with the kernels. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <stddef.h>
+#include <structmember.h> /* T_OBJECT_EX: the member type of __slots__ fields */
+
+#include "kernels.h"
+
+/* The allocator's per-request state class (``_Running``, a __slots__ class) and where its
+ * four step fields sit in its instances, from its member descriptors: reading a slot there
+ * skips the attribute lookup. Set by register_state_type; other objects take getattr. */
+static PyTypeObject *state_type, *request_type;
+static Py_ssize_t state_offsets[4]; /* computed, end_limit, known_limit, computed_limit */
+
+/* register_types(state_class, request_class): the allocator's per-request state class (its
+ * step fields are read in place) and the Request class (a bare Request in a step is one
+ * new token). */
+PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "register_types(state_class, request_class)");
+        return NULL;
+    }
+    PyObject *type = args[0];
+    PyObject *names[4] = {kv_str_computed, kv_str_end_limit, kv_str_known_limit,
+                          kv_str_computed_limit};
+    Py_ssize_t offsets[4];
+    for (int i = 0; i < 4; i++) {
+        PyObject *descr = PyObject_GetAttr(type, names[i]);
+        if (descr == NULL) return NULL;
+        int is_slot = Py_IS_TYPE(descr, &PyMemberDescr_Type)
+            && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
+        if (is_slot) offsets[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        Py_DECREF(descr);
+        if (!is_slot) {
+            PyErr_Format(PyExc_TypeError, "%R.%U must be a __slots__ field", type, names[i]);
+            return NULL;
+        }
+    }
+    Py_INCREF(type);
+    Py_XSETREF(state_type, (PyTypeObject *)type);
+    Py_INCREF(args[1]);
+    Py_XSETREF(request_type, (PyTypeObject *)args[1]);
+    memcpy(state_offsets, offsets, sizeof offsets);
+    Py_RETURN_NONE;
+}
+
+/* Field ``index`` of a state as an int; -1 with an exception if unset or not an int. */
+static inline int state_int(PyObject *state, int index, Py_ssize_t *value) {
+    static PyObject **names[4] = {&kv_str_computed, &kv_str_end_limit, &kv_str_known_limit,
+                                  &kv_str_computed_limit};
+    PyObject *item;
+    if (Py_TYPE(state) == state_type) {
+        item = *(PyObject **)((char *)state + state_offsets[index]);
+        if (item == NULL) {
+            PyErr_SetObject(PyExc_AttributeError, *names[index]);
+            return -1;
+        }
+        Py_INCREF(item);
+    } else {
+        item = PyObject_GetAttr(state, *names[index]);
+        if (item == NULL) return -1;
+    }
+    *value = PyLong_AsSsize_t(item);
+    Py_DECREF(item);
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline int set_state_computed(PyObject *state, PyObject *value) {
+    if (Py_TYPE(state) == state_type) {
+        PyObject **slot = (PyObject **)((char *)state + state_offsets[0]);
+        Py_INCREF(value);
+        Py_XSETREF(*slot, value);
+        return 0;
+    }
+    return PyObject_SetAttr(state, kv_str_computed, value);
+}
+
+/* allocate_slots(request, count_object, lookahead)'s first test, for a running request:
+ * 1: the step needs no new block, caches and frees nothing, and its tokens were counted as
+ * computed (the answer is no_new_blocks); 2: a running or new request whose step needs the
+ * general path; 0: not an exact int count >= 0 or no hashable request_id (the general path
+ * says what is wrong); -1: an error. */
+static int fast_step(PyObject *running, PyObject *request, PyObject *count_object,
+                     Py_ssize_t lookahead) {
+    if (!PyLong_CheckExact(count_object)) return 0;
+    Py_ssize_t count = PyLong_AsSsize_t(count_object);
+    if (count == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (count < 0) return 0;
+    PyObject *rid = PyObject_GetAttr(request, kv_str_request_id);
+    if (rid == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *state = PyDict_GetItemWithError(running, rid);
+    Py_DECREF(rid);
+    if (state == NULL) {
+        if (!PyErr_Occurred()) return 2; /* not running yet: an admission */
+        PyErr_Clear(); /* an unhashable id */
+        return 0;
+    }
+    Py_INCREF(state);
+    Py_ssize_t computed, end_limit, known_limit, computed_limit;
+    int result = 2;
+    if (state_int(state, 0, &computed) < 0 || state_int(state, 1, &end_limit) < 0
+        || state_int(state, 2, &known_limit) < 0 || state_int(state, 3, &computed_limit) < 0) {
+        result = -1;
+    } else {
+        Py_ssize_t known = computed + count;
+        if (known + lookahead < end_limit && known < known_limit && computed < computed_limit) {
+            PyObject *value = PyLong_FromSsize_t(known);
+            result = (value == NULL || set_state_computed(state, value) < 0) ? -1 : 1;
+            Py_XDECREF(value);
+        }
+    }
+    Py_DECREF(state);
+    return result;
+}
+
+/* step(pairs, running, lookahead, no_new_blocks, allocate_slots, one_pair, results): for
+ * each item of ``pairs``, a 2-tuple (request, n) or a bare Request (n = 1), of a running
+ * request whose n new tokens need no new block, no newly cacheable block and free nothing
+ * (its state's end_limit, known_limit and computed_limit, as allocate_slots' first test) just
+ * counts them as computed and appends ``no_new_blocks``; another such item (a request with a
+ * hashable request_id, an int n) appends ``allocate_slots(request, n, lookahead)``; any other
+ * item appends ``one_pair(item, position)``. The loop of KVCacheAllocator.allocate_step. */
+PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "step takes 7 arguments");
+        return NULL;
+    }
+    PyObject *running = args[1], *no_new_blocks = args[3], *allocate_slots = args[4],
+             *one_pair = args[5], *results = args[6];
+    Py_ssize_t lookahead = PyLong_AsSsize_t(args[2]);
+    if (lookahead == -1 && PyErr_Occurred()) return NULL;
+    if (!PyDict_Check(running) || !PyList_Check(results)) {
+        PyErr_SetString(PyExc_TypeError, "step: running must be a dict, results a list");
+        return NULL;
+    }
+    PyObject *iterator = PyObject_GetIter(args[0]);
+    if (iterator == NULL) return NULL;
+    PyObject *pair;
+    while ((pair = PyIter_Next(iterator)) != NULL) {
+        int done = 0, well_formed = 0;
+        PyObject *request = NULL, *count_object = NULL; /* borrowed */
+        if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2
+            && PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
+            request = PyTuple_GET_ITEM(pair, 0);
+            count_object = PyTuple_GET_ITEM(pair, 1);
+        } else if (request_type != NULL && PyObject_TypeCheck(pair, request_type)) {
+            request = pair;
+            count_object = kv_one;
+        }
+        if (request != NULL) {
+            int fast = fast_step(running, request, count_object, lookahead);
+            if (fast < 0) goto fail_pair;
+            if (fast == 1) {
+                if (PyList_Append(results, no_new_blocks) < 0) goto fail_pair;
+                done = 1;
+            }
+            well_formed = fast == 2;
+        }
+        if (!done) {
+            PyObject *result;
+            if (well_formed) {
+                PyObject *call[3] = {request, count_object, args[2]};
+                result = PyObject_Vectorcall(allocate_slots, call, 3, NULL);
+            } else {
+                PyObject *position = PyLong_FromSsize_t(PyList_GET_SIZE(results));
+                if (position == NULL) goto fail_pair;
+                PyObject *call[2] = {pair, position};
+                result = PyObject_Vectorcall(one_pair, call, 2, NULL);
+                Py_DECREF(position);
+            }
+            if (result == NULL) goto fail_pair;
+            int failed = PyList_Append(results, result);
+            Py_DECREF(result);
+            if (failed < 0) goto fail_pair;
+        }
+        Py_DECREF(pair);
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+fail_pair:
+    Py_DECREF(pair);
+    Py_DECREF(iterator);
+    return NULL;
+}
+
+/* SlotsFastPath(running, no_new_blocks, general): a callable taking allocate_slots'
+ * arguments. A call (request, n[, lookahead]) with exact ints n, lookahead >= 0, for a
+ * running request whose step needs no new block, caches nothing and frees nothing (as
+ * allocate_slots' first test) counts the tokens as computed and returns no_new_blocks, with
+ * no Python frame; every other call is general(*args, **kwargs). An allocator built with the
+ * kernels holds one as its allocate_slots. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *running;
+    PyObject *no_new_blocks;
+    PyObject *general;
+    vectorcallfunc vectorcall;
+} SlotsFastPath;
+
+
+static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *args,
+                                          size_t nargsf, PyObject *kwnames) {
+    SlotsFastPath *self = (SlotsFastPath *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && (nargs == 2 || nargs == 3)) {
+        Py_ssize_t lookahead = 0;
+        int valid = 1;
+        if (nargs == 3) {
+            valid = PyLong_CheckExact(args[2]);
+            if (valid) {
+                lookahead = PyLong_AsSsize_t(args[2]);
+                if (lookahead == -1 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    valid = 0;
+                }
+                valid = valid && lookahead >= 0;
+            }
+        }
+        if (valid) {
+            int fast = fast_step(self->running, args[0], args[1], lookahead);
+            if (fast < 0) return NULL;
+            if (fast == 1) {
+                Py_INCREF(self->no_new_blocks);
+                return self->no_new_blocks;
+            }
+        }
+    }
+    return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+}
+
+static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *running, *no_new_blocks, *general;
+    static char *names[] = {"running", "no_new_blocks", "general", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO", names, &PyDict_Type, &running,
+                                     &no_new_blocks, &general))
+        return NULL;
+    if (!PyCallable_Check(general)) {
+        PyErr_SetString(PyExc_TypeError, "SlotsFastPath: general must be callable");
+        return NULL;
+    }
+    SlotsFastPath *self = (SlotsFastPath *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(running);
+    Py_INCREF(no_new_blocks);
+    Py_INCREF(general);
+    self->running = running;
+    self->no_new_blocks = no_new_blocks;
+    self->general = general;
+    self->vectorcall = SlotsFastPath_vectorcall;
+    return (PyObject *)self;
+}
+
+static int SlotsFastPath_traverse(SlotsFastPath *self, visitproc visit, void *arg) {
+    Py_VISIT(self->running);
+    Py_VISIT(self->no_new_blocks);
+    Py_VISIT(self->general);
+    return 0;
+}
+
+static int SlotsFastPath_clear(SlotsFastPath *self) {
+    Py_CLEAR(self->running);
+    Py_CLEAR(self->no_new_blocks);
+    Py_CLEAR(self->general);
+    return 0;
+}
+
+static void SlotsFastPath_dealloc(SlotsFastPath *self) {
+    PyObject_GC_UnTrack(self);
+    SlotsFastPath_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *SlotsFastPath_get_doc(SlotsFastPath *self, void *closure) {
+    return PyObject_GetAttrString(self->general, "__doc__");
+}
+
+static PyObject *SlotsFastPath_get_wrapped(SlotsFastPath *self, void *closure) {
+    Py_INCREF(self->general);
+    return self->general;
+}
+
+static PyGetSetDef SlotsFastPath_getset[] = {
+    {"__doc__", (getter)SlotsFastPath_get_doc, NULL, "the general path's docstring", NULL},
+    {"__wrapped__", (getter)SlotsFastPath_get_wrapped, NULL, "the general path", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject kv_SlotsFastPath_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvspec_core.runtime._native.SlotsFastPath",
+    .tp_basicsize = sizeof(SlotsFastPath),
+    .tp_dealloc = (destructor)SlotsFastPath_dealloc,
+    .tp_vectorcall_offset = offsetof(SlotsFastPath, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_traverse = (traverseproc)SlotsFastPath_traverse,
+    .tp_clear = (inquiry)SlotsFastPath_clear,
+    .tp_getset = SlotsFastPath_getset,
+    .tp_new = SlotsFastPath_new,
+};
