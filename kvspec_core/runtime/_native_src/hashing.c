@@ -125,21 +125,16 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyObject *item = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)digest);
         if (item == NULL) goto fail;
         uint8_t *digest_out = (uint8_t *)PyBytes_AS_STRING(item);
-        if (one_block) {
-            memcpy(block + digest, packed + 4 * offset, 4 * (size_t)size);
+        uint8_t *input = one_block ? block : message; /* parent digest, then the tokens */
+        memcpy(input + digest, packed + 4 * offset, 4 * (size_t)size);
+        if (one_block)
             kv_blake2b_one_block(block, message_len, digest_out, digest);
-            int appended = PyList_Append(out, item);
-            Py_DECREF(item);
-            if (appended < 0) goto fail;
-            memcpy(block, digest_out, digest);
-            continue;
-        }
-        memcpy(message + digest, packed + 4 * offset, 4 * (size_t)size);
-        kv_blake2b_digest(message, message_len, digest_out, digest);
+        else
+            kv_blake2b_digest(message, message_len, digest_out, digest);
         int appended = PyList_Append(out, item);
         Py_DECREF(item);
         if (appended < 0) goto fail;
-        memcpy(message, digest_out, digest);
+        memcpy(input, digest_out, digest); /* the next block's parent */
     }
     PyMem_Free(packed);
     PyMem_Free(message);
