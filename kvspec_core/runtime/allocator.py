@@ -191,8 +191,18 @@ class KVCacheAllocator:
         self._coordinator = PrefixCoordinator(
             self.rules, self._holding, self._hash_stride, self._caches
         )
-        # Groups whose rules are plugin code: checked before a step changes anything.
+        # Groups whose rules are plugin code: checked before a step changes anything. Per
+        # guarded group, which of the methods a step asks afterwards are plugin code (a
+        # method inherited from the core's full-attention rules cannot raise: not asked twice).
         self._guarded = [gid for gid in self._holding if self._rules_owners[gid] is not None]
+        self._guarded_methods = {
+            gid: frozenset(
+                name for name in ("next_allocation_end", "next_skip_position", "cache_range")
+                if getattr(type(self.rules[gid]), name, None)
+                is not getattr(FullAttentionRules, name)
+            )
+            for gid in self._guarded
+        }
         self._is_state_group = [
             gid in self._coordinator.state_groups for gid in range(len(self.specs))
         ]
@@ -517,10 +527,13 @@ class KVCacheAllocator:
             self._hasher.hashes(request, available)
         for gid in self._guarded:
             rules = self.rules[gid]
+            methods = self._guarded_methods[gid]
             if gid in lengths:
-                rules.next_allocation_end(lengths[gid])
-                rules.next_skip_position(skips[gid])
-            if (self._cacheable and available >= cache_at[gid]
+                if "next_allocation_end" in methods:
+                    rules.next_allocation_end(lengths[gid])
+                if "next_skip_position" in methods:
+                    rules.next_skip_position(skips[gid])
+            if ("cache_range" in methods and self._cacheable and available >= cache_at[gid]
                     and not (self._is_state_group[gid] and known > available)):
                 rules.cache_range(num_cached[gid], available)
 
@@ -918,7 +931,10 @@ class KVCacheAllocator:
                 start, stop = self.rules[gid].cache_range(num_cached[gid], upto)
             if stop > start:
                 stride = self._hash_stride[gid]
-                fine = self._hasher.hashes(request, stop * tokens)
+                # The step's preflight hashed every full block it knows.
+                fine = request.block_hashes
+                if len(fine) < stop * stride:
+                    fine = self._hasher.hashes(request, stop * tokens)
                 digests = fine[(start + 1) * stride - 1 : stop * stride : stride]
                 table = state.blocks[gid]
                 pool = self._group_pools[gid]
