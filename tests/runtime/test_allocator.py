@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -301,3 +302,25 @@ def test_invalid_construction_is_refused() -> None:
         KVCacheAllocator([full(4)], 8, ctx, pool_of_group=[0, 0], manager=manager)
     with pytest.raises(AllocatorError, match="num_blocks=1"):
         KVCacheAllocator([full(4)], 1, ctx, manager=manager)
+
+
+def test_a_deep_copy_is_an_independent_allocator_in_the_same_state() -> None:
+    allocator = make_allocator([full(2), sliding(2, 5)], 40)
+    first = Request("a", [1, 2, 3, 4, 5, 6, 7])
+    allocator.allocate_slots(first, 7, prefix=allocator.find_cached_prefix(first))
+    second = Request("b", [1, 2, 3, 4, 9])
+    allocator.allocate_slots(second, 5 - 4, prefix=allocator.find_cached_prefix(second))
+    allocator.free("a")
+    twin = copy.deepcopy(allocator)
+    twin_second = twin._running["b"].request
+    assert twin.usage == allocator.usage
+    assert twin.block_ids("b") == allocator.block_ids("b")
+    # Both go on alike, and neither sees the other's steps.
+    for request in (second, twin_second):
+        request.append_token(8)
+    assert allocator.allocate_slots(second, 1) == twin.allocate_slots(twin_second, 1)
+    assert twin.num_computed_tokens("b") == allocator.num_computed_tokens("b") == 6
+    twin.free("b")
+    assert allocator.is_running("b") and not twin.is_running("b")
+    allocator.check_invariants()
+    twin.check_invariants()

@@ -10,6 +10,8 @@ The rest of the runtime suite runs once per implementation (see ``conftest.py``)
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 import gc
 import weakref
 from collections import OrderedDict
@@ -301,3 +303,13 @@ def test_the_fast_allocate_slots_answers_as_the_method_and_is_collected() -> Non
     del allocator
     gc.collect()
     assert reference() is None
+
+
+def test_block_queues_copy_and_pickle_in_order() -> None:
+    queue = native.BlockQueue(9)
+    for block in (5, 2, 7):
+        queue[block] = None
+    for twin in (copy.copy(queue), copy.deepcopy(queue), pickle.loads(pickle.dumps(queue))):
+        assert twin == queue and list(twin) == [5, 2, 7] and twin is not queue
+        twin[1] = None
+        assert list(queue) == [5, 2, 7]

@@ -226,11 +226,40 @@ static PySequenceMethods BlockQueue_sequence = {
     .sq_contains = (objobjproc)BlockQueue_contains,
 };
 
+/* Copies and pickles rebuild the queue from its capacity and its blocks in order. */
+static PyObject *BlockQueue_reduce(BlockQueue *q, PyObject *unused) {
+    PyObject *items = BlockQueue_list(q);
+    if (items == NULL) return NULL;
+    PyObject *result = Py_BuildValue("O(n)N", (PyObject *)Py_TYPE(q), q->capacity, items);
+    return result;
+}
+
+static PyObject *BlockQueue_setstate(BlockQueue *q, PyObject *items) {
+    PyObject *iterator = PyObject_GetIter(items);
+    if (iterator == NULL) return NULL;
+    PyObject *clear = BlockQueue_clear(q, NULL);
+    Py_XDECREF(clear);
+    PyObject *key;
+    while ((key = PyIter_Next(iterator)) != NULL) {
+        int failed = BlockQueue_ass_sub(q, key, Py_None);
+        Py_DECREF(key);
+        if (failed < 0) {
+            Py_DECREF(iterator);
+            return NULL;
+        }
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef BlockQueue_methods[] = {
     {"popitem", (PyCFunction)(void (*)(void))BlockQueue_popitem, METH_VARARGS | METH_KEYWORDS,
      "popitem(last=True) -> (block, None): remove the newest (last=False: oldest) block"},
     {"clear", (PyCFunction)BlockQueue_clear, METH_NOARGS, "remove every block"},
     {"__sizeof__", (PyCFunction)BlockQueue_sizeof, METH_NOARGS, "bytes held"},
+    {"__reduce__", (PyCFunction)BlockQueue_reduce, METH_NOARGS, "copy and pickle support"},
+    {"__setstate__", (PyCFunction)BlockQueue_setstate, METH_O, "the blocks, in order"},
     {NULL, NULL, 0, NULL},
 };
 

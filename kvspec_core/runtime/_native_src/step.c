@@ -290,6 +290,18 @@ static PyObject *SlotsFastPath_get_wrapped(SlotsFastPath *self, void *closure) {
     return self->general;
 }
 
+/* Copies and pickles rebuild it from what it refers to (a deep copy of an allocator gets a
+ * fast path over the copy's own running requests). */
+static PyObject *SlotsFastPath_reduce(SlotsFastPath *self, PyObject *unused) {
+    return Py_BuildValue("O(OOO)", (PyObject *)Py_TYPE(self), self->running,
+                         self->no_new_blocks, self->general);
+}
+
+static PyMethodDef SlotsFastPath_methods[] = {
+    {"__reduce__", (PyCFunction)SlotsFastPath_reduce, METH_NOARGS, "copy and pickle support"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef SlotsFastPath_getset[] = {
     {"__doc__", (getter)SlotsFastPath_get_doc, NULL, "the general path's docstring", NULL},
     {"__wrapped__", (getter)SlotsFastPath_get_wrapped, NULL, "the general path", NULL},
@@ -307,5 +319,6 @@ PyTypeObject kv_SlotsFastPath_Type = {
     .tp_traverse = (traverseproc)SlotsFastPath_traverse,
     .tp_clear = (inquiry)SlotsFastPath_clear,
     .tp_getset = SlotsFastPath_getset,
+    .tp_methods = SlotsFastPath_methods,
     .tp_new = SlotsFastPath_new,
 };
