@@ -157,23 +157,8 @@ class BlockPool:
                 if native is not None:
                     native.evict_take(count - available, blocks, self._evictable, self.caches,
                                       self._block_group, self._block_hash, refs)
-                    self.epoch += 1
-                    for block in blocks[:available]:
-                        refs[block] = 1
-                    return blocks
-                caches = self.caches
-                block_group = self._block_group
-                block_hash = self._block_hash
-                popitem = self._evictable.popitem
-                append = blocks.append
-                only_cache = next(iter(caches.values())) if len(caches) == 1 else None
-                for _ in range(count - available):
-                    block = popitem(False)[0]
-                    cache = only_cache if only_cache is not None else caches[block_group[block]]
-                    del cache[block_hash[block]]  # type: ignore[arg-type]
-                    block_hash[block] = None
-                    refs[block] = 1
-                    append(block)
+                else:
+                    self._evict_take(count - available, blocks)
                 self.epoch += 1
                 for block in blocks[:available]:
                     refs[block] = 1
@@ -182,6 +167,24 @@ class BlockPool:
         for block in blocks:
             refs[block] = 1
         return blocks
+
+    def _evict_take(self, count: int, out: list[int]) -> None:
+        """Pop ``count`` never-reused cached free blocks, oldest first, out of the cache and
+        onto ``out`` with ref count 1 (``native.evict_take`` in Python)."""
+        caches = self.caches
+        block_group = self._block_group
+        block_hash = self._block_hash
+        refs = self.ref_counts
+        popitem = self._evictable.popitem
+        append = out.append
+        only_cache = next(iter(caches.values())) if len(caches) == 1 else None
+        for _ in range(count):
+            block = popitem(False)[0]
+            cache = only_cache if only_cache is not None else caches[block_group[block]]
+            del cache[block_hash[block]]  # type: ignore[arg-type]
+            block_hash[block] = None
+            refs[block] = 1
+            append(block)
 
     def _evict(self, count: int) -> list[int]:
         evictable = self._evictable
@@ -233,23 +236,16 @@ class BlockPool:
         if native is not None:
             bad = native.touch(blocks, refs, reused, evictable, protected, self._segmented,
                                not known_cached)
-            if bad < 0:
-                return
-            block = blocks[bad]
-            raise AllocatorError(
-                f"block {block} is neither in use nor a cached free block of this "
-                f"pool (ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
-            )
+            if bad >= 0:
+                raise self._not_reusable(blocks[bad])
+            return
         if not known_cached:
             for block in blocks:
                 if block and not (
                     0 < block < num_blocks
                     and (refs[block] or block in evictable or block in protected)
                 ):
-                    raise AllocatorError(
-                        f"block {block} is neither in use nor a cached free block of this "
-                        f"pool (ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
-                    )
+                    raise self._not_reusable(block)
         for block in blocks:
             if block:
                 count = refs[block]
@@ -261,6 +257,12 @@ class BlockPool:
                 if self._segmented:
                     reused[block] = 1
                 refs[block] = count + 1
+
+    def _not_reusable(self, block: int) -> AllocatorError:
+        return AllocatorError(
+            f"block {block} is neither in use nor a cached free block of this "
+            f"pool (ids 1..{self.num_blocks - 1}); a prefix hit cannot reuse it"
+        )
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 become free. Blocks freed
