@@ -430,23 +430,13 @@ class KVCacheAllocator:
         results: list[Allocated | NotNow] = []
         if native is not None:
             # The same loop compiled; every pair it does not finish goes to _step_pair.
-            native.step(steps, running, lookahead, no_new_blocks, self._allocate_slots,
+            native.step(steps, running, lookahead, no_new_blocks, self.allocate_slots,
                         lambda pair, position: self._step_pair(pair, position, lookahead),
                         results)
             return results
         append = results.append
         for pair in steps:
-            try:
-                if isinstance(pair, Request):
-                    request, num_new_tokens = pair, 1
-                else:
-                    request, num_new_tokens = pair
-                state = running.get(request.request_id)
-            except (TypeError, ValueError, AttributeError):
-                raise AllocatorError(
-                    f"allocate_step: item {len(results)} is {pair!r}, not a Request or a "
-                    "(Request, int) pair; the items before it were allocated"
-                ) from None
+            request, num_new_tokens, state = self._step_item(pair, len(results))
             if state is not None and num_new_tokens.__class__ is int and num_new_tokens >= 0:
                 # allocate_slots' no-block fast path, inlined.
                 computed = state.computed
@@ -464,18 +454,23 @@ class KVCacheAllocator:
 
     def _step_pair(self, pair: Any, position: int, lookahead: int) -> Allocated | NotNow:
         """``allocate_slots`` for item ``position`` of an :meth:`allocate_step`."""
+        request, num_new_tokens, _ = self._step_item(pair, position)
+        return self.allocate_slots(request, num_new_tokens, lookahead)
+
+    def _step_item(self, pair: Any, position: int) -> tuple[Request, int, _Running | None]:
+        """Item ``position`` of an :meth:`allocate_step` as ``(request, num_new_tokens,
+        its running state or None)``; refuses what is not a Request or a pair."""
         try:
             if isinstance(pair, Request):
                 request, num_new_tokens = pair, 1
             else:
                 request, num_new_tokens = pair
-            self._running.get(request.request_id)
+            return request, num_new_tokens, self._running.get(request.request_id)
         except (TypeError, ValueError, AttributeError):
             raise AllocatorError(
                 f"allocate_step: item {position} is {pair!r}, not a Request or a "
                 "(Request, int) pair; the items before it were allocated"
             ) from None
-        return self.allocate_slots(request, num_new_tokens, lookahead)
 
     def _check_counts(self, request: Request, num_new_tokens: int, lookahead: int) -> None:
         for name, value in (("num_new_tokens", num_new_tokens), ("lookahead", lookahead)):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
-from runtime_testkit import admit_on_each, chunked, full, make_allocator, mamba, sliding
+from runtime_testkit import admit_on_each, chunked, context, full, make_allocator, mamba, sliding
 
+from kvspec_core import PluginManager
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.pool import EVICTION_POLICIES
@@ -144,3 +145,16 @@ def test_allocate_step_returns_the_shared_no_new_blocks_result() -> None:
     results = allocator.allocate_step(requests)
     assert all(result is allocator.no_new_blocks for result in results)
     assert [allocator.num_computed_tokens(rid) for rid in range(3)] == [7, 7, 7]
+
+
+def test_allocate_step_calls_a_subclass_allocate_slots() -> None:
+    calls: list[int] = []
+
+    class Counting(KVCacheAllocator):
+        def allocate_slots(self, request, num_new_tokens, lookahead=0, prefix=None):  # type: ignore[no-untyped-def]
+            calls.append(num_new_tokens)
+            return super().allocate_slots(request, num_new_tokens, lookahead, prefix)
+
+    allocator = Counting([full(2)], 16, context(), manager=PluginManager())
+    allocator.allocate_step([(Request(1, [1, 2, 3]), 3)])
+    assert calls == [3]
