@@ -216,9 +216,6 @@ class KVCacheAllocator:
         # Hash blocks finer than every group's block: the general path hashes each one as
         # it completes, before any group block is full.
         self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1
-        # One dense holding group (a plain full-attention model): _grow_single, the same
-        # short path without the per-group loops.
-        self._single = self._holding[0] if self._dense and len(self._holding) == 1 else None
         self._running: dict[str | int, _Running] = {}
         self._last_prefix: CachedPrefix | None = None
         self._freed: OrderedDict[str | int, None] = OrderedDict()
@@ -792,8 +789,6 @@ class KVCacheAllocator:
         total = known + lookahead
         if total > max_len:
             total = max_len
-        if self._single is not None:
-            return self._grow_single(state, known, total)
         blocks = state.blocks
         block_tokens = self._block_tokens
         takes: list[tuple[int, int]] = []
@@ -853,60 +848,6 @@ class KVCacheAllocator:
         if not takes:
             return self._no_new_blocks
         return Allocated(new_block_ids=tuple(new_ids))
-
-    def _grow_single(self, state: _Running, known: int, total: int) -> Allocated | NotNow:
-        """The rest of :meth:`_grow_dense` for one holding group (``_single``), without
-        the per-group loops; same results and state (tests compare it with the general
-        path on random programs)."""
-        request = state.request
-        max_len = self.max_model_len
-        gid: int = self._single  # type: ignore[assignment]
-        tokens = self._block_tokens[gid]
-        table = state.blocks[gid]
-        pool = self._group_pools[gid]
-        real = -(-total // tokens) - len(table)
-        if real > 0:
-            held = state.num_real[gid] + real
-            if held > self.admission_caps[gid]:
-                return self._over_cap(request, gid, held)
-            if real > pool.num_free_blocks:
-                need = [0] * len(self.pools)
-                need[self._pool_of[gid]] = real
-                return self._shortfall(need, [0] * len(self.pools))  # type: ignore[return-value]
-        cacheable = self._cacheable
-        available = len(request.token_ids)
-        cached_upto = known if known < available else available
-        if cacheable and (cached_upto >= state.known_limit or self._hash_finer):
-            # Hash before anything changes (bad token ids refuse the step), as _grow_dense.
-            fine = self._hasher.hashes(request, cached_upto)
-        result = self._no_new_blocks
-        if real > 0:
-            taken = pool.take(real)
-            table.extend(taken)
-            state.num_real[gid] += real
-            new_ids: list[tuple[int, ...]] = [()] * len(state.blocks)
-            new_ids[gid] = tuple(taken)
-            result = Allocated(new_block_ids=tuple(new_ids))
-        state.computed = known
-        end_limit = len(table) * tokens + 1
-        state.end_limit = end_limit if end_limit <= max_len else max_len + 1
-        known_limit = max_len + 1
-        if cacheable:
-            cache_at = state.cache_at
-            if cached_upto >= cache_at[gid]:
-                num_cached = state.num_cached
-                start = num_cached[gid]
-                stop = cached_upto // tokens
-                stride = self._hash_stride[gid]
-                pool.cache_blocks(gid, fine[(start + 1) * stride - 1 : stop * stride : stride],
-                                  table[start:stop])
-                num_cached[gid] = stop
-                cache_at[gid] = (stop + 1) * tokens
-            if cache_at[gid] < known_limit:
-                known_limit = cache_at[gid]
-        state.known_limit = known_limit
-        state.computed_limit = NEVER
-        return result
 
     def _cache_new_blocks(self, state: _Running, known: int) -> None:
         request = state.request
