@@ -1,12 +1,8 @@
 """Types of the compiled kernels (``_native_src/``); see :mod:`kvspec_core.runtime.native`."""
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from array import array
 from typing import Any
-
-#: A pool's eviction order: an OrderedDict of Nones or a BlockQueue.
-_Queue = OrderedDict[int, None] | "BlockQueue"
 
 def blake2b(data: bytes, digest_size: int, /) -> bytes: ...
 def chain_hashes(
@@ -15,15 +11,15 @@ def chain_hashes(
 ) -> None: ...
 def release(
     blocks: list[int], reverse: bool, refs: list[int], block_hash: list[bytes | None],
-    reused: bytearray, fresh: array[int], evictable: _Queue,
-    protected: _Queue, /,
+    reused: bytearray, fresh: array[int], evictable: BlockQueue,
+    protected: BlockQueue, /,
 ) -> None: ...
 def touch(
-    blocks: list[int], refs: list[int], reused: bytearray, evictable: _Queue,
-    protected: _Queue, segmented: bool, check: bool, /,
+    blocks: list[int], refs: list[int], reused: bytearray, evictable: BlockQueue,
+    protected: BlockQueue, segmented: bool, check: bool, /,
 ) -> int: ...
 def evict_take(
-    count: int, out: list[int], evictable: _Queue,
+    count: int, out: list[int], evictable: BlockQueue,
     caches: dict[int, dict[bytes, int]], block_group: array[int],
     block_hash: list[bytes | None], refs: list[int], /,
 ) -> None: ...

@@ -48,12 +48,6 @@ EVICTION_POLICIES = ("lru", "segmented")
 DEFAULT_EVICTION = "lru"
 
 
-def _eviction_queue(num_blocks: int) -> OrderedDict[int, None]:
-    if native is not None:
-        return native.BlockQueue(num_blocks)
-    return OrderedDict()
-
-
 class BlockPool:
     """Blocks ``1 .. num_blocks - 1`` of one physical pool, shared by ``group_ids``.
 
@@ -91,10 +85,17 @@ class BlockPool:
         self.ref_counts: list[int] = [0] * num_blocks
         # Popping from the end hands out 1, 2, 3, ... first.
         self._fresh = array("i", range(num_blocks - 1, 0, -1))
+        # Built with the compiled kernels: its eviction orders are their BlockQueues, which
+        # they need (the Python code serves either kind).
+        self._compiled = native is not None
         # Cached free blocks never reused by a hit (evicted first), and reused ones: ordered
         # sets, OrderedDicts or the compiled BlockQueue (same interface, no per-entry object).
-        self._evictable: OrderedDict[int, None] = _eviction_queue(num_blocks)
-        self._protected: OrderedDict[int, None] = _eviction_queue(num_blocks)
+        self._evictable: OrderedDict[int, None] = (
+            OrderedDict() if native is None else native.BlockQueue(num_blocks)
+        )
+        self._protected: OrderedDict[int, None] = (
+            OrderedDict() if native is None else native.BlockQueue(num_blocks)
+        )
         self._reused = bytearray(num_blocks)
         self._segmented = eviction == "segmented"
         self._block_hash: list[bytes | None] = [None] * num_blocks
@@ -154,9 +155,10 @@ class BlockPool:
             if self._events is None and len(self._evictable) >= count - available:
                 # Never-reused cached blocks cover the rest (the steady state of a full
                 # pool; their reused flag is 0 already): evict and hand out in one pass.
-                if native is not None:
-                    native.evict_take(count - available, blocks, self._evictable, self.caches,
-                                      self._block_group, self._block_hash, refs)
+                kernels = native if self._compiled else None
+                if kernels is not None:
+                    kernels.evict_take(count - available, blocks, self._evictable, self.caches,
+                                       self._block_group, self._block_hash, refs)
                 else:
                     self._evict_take(count - available, blocks)
                 self.epoch += 1
@@ -233,9 +235,10 @@ class BlockPool:
         evictable = self._evictable
         protected = self._protected
         num_blocks = self.num_blocks
-        if native is not None:
-            bad = native.touch(blocks, refs, reused, evictable, protected, self._segmented,
-                               not known_cached)
+        kernels = native if self._compiled else None
+        if kernels is not None:
+            bad = kernels.touch(blocks, refs, reused, evictable, protected, self._segmented,
+                                not known_cached)
             if bad >= 0:
                 raise self._not_reusable(blocks[bad])
             return
@@ -301,9 +304,10 @@ class BlockPool:
     def _release_unchecked(self, blocks: Sequence[int], *, reverse: bool = False) -> None:
         """Release as :meth:`release` does, unchecked (the caller knows every count stays
         >= 0); ``reverse``: last block first."""
-        if native is not None and blocks.__class__ is list:
-            native.release(blocks, reverse, self.ref_counts, self._block_hash, self._reused,
-                           self._fresh, self._evictable, self._protected)
+        kernels = native if self._compiled else None
+        if kernels is not None and blocks.__class__ is list:
+            kernels.release(blocks, reverse, self.ref_counts, self._block_hash, self._reused,
+                            self._fresh, self._evictable, self._protected)
             return
         if reverse:
             blocks = blocks[::-1]
@@ -338,9 +342,10 @@ class BlockPool:
         block_group = self._block_group
         # One group: every block's group id is that group's already (set at creation).
         shared = len(self.caches) > 1
-        if native is not None and digests.__class__ is list and blocks.__class__ is list:
-            return native.cache_blocks(gid, digests, blocks, cache, block_hash,
-                                       block_group if shared else None, self._move_hash)
+        kernels = native if self._compiled else None
+        if kernels is not None and digests.__class__ is list and blocks.__class__ is list:
+            return kernels.cache_blocks(gid, digests, blocks, cache, block_hash,
+                                        block_group if shared else None, self._move_hash)
         stored = 0
         for digest, block in zip(digests, blocks):
             if block and block_hash[block] is None:

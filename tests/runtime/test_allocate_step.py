@@ -42,12 +42,12 @@ programs = st.lists(st.one_of(admit_op, step_op, step_op, finish_op), max_size=4
 
 def pool_state(allocator: KVCacheAllocator) -> list[dict]:
     """Every field of every pool, the eviction orders as lists (an OrderedDict or, with the
-    compiled kernels, a BlockQueue: either way in order)."""
+    compiled kernels, a BlockQueue: either way in order); whether it was built with them aside."""
     return [
         {
             name: list(value) if name in ("_evictable", "_protected") else value
             for name, value in vars(pool).items()
-            if name != "_events"
+            if name not in ("_events", "_compiled")
         }
         for pool in allocator.pools
     ]

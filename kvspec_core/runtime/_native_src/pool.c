@@ -1,7 +1,8 @@
 /* Twins of BlockPool's per-block loops, over the pool's own containers: ref counts (a list of
  * ints), cached hashes (a list of bytes or None), reused flags (a bytearray), group ids (an
  * array of uint16), the free stack (an array of int) and the two eviction orders
- * (OrderedDicts or BlockQueues). Block ids are bounds-checked before anything changes. */
+ * (BlockQueues: the kernels serve only pools built with them). Block ids are bounds-checked
+ * before anything changes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -57,6 +58,20 @@ static inline int set_ref(PyObject *refs, Py_ssize_t block, Py_ssize_t count) {
     return 0;
 }
 
+/* The pool's two eviction orders, BlockQueues of its size (a pool built with the kernels). */
+static int pool_queues(PyObject *evictable, PyObject *protected_, Py_ssize_t size,
+                       BlockQueue **evict_queue, BlockQueue **protect_queue) {
+    *evict_queue = as_queue(evictable, size);
+    *protect_queue = as_queue(protected_, size);
+    if (*evict_queue == NULL || *protect_queue == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "the eviction orders must be the pool's BlockQueues (a pool built with "
+                        "the compiled kernels)");
+        return -1;
+    }
+    return 0;
+}
+
 static int check_pool_lists(PyObject *refs, PyObject *block_hash, PyObject *reused) {
     if (!PyList_CheckExact(refs) || !PyList_CheckExact(block_hash)
         || !PyByteArray_CheckExact(reused)
@@ -85,6 +100,11 @@ PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t count;
     Py_ssize_t *ids = block_ids_of(args[0], PyList_GET_SIZE(refs), &count);
     if (ids == NULL) return NULL;
+    BlockQueue *queues[2]; /* evictable, protected: by the reused flag */
+    if (pool_queues(evictable, protected_, PyList_GET_SIZE(refs), &queues[0], &queues[1]) < 0) {
+        PyMem_Free(ids);
+        return NULL;
+    }
     const char *flags = PyByteArray_AS_STRING(reused);
     PyObject *uncached = PyList_New(0);
     if (uncached == NULL) goto fail;
@@ -94,21 +114,14 @@ PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t refs_left = ref_of(refs, block) - 1;
         if (set_ref(refs, block, refs_left) < 0) goto fail;
         if (refs_left) continue;
-        PyObject *key = PyList_GET_ITEM(args[0], reverse ? count - 1 - i : i);
-        int failed;
         if (PyList_GET_ITEM(block_hash, block) == Py_None) {
-            failed = PyList_Append(uncached, key);
-        } else {
-            PyObject *target = flags[block] ? protected_ : evictable;
-            BlockQueue *queue = as_queue(target, PyList_GET_SIZE(refs));
-            if (queue != NULL && (queue->prev != NULL || kv_queue_alloc(queue) == 0)) {
-                if (!queue_has(queue, block)) queue_push(queue, block);
-                failed = 0;
-            } else {
-                failed = queue != NULL ? -1 : PyObject_SetItem(target, key, Py_None);
-            }
+            PyObject *key = PyList_GET_ITEM(args[0], reverse ? count - 1 - i : i);
+            if (PyList_Append(uncached, key) < 0) goto fail;
+            continue;
         }
-        if (failed < 0) goto fail;
+        BlockQueue *queue = queues[flags[block] ? 1 : 0];
+        if (queue->prev == NULL && kv_queue_alloc(queue) < 0) goto fail;
+        if (!queue_has(queue, block)) queue_push(queue, block);
     }
     if (PyList_GET_SIZE(uncached)) {
         PyObject *done = PyObject_CallMethodOneArg(fresh, kv_str_extend, uncached);
@@ -145,6 +158,8 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *blocks = args[0];
     Py_ssize_t size = PyList_GET_SIZE(refs), count = PyList_GET_SIZE(blocks);
+    BlockQueue *queues[2]; /* evictable, protected: by the reused flag */
+    if (pool_queues(evictable, protected_, size, &queues[0], &queues[1]) < 0) return NULL;
     if (check) {
         for (Py_ssize_t i = 0; i < count; i++) {
             PyObject *key = PyList_GET_ITEM(blocks, i);
@@ -153,10 +168,8 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if (!block) continue;
             if (block < 0 || block >= size) return PyLong_FromSsize_t(i);
             if (ref_of(refs, block)) continue;
-            int found = PySequence_Contains(evictable, key);
-            if (found == 0) found = PySequence_Contains(protected_, key);
-            if (found < 0) return NULL;
-            if (!found) return PyLong_FromSsize_t(i);
+            if (!queue_has(queues[0], block) && !queue_has(queues[1], block))
+                return PyLong_FromSsize_t(i);
         }
     }
     char *flags = PyByteArray_AS_STRING(reused);
@@ -168,12 +181,12 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if (!block_in_range(block, size)) return NULL;
         Py_ssize_t refs_now = ref_of(refs, block);
         if (refs_now == 0) {
-            PyObject *target = flags[block] ? protected_ : evictable;
-            BlockQueue *queue = as_queue(target, size);
-            if (queue != NULL && queue_has(queue, block))
-                queue_unlink(queue, block);
-            else if (PyObject_DelItem(target, key) < 0)
+            BlockQueue *queue = queues[flags[block] ? 1 : 0];
+            if (!queue_has(queue, block)) {
+                PyErr_SetObject(PyExc_KeyError, key);
                 return NULL;
+            }
+            queue_unlink(queue, block);
         }
         if (segmented) flags[block] = 1;
         if (set_ref(refs, block, refs_now + 1) < 0) return NULL;
@@ -211,70 +224,34 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t size = PyList_GET_SIZE(refs);
     PyObject *cache = NULL, *cache_gid; /* cache: borrowed, the last group's */
     long last_gid = -1;
-    /* The oldest ``count`` keys in one pass of an iterator, then each deleted: cheaper than
-     * ``count`` popitem calls (no method call, no result tuple per block). */
-    Py_ssize_t first = PyList_GET_SIZE(out);
     BlockQueue *queue = as_queue(evictable, size);
-    if (queue != NULL) {
-        if (queue->length < count) {
-            PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
-            goto fail;
-        }
-        Py_ssize_t sentinel = queue->capacity;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            Py_ssize_t block = queue->next[sentinel];
-            PyObject *key = PyLong_FromSsize_t(block);
-            if (key == NULL) goto fail;
-            int appended = PyList_Append(out, key);
-            Py_DECREF(key);
-            if (appended < 0) goto fail;
-            queue_unlink(queue, block);
-        }
+    if (queue == NULL) {
+        PyErr_SetString(PyExc_TypeError, "evict_take: evictable must be the pool's BlockQueue");
+        goto fail;
     }
-    PyObject *iterator = queue != NULL ? NULL : PyObject_GetIter(evictable);
-    if (queue != NULL) goto evicted;
-    if (iterator == NULL) goto fail;
+    if (queue->length < count) {
+        PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
+        goto fail;
+    }
+    Py_ssize_t sentinel = queue->capacity;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *key = PyIter_Next(iterator);
-        if (key == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "evict_take: too few blocks");
-            Py_DECREF(iterator);
-            goto fail;
-        }
+        Py_ssize_t block = queue->next[sentinel]; /* the oldest */
+        if (!block_in_range(block, size)) goto fail;
+        PyObject *key = PyLong_FromSsize_t(block);
+        if (key == NULL) goto fail;
         int appended = PyList_Append(out, key);
         Py_DECREF(key);
-        if (appended < 0) {
-            Py_DECREF(iterator);
-            goto fail;
-        }
-    }
-    Py_DECREF(iterator);
-evicted:
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *key = PyList_GET_ITEM(out, first + i);
-        Py_INCREF(key);
-        if (queue == NULL && PyObject_DelItem(evictable, key) < 0) {
-            Py_DECREF(key);
-            goto fail;
-        }
-        Py_ssize_t block = PyLong_AsSsize_t(key);
-        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
-            Py_DECREF(key);
-            goto fail;
-        }
+        if (appended < 0) goto fail;
+        queue_unlink(queue, block);
         if (group_of[block] != last_gid) {
             last_gid = group_of[block];
             cache_gid = PyLong_FromLong(last_gid);
-            if (cache_gid == NULL) {
-                Py_DECREF(key);
-                goto fail;
-            }
+            if (cache_gid == NULL) goto fail;
             cache = PyDict_GetItemWithError(caches, cache_gid);
             Py_DECREF(cache_gid);
             if (cache == NULL) {
                 if (!PyErr_Occurred())
                     PyErr_Format(PyExc_KeyError, "no cache of group %ld", last_gid);
-                Py_DECREF(key);
                 goto fail;
             }
         }
@@ -283,11 +260,7 @@ evicted:
         PyList_SET_ITEM(block_hash, block, Py_None);
         int failed = PyDict_DelItem(cache, digest);
         Py_DECREF(digest);
-        if (failed < 0 || set_ref(refs, block, 1) < 0) {
-            Py_DECREF(key);
-            goto fail;
-        }
-        Py_DECREF(key);
+        if (failed < 0 || set_ref(refs, block, 1) < 0) goto fail;
     }
     PyBuffer_Release(&groups);
     Py_RETURN_NONE;
