@@ -52,10 +52,15 @@ class BlockQueue:
 
 class SlotsFastPath:
     """``allocate_slots`` of an allocator built with the kernels: decode steps that need no
-    block are answered in C, every other call goes to ``general``."""
+    block are answered in C; with ``dense`` (``(pool, hasher, Allocated, block_tokens,
+    admission_cap, max_model_len, hash_block_size, cacheable)`` of a one-group
+    full-attention allocator) so are most steps that cross a block boundary; every other
+    call goes to ``general``."""
 
     __wrapped__: Callable[..., Any]
 
     def __init__(self, running: dict[Any, Any], no_new_blocks: Any,
-                 general: Callable[..., Any]) -> None: ...
+                 general: Callable[..., Any],
+                 dense: tuple[Any, Any, type, int, int, int, int, bool] | None = None,
+                 ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -221,11 +221,33 @@ class KVCacheAllocator:
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
         if native is not None and type(self).allocate_slots is KVCacheAllocator.allocate_slots:
-            # Decode steps that need no block are answered without a Python frame; every
+            # Decode steps that need no block are answered without a Python frame, and so
+            # are most block-boundary steps of a one-group full-attention allocator; every
             # other call reaches the method below.
             self.allocate_slots = native.SlotsFastPath(  # type: ignore[method-assign]
-                self._running, self._no_new_blocks, self._allocate_slots
+                self._running, self._no_new_blocks, self._allocate_slots,
+                self._compiled_dense_step(),
             )
+
+    def _compiled_dense_step(self) -> tuple[Any, ...] | None:
+        """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` itself, or None
+        where the compiled step does not apply: it serves one full-attention group whose
+        block is one hash block, in a pool built with the kernels, with the core's own
+        allocator, pool and hasher methods (a subclass's override runs as Python)."""
+        pool = self._group_pools[0]
+        if not (
+            self._dense
+            and self._holding == [0]
+            and len(self.specs) == 1
+            and self._hash_stride == [1]
+            and type(pool) is BlockPool
+            and pool._compiled
+            and type(self._hasher) is PrefixHasher
+            and type(self)._grow_dense is KVCacheAllocator._grow_dense
+        ):
+            return None
+        return (pool, self._hasher, Allocated, self._block_tokens[0], self.admission_caps[0],
+                self.max_model_len, self.hash_block_size, self._cacheable)
 
     # ----------------------------------------------------------------- construction
     @classmethod

@@ -23,7 +23,16 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
-from runtime_testkit import admit_on_each, full, make_allocator, mamba, sliding, use_pure_python
+from runtime_testkit import (
+    admit_on_each,
+    context,
+    full,
+    make_allocator,
+    mamba,
+    manager_with_families,
+    sliding,
+    use_pure_python,
+)
 from test_allocate_step import pool_state, tables
 from test_dense_path import outcome
 
@@ -132,6 +141,8 @@ def test_kernels_refuse_malformed_arguments_without_crashing() -> None:
 
 CONFIGS: dict[str, tuple[list, Any, Any]] = {
     "full attention": ([full(2)], 24, None),
+    "full attention, roomy pool": ([full(2)], 120, None),
+    "full attention, tight pool": ([full(2)], 10, None),
     "sliding window + full, one pool": ([full(2), sliding(2, 5)], 40, None),
     "mamba + full, one pool": ([full(2), mamba(2)], 40, None),
     "two pools": ([full(2), full(4)], [16, 12], [0, 1]),
@@ -141,8 +152,9 @@ PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
 admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
                      st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
 # (running request index, tokens to schedule, token to append first; -1: none, -2: a token
-# that cannot be hashed).
-grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(-2, 2))
+# that cannot be hashed; speculative slots).
+grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(-2, 2),
+                    st.sampled_from([0, 0, 0, 1, 3]))
 step_op = st.tuples(st.just("step"), st.lists(st.integers(0, 63), max_size=6))
 finish_op = st.tuples(st.just("finish"), st.integers(0, 63))
 programs = st.lists(st.one_of(admit_op, grow_op, grow_op, step_op, finish_op), max_size=60)
@@ -150,15 +162,15 @@ programs = st.lists(st.one_of(admit_op, grow_op, grow_op, step_op, finish_op), m
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
-       events=st.booleans(), program=programs)
+       events=st.booleans(), caching=st.sampled_from([True, True, True, False]),
+       program=programs)
 def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, events: bool,
-                                                    program: list) -> None:
+                                                    caching: bool, program: list) -> None:
     specs, blocks, pools = CONFIGS[config]
-    compiled = make_allocator(specs, blocks, pools, eviction=eviction, enable_kv_events=events)
+    options = dict(eviction=eviction, enable_kv_events=events, enable_prefix_caching=caching)
+    compiled = make_allocator(specs, blocks, pools, **options)
     with pure_python():
-        reference = OnPurePython(
-            make_allocator(specs, blocks, pools, eviction=eviction, enable_kv_events=events)
-        )
+        reference = OnPurePython(make_allocator(specs, blocks, pools, **options))
     sides = (compiled, reference)
     running: list[tuple[Request, Request]] = []
     next_id = 0
@@ -166,12 +178,12 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
         if op[0] == "admit":
             next_id = admit_on_each(sides, op, next_id, running)  # type: ignore[arg-type]
         elif op[0] == "grow" and running:
-            _, index, count, token = op
+            _, index, count, token, lookahead = op
             pair = running[index % len(running)]
             if token != -1:
                 for request in pair:
                     request.append_token(-5 if token == -2 else token)
-            results = [outcome(lambda a=side, r=request: a.allocate_slots(r, count))
+            results = [outcome(lambda a=side, r=request: a.allocate_slots(r, count, lookahead))
                        for side, request in zip(sides, pair)]
             assert results[0] == results[1]
             if token == -2:
@@ -192,10 +204,18 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
             for side, request in zip(sides, pair):
                 side.free(request.request_id)
         assert tables(compiled) == tables(reference._allocator)
+        assert running_state(compiled) == running_state(reference._allocator)
         assert pool_state(compiled) == pool_state(reference._allocator)
         assert compiled.take_events() == reference.take_events()
     compiled.check_invariants()
     reference.check_invariants()
+
+
+def running_state(allocator: KVCacheAllocator) -> dict:
+    """Every field of every running request's allocator-side state but the request."""
+    return {rid: {name: getattr(state, name) for name in type(state).__slots__
+                  if name != "request"}
+            for rid, state in allocator._running.items()}
 
 
 queue_ops = st.lists(
@@ -303,6 +323,75 @@ def test_the_fast_allocate_slots_answers_as_the_method_and_is_collected() -> Non
     del allocator
     gc.collect()
     assert reference() is None
+
+
+def test_one_group_full_attention_crosses_block_boundaries_in_c() -> None:
+    allocator = make_allocator([full(2)], 24)
+    general_steps: list[int] = []
+    method = allocator._grow_dense
+
+    def spy(state: Any, count: int, lookahead: int) -> Any:
+        general_steps.append(count)
+        return method(state, count, lookahead)
+
+    # The Python path looks the method up on the instance; the compiled step does not.
+    allocator._grow_dense = spy  # type: ignore[method-assign]
+    request = Request("r", [1, 2, 3, 4, 5])
+    assert allocator.allocate_slots(request, 5, prefix=allocator.find_cached_prefix(request))
+    request.append_token(6)
+    assert allocator.allocate_slots(request, 1) is allocator.no_new_blocks  # block 3 is full
+    request.append_token(7)
+    assert allocator.allocate_slots(request, 1).new_block_ids == ((4,),)
+    assert allocator.allocate_step([request, (request, 2)])[1].new_block_ids == ((5,),)
+    assert general_steps == []
+    table = allocator.block_ids("r")[0]
+    assert [allocator.pools[0].cached_hash(block) for block in table] == [
+        *request.block_hashes[:3], None, None]
+    # What the compiled step leaves to the method: a token it cannot hash, the cap.
+    request.append_token(-5)
+    with pytest.raises(AllocatorError, match="token 7 is -5"):
+        allocator.allocate_slots(request, 1)
+    request.token_ids.pop()
+    assert not allocator.allocate_slots(request, 60)
+    assert general_steps == [1, 60]
+    allocator.check_invariants()
+
+
+def test_the_compiled_boundary_step_evicts_as_the_python_one() -> None:
+    sides = [make_allocator([full(2)], 8)]
+    with pure_python():
+        sides.append(OnPurePython(make_allocator([full(2)], 8)))
+    for side in sides:
+        # A's four full blocks are cached, then free; B takes the three uncached blocks, so
+        # B's next block is an eviction, at a decode step.
+        first = Request("a", [1, 2, 3, 4, 5, 6, 7, 8])
+        assert side.allocate_slots(first, 8, prefix=side.find_cached_prefix(first))
+        side.free("a")
+        second = Request("b", [20, 21, 22, 23, 24, 25])
+        assert side.allocate_slots(second, 6, prefix=side.find_cached_prefix(second))
+        epoch = side.pools[0].epoch
+        second.append_token(26)
+        assert side.allocate_slots(second, 1).new_block_ids == ((1,),)  # A's last block
+        assert side.pools[0].epoch == epoch + 1
+        assert side.find_cached_prefix(Request("c", [1, 2, 3, 4, 5, 6, 7, 8, 9])).num_tokens == 6
+    assert tables(sides[0]) == tables(sides[1]._allocator)
+    assert running_state(sides[0]) == running_state(sides[1]._allocator)
+    assert pool_state(sides[0]) == pool_state(sides[1]._allocator)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: make_allocator([full(2), full(2)], 24),
+    lambda: make_allocator([full(4)], 24, hash_block_size=2),
+    lambda: make_allocator([full(2)], 24, enable_kv_events=True),
+    lambda: make_allocator([full(2), sliding(2, 5)], 40),
+    # A subclass's own boundary step runs as its Python code.
+    lambda: type("Custom", (KVCacheAllocator,), {
+        "_grow_dense": lambda self, *args: KVCacheAllocator._grow_dense(self, *args),
+    })([full(2)], 24, context(), manager=manager_with_families()),
+])
+def test_the_compiled_boundary_step_serves_only_one_plain_group(make: Any) -> None:
+    assert make()._compiled_dense_step() is None
+    assert make_allocator([full(2)], 24)._compiled_dense_step() is not None
 
 
 def test_block_queues_copy_and_pickle_in_order() -> None:

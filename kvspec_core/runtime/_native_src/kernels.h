@@ -22,6 +22,19 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* grow.c: the block-boundary step of a one-group full-attention allocator. */
+typedef struct {
+    PyObject *pool, *hasher, *allocated; /* borrowed from the config tuple */
+    Py_ssize_t block_tokens, cap, max_len;
+    int cacheable;
+} DenseConfig;
+/* Parse SlotsFastPath's ``dense`` tuple; -1 with an exception. */
+int kv_dense_config(PyObject *config, DenseConfig *out);
+/* The step's result (new reference); NULL without an exception: leave the step to the
+ * Python method (nothing changed); NULL with one: an error. */
+PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
+                        Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks);
+
 /* step.c */
 extern PyTypeObject kv_SlotsFastPath_Type;
 PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -10,6 +10,7 @@
  *   block_queue.c  BlockQueue: the pools' eviction orders
  *   pool.c         release, touch, evict_take, cache_blocks, longest_hit: the pool's loops
  *   step.c         register_types, step, SlotsFastPath: the per-step fast paths
+ *   grow.c         the block-boundary step of one-group full-attention allocators
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -82,9 +82,10 @@ static inline int set_state_computed(PyObject *state, PyObject *value) {
  * 1: the step needs no new block, caches and frees nothing, and its tokens were counted as
  * computed (the answer is no_new_blocks); 2: a running or new request whose step needs the
  * general path; 0: not an exact int count >= 0 or no hashable request_id (the general path
- * says what is wrong); -1: an error. */
+ * says what is wrong); -1: an error. With ``state_out``, a 2 for a running request also
+ * gives its state (a new reference) and the count. */
 static int fast_step(PyObject *running, PyObject *request, PyObject *count_object,
-                     Py_ssize_t lookahead) {
+                     Py_ssize_t lookahead, PyObject **state_out, Py_ssize_t *count_out) {
     if (!PyLong_CheckExact(count_object)) return 0;
     Py_ssize_t count = PyLong_AsSsize_t(count_object);
     if (count == -1 && PyErr_Occurred()) {
@@ -117,6 +118,11 @@ static int fast_step(PyObject *running, PyObject *request, PyObject *count_objec
             result = (value == NULL || set_state_computed(state, value) < 0) ? -1 : 1;
             Py_XDECREF(value);
         }
+    }
+    if (result == 2 && state_out != NULL) {
+        *state_out = state;
+        *count_out = count;
+        return result;
     }
     Py_DECREF(state);
     return result;
@@ -157,7 +163,7 @@ PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             count_object = kv_one;
         }
         if (request != NULL) {
-            int fast = fast_step(running, request, count_object, lookahead);
+            int fast = fast_step(running, request, count_object, lookahead, NULL, NULL);
             if (fast < 0) goto fail_pair;
             if (fast == 1) {
                 if (PyList_Append(results, no_new_blocks) < 0) goto fail_pair;
@@ -193,11 +199,13 @@ fail_pair:
     return NULL;
 }
 
-/* SlotsFastPath(running, no_new_blocks, general): a callable taking allocate_slots'
- * arguments. A call (request, n[, lookahead]) with exact ints n, lookahead >= 0, for a
- * running request whose step needs no new block, caches nothing and frees nothing (as
- * allocate_slots' first test) counts the tokens as computed and returns no_new_blocks, with
- * no Python frame; every other call is general(*args, **kwargs). An allocator built with the
+/* SlotsFastPath(running, no_new_blocks, general, dense=None): a callable taking
+ * allocate_slots' arguments. A call (request, n[, lookahead]) with exact ints n, lookahead
+ * >= 0, for a running request whose step needs no new block, caches nothing and frees
+ * nothing (as allocate_slots' first test) counts the tokens as computed and returns
+ * no_new_blocks, with no Python frame. With ``dense`` (an allocator of one full-attention
+ * group, see grow.c), such a call that crosses a block boundary is done by kv_dense_grow
+ * when it can. Every other call is general(*args, **kwargs). An allocator built with the
  * kernels holds one as its allocate_slots. */
 
 typedef struct {
@@ -205,6 +213,8 @@ typedef struct {
     PyObject *running;
     PyObject *no_new_blocks;
     PyObject *general;
+    PyObject *dense; /* the config tuple, or None */
+    DenseConfig dense_config;
     vectorcallfunc vectorcall;
 } SlotsFastPath;
 
@@ -213,7 +223,7 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
                                           size_t nargsf, PyObject *kwnames) {
     SlotsFastPath *self = (SlotsFastPath *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames == NULL && (nargs == 2 || nargs == 3)) {
+    if (kwnames == NULL && (nargs == 2 || nargs == 3) && self->running != NULL) {
         Py_ssize_t lookahead = 0;
         int valid = 1;
         if (nargs == 3) {
@@ -228,35 +238,54 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
             }
         }
         if (valid) {
-            int fast = fast_step(self->running, args[0], args[1], lookahead);
+            PyObject *state = NULL;
+            Py_ssize_t count = 0;
+            int fast = fast_step(self->running, args[0], args[1], lookahead,
+                                 self->dense == NULL || self->dense == Py_None ? NULL : &state,
+                                 &count);
             if (fast < 0) return NULL;
             if (fast == 1) {
                 Py_INCREF(self->no_new_blocks);
                 return self->no_new_blocks;
             }
+            if (state != NULL) {
+                PyObject *result = kv_dense_grow(&self->dense_config, state, args[0], count,
+                                                 lookahead, self->no_new_blocks);
+                Py_DECREF(state);
+                if (result != NULL || PyErr_Occurred()) return result;
+            }
         }
+    }
+    if (self->general == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "SlotsFastPath was cleared");
+        return NULL;
     }
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
 static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *running, *no_new_blocks, *general;
-    static char *names[] = {"running", "no_new_blocks", "general", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO", names, &PyDict_Type, &running,
-                                     &no_new_blocks, &general))
+    PyObject *running, *no_new_blocks, *general, *dense = Py_None;
+    static char *names[] = {"running", "no_new_blocks", "general", "dense", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO|O", names, &PyDict_Type, &running,
+                                     &no_new_blocks, &general, &dense))
         return NULL;
     if (!PyCallable_Check(general)) {
         PyErr_SetString(PyExc_TypeError, "SlotsFastPath: general must be callable");
         return NULL;
     }
+    DenseConfig config = {0};
+    if (dense != Py_None && kv_dense_config(dense, &config) < 0) return NULL;
     SlotsFastPath *self = (SlotsFastPath *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     Py_INCREF(running);
     Py_INCREF(no_new_blocks);
     Py_INCREF(general);
+    Py_INCREF(dense);
     self->running = running;
     self->no_new_blocks = no_new_blocks;
     self->general = general;
+    self->dense = dense; /* keeps the config's borrowed references alive */
+    self->dense_config = config;
     self->vectorcall = SlotsFastPath_vectorcall;
     return (PyObject *)self;
 }
@@ -265,6 +294,7 @@ static int SlotsFastPath_traverse(SlotsFastPath *self, visitproc visit, void *ar
     Py_VISIT(self->running);
     Py_VISIT(self->no_new_blocks);
     Py_VISIT(self->general);
+    Py_VISIT(self->dense);
     return 0;
 }
 
@@ -272,6 +302,8 @@ static int SlotsFastPath_clear(SlotsFastPath *self) {
     Py_CLEAR(self->running);
     Py_CLEAR(self->no_new_blocks);
     Py_CLEAR(self->general);
+    /* The config's borrowed references die with the tuple: no dense steps after a clear. */
+    Py_CLEAR(self->dense);
     return 0;
 }
 
@@ -293,8 +325,9 @@ static PyObject *SlotsFastPath_get_wrapped(SlotsFastPath *self, void *closure) {
 /* Copies and pickles rebuild it from what it refers to (a deep copy of an allocator gets a
  * fast path over the copy's own running requests). */
 static PyObject *SlotsFastPath_reduce(SlotsFastPath *self, PyObject *unused) {
-    return Py_BuildValue("O(OOO)", (PyObject *)Py_TYPE(self), self->running,
-                         self->no_new_blocks, self->general);
+    return Py_BuildValue("O(OOOO)", (PyObject *)Py_TYPE(self), self->running,
+                         self->no_new_blocks, self->general,
+                         self->dense != NULL ? self->dense : Py_None);
 }
 
 static PyMethodDef SlotsFastPath_methods[] = {

@@ -1,0 +1,339 @@
+/* The block-boundary step of a one-group full-attention allocator (KVCacheAllocator.
+ * _grow_dense with one holding group whose blocks are hash blocks): take the new block,
+ * hash and cache the blocks that became full, move the step thresholds. SlotsFastPath calls
+ * it for every step its first test does not answer. Anything out of the ordinary (over
+ * max_model_len or the admission cap, too few free blocks, a token that cannot be hashed, a
+ * request hashed by another hasher, multimodal inputs, a first hash block) is left to the
+ * Python method: the kernel gives up before it changes anything, and the method then
+ * answers (or refuses) as it always does. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "block_queue.h"
+#include "kernels.h"
+
+/* Interned attribute names, made on first use. */
+static PyObject *s_blocks, *s_num_real, *s_num_cached, *s_cache_at, *s_token_ids,
+    *s_block_hashes, *s_hash_owner, *s_mm_inputs, *s_fresh, *s_ref_counts, *s_evictable,
+    *s_protected, *s_caches, *s_block_group, *s_block_hash, *s_epoch, *s_take, *s_move_hash,
+    *s_pop, *s_new_block_ids, *kwnames_new_block_ids;
+
+static int intern_names(void) {
+    if (s_blocks != NULL) return 0;
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_blocks, "blocks"}, {&s_num_real, "num_real"}, {&s_num_cached, "num_cached"},
+        {&s_cache_at, "cache_at"}, {&s_token_ids, "token_ids"},
+        {&s_block_hashes, "block_hashes"}, {&s_hash_owner, "_hash_owner"},
+        {&s_mm_inputs, "mm_inputs"}, {&s_fresh, "_fresh"}, {&s_ref_counts, "ref_counts"},
+        {&s_evictable, "_evictable"}, {&s_protected, "_protected"}, {&s_caches, "caches"},
+        {&s_block_group, "_block_group"}, {&s_block_hash, "_block_hash"}, {&s_epoch, "epoch"},
+        {&s_take, "take"}, {&s_move_hash, "_move_hash"}, {&s_pop, "pop"},
+        {&s_new_block_ids, "new_block_ids"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].slot == NULL) return -1;
+    }
+    kwnames_new_block_ids = PyTuple_Pack(1, s_new_block_ids);
+    return kwnames_new_block_ids == NULL ? -1 : 0;
+}
+
+int kv_dense_config(PyObject *config, DenseConfig *out) {
+    /* (pool, hasher, allocated_class, block_tokens, admission_cap, max_model_len,
+     *  hash_block_size, cacheable) */
+    if (intern_names() < 0) return -1;
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "dense must be (pool, hasher, allocated_class, block_tokens, "
+                        "admission_cap, max_model_len, hash_block_size, cacheable) or None");
+        return -1;
+    }
+    Py_ssize_t numbers[4];
+    for (int i = 0; i < 4; i++) {
+        numbers[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(config, 3 + i));
+        if (numbers[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    int cacheable = PyObject_IsTrue(PyTuple_GET_ITEM(config, 7));
+    if (cacheable < 0) return -1;
+    /* block_tokens == hash_block_size: a group block is one hash block. */
+    if (numbers[0] < 1 || numbers[0] != numbers[3] || numbers[1] < 0 || numbers[2] < 0
+        || numbers[2] >= PY_SSIZE_T_MAX / 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dense: block_tokens must equal hash_block_size (>= 1), caps >= 0");
+        return -1;
+    }
+    out->pool = PyTuple_GET_ITEM(config, 0);
+    out->hasher = PyTuple_GET_ITEM(config, 1);
+    out->allocated = PyTuple_GET_ITEM(config, 2);
+    out->block_tokens = numbers[0];
+    out->cap = numbers[1];
+    out->max_len = numbers[2];
+    out->cacheable = cacheable;
+    return 0;
+}
+
+static int get_ssize(PyObject *object, PyObject *name, Py_ssize_t *value) {
+    PyObject *item = PyObject_GetAttr(object, name);
+    if (item == NULL) return -1;
+    *value = PyLong_AsSsize_t(item);
+    Py_DECREF(item);
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_ssize(PyObject *object, PyObject *name, Py_ssize_t value) {
+    PyObject *item = PyLong_FromSsize_t(value);
+    if (item == NULL) return -1;
+    int failed = PyObject_SetAttr(object, name, item);
+    Py_DECREF(item);
+    return failed;
+}
+
+/* list[0] of a list attribute of ``object`` (new reference to the list in *list). */
+static int first_of_list(PyObject *object, PyObject *name, PyObject **list, Py_ssize_t *value) {
+    *list = PyObject_GetAttr(object, name);
+    if (*list == NULL) return -1;
+    if (!PyList_CheckExact(*list) || PyList_GET_SIZE(*list) < 1) return 1;
+    *value = PyLong_AsSsize_t(PyList_GET_ITEM(*list, 0));
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_first(PyObject *list, Py_ssize_t value) {
+    PyObject *item = PyLong_FromSsize_t(value);
+    if (item == NULL) return -1;
+    return PyList_SetItem(list, 0, item); /* steals item */
+}
+
+PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
+                        Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks) {
+    PyObject *result = NULL;
+    PyObject *blocks = NULL, *num_real = NULL, *num_cached = NULL, *cache_at = NULL,
+             *token_ids = NULL, *hashes = NULL, *owner = NULL, *mm_inputs = NULL,
+             *fresh = NULL, *evictable = NULL, *protected_ = NULL, *refs = NULL,
+             *taken = NULL, *caches = NULL, *block_group = NULL, *block_hash = NULL;
+    const Py_ssize_t tokens = config->block_tokens, max_len = config->max_len;
+    PyObject *pool = config->pool;
+    Py_ssize_t computed, known_limit, real_held, cached, cache_from;
+    int status;
+
+    if (get_ssize(state, kv_str_computed, &computed) < 0) goto error;
+    if (count > max_len || computed > max_len - count) goto fallback; /* over max_model_len */
+    Py_ssize_t known = computed + count;
+    Py_ssize_t total = lookahead > max_len - known ? max_len : known + lookahead;
+    blocks = PyObject_GetAttr(state, s_blocks);
+    if (blocks == NULL) goto error;
+    if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1
+        || !PyList_CheckExact(PyList_GET_ITEM(blocks, 0)))
+        goto fallback;
+    PyObject *table = PyList_GET_ITEM(blocks, 0); /* borrowed: blocks holds it */
+    Py_ssize_t real = (total + tokens - 1) / tokens - PyList_GET_SIZE(table);
+    if ((status = first_of_list(state, s_num_real, &num_real, &real_held)) != 0) goto status;
+    if (real > 0) {
+        if (real_held + real > config->cap) goto fallback; /* over the admission cap */
+        if ((fresh = PyObject_GetAttr(pool, s_fresh)) == NULL
+            || (evictable = PyObject_GetAttr(pool, s_evictable)) == NULL
+            || (protected_ = PyObject_GetAttr(pool, s_protected)) == NULL)
+            goto error;
+        Py_ssize_t num_fresh = PyObject_Length(fresh), num_evictable = PyObject_Length(evictable),
+                   num_protected = PyObject_Length(protected_);
+        if (num_fresh < 0 || num_evictable < 0 || num_protected < 0) goto error;
+        if (real > num_fresh + num_evictable + num_protected) goto fallback; /* too few */
+    }
+    token_ids = PyObject_GetAttr(request, s_token_ids);
+    if (token_ids == NULL) goto error;
+    if (!PyList_CheckExact(token_ids)) goto fallback;
+    Py_ssize_t available = PyList_GET_SIZE(token_ids);
+    Py_ssize_t cached_upto = known < available ? known : available;
+    if (get_ssize(state, kv_str_known_limit, &known_limit) < 0) goto error;
+    int hash = config->cacheable && cached_upto >= known_limit;
+    if (config->cacheable) {
+        if ((status = first_of_list(state, s_cache_at, &cache_at, &cache_from)) != 0)
+            goto status;
+        if ((status = first_of_list(state, s_num_cached, &num_cached, &cached)) != 0)
+            goto status;
+        if (cached_upto >= cache_from && !hash) goto fallback; /* thresholds out of step */
+    }
+    if (hash) {
+        /* PrefixHasher.hashes(request, cached_upto), for a request this hasher hashed. */
+        if ((owner = PyObject_GetAttr(request, s_hash_owner)) == NULL
+            || (mm_inputs = PyObject_GetAttr(request, s_mm_inputs)) == NULL
+            || (hashes = PyObject_GetAttr(request, s_block_hashes)) == NULL)
+            goto error;
+        if (owner != config->hasher || !PyTuple_CheckExact(mm_inputs)
+            || PyTuple_GET_SIZE(mm_inputs) != 0 || !PyList_CheckExact(hashes))
+            goto fallback;
+        Py_ssize_t done = PyList_GET_SIZE(hashes), target = cached_upto / tokens;
+        if (target > done) {
+            if (done == 0) goto fallback; /* the first block's parent is the request's root */
+            PyObject *start = PyLong_FromSsize_t(done * tokens);
+            PyObject *stop = PyLong_FromSsize_t(target * tokens);
+            PyObject *size = PyLong_FromSsize_t(tokens);
+            PyObject *chained = NULL;
+            if (start != NULL && stop != NULL && size != NULL) {
+                PyObject *args[6] = {PyList_GET_ITEM(hashes, done - 1), token_ids, start, stop,
+                                     size, hashes};
+                Py_INCREF(args[0]);
+                chained = kv_py_chain_hashes(NULL, args, 6);
+                Py_DECREF(args[0]);
+            }
+            Py_XDECREF(start);
+            Py_XDECREF(stop);
+            Py_XDECREF(size);
+            if (chained == NULL) {
+                /* A token that cannot be hashed: nothing was appended; the method refuses
+                 * the step with its own message. */
+                if (PyErr_ExceptionMatches(PyExc_ValueError)) {
+                    PyErr_Clear();
+                    goto fallback;
+                }
+                goto error;
+            }
+            Py_DECREF(chained);
+        }
+    }
+    /* From here on the step happens. */
+    if (real > 0) {
+        if ((refs = PyObject_GetAttr(pool, s_ref_counts)) == NULL) goto error;
+        Py_ssize_t num_fresh = PyObject_Length(fresh);
+        if (num_fresh < 0 || !PyList_CheckExact(refs)) goto error_type;
+        if (real == 1 && num_fresh > 0) {
+            /* BlockPool.take's common case: one uncached block off the free stack. */
+            PyObject *block = PyObject_CallMethodNoArgs(fresh, s_pop);
+            if (block == NULL) goto error;
+            Py_ssize_t id = PyLong_AsSsize_t(block);
+            if ((id == -1 && PyErr_Occurred()) || id < 1 || id >= PyList_GET_SIZE(refs)) {
+                Py_DECREF(block);
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_IndexError, "block id %zd is not in this pool", id);
+                goto error;
+            }
+            taken = PyList_New(1);
+            if (taken == NULL) {
+                Py_DECREF(block);
+                goto error;
+            }
+            PyList_SET_ITEM(taken, 0, block);
+            Py_INCREF(kv_one);
+            if (PyList_SetItem(refs, id, kv_one) < 0) goto error;
+        } else if (real == 1 && PyObject_Length(evictable) >= 1) {
+            /* No uncached block left: evict the oldest never-reused cached one. */
+            if ((caches = PyObject_GetAttr(pool, s_caches)) == NULL
+                || (block_group = PyObject_GetAttr(pool, s_block_group)) == NULL
+                || (block_hash = PyObject_GetAttr(pool, s_block_hash)) == NULL
+                || (taken = PyList_New(0)) == NULL)
+                goto error;
+            PyObject *args[7] = {kv_one, taken, evictable, caches, block_group, block_hash, refs};
+            PyObject *done = kv_py_evict_take(NULL, args, 7);
+            if (done == NULL) goto error;
+            Py_DECREF(done);
+            Py_ssize_t epoch;
+            if (get_ssize(pool, s_epoch, &epoch) < 0 || set_ssize(pool, s_epoch, epoch + 1) < 0)
+                goto error;
+        } else {
+            PyObject *number = PyLong_FromSsize_t(real);
+            if (number == NULL) goto error;
+            taken = PyObject_CallMethodOneArg(pool, s_take, number);
+            Py_DECREF(number);
+            if (taken == NULL) goto error;
+            if (!PyList_CheckExact(taken)) goto error_type;
+        }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(taken); i++)
+            if (PyList_Append(table, PyList_GET_ITEM(taken, i)) < 0) goto error;
+        if (set_first(num_real, real_held + real) < 0) goto error;
+    }
+    PyObject *known_object = PyLong_FromSsize_t(known);
+    if (known_object == NULL) goto error;
+    status = PyObject_SetAttr(state, kv_str_computed, known_object);
+    Py_DECREF(known_object);
+    if (status < 0) goto error;
+    Py_ssize_t end_limit = max_len + 1, new_known_limit = max_len + 1;
+    Py_ssize_t end = PyList_GET_SIZE(table) * tokens + 1;
+    if (end < end_limit) end_limit = end;
+    if (config->cacheable) {
+        if (cached_upto >= cache_from) {
+            Py_ssize_t stop = cached_upto / tokens;
+            if (caches == NULL && (caches = PyObject_GetAttr(pool, s_caches)) == NULL) goto error;
+            if (block_hash == NULL && (block_hash = PyObject_GetAttr(pool, s_block_hash)) == NULL)
+                goto error;
+            if (!PyDict_Check(caches)) goto error_type;
+            PyObject *group_block = NULL;
+            if (PyDict_GET_SIZE(caches) > 1) {
+                /* Several groups share the pool: cache_blocks records the group. */
+                if (block_group == NULL
+                    && (block_group = PyObject_GetAttr(pool, s_block_group)) == NULL)
+                    goto error;
+                group_block = block_group;
+            }
+            PyObject *gid = PyLong_FromLong(0);
+            PyObject *cache = gid == NULL ? NULL : PyDict_GetItemWithError(caches, gid);
+            PyObject *digests = PyList_GetSlice(hashes, cached, stop);
+            PyObject *ids = PyList_GetSlice(table, cached, stop);
+            PyObject *move_hash = PyObject_GetAttr(pool, s_move_hash);
+            PyObject *stored = NULL;
+            if (cache != NULL && digests != NULL && ids != NULL && move_hash != NULL) {
+                PyObject *args[7] = {gid, digests, ids, cache, block_hash,
+                                     group_block ? group_block : Py_None, move_hash};
+                stored = kv_py_cache_blocks(NULL, args, 7);
+            } else if (cache == NULL && !PyErr_Occurred()) {
+                PyErr_SetString(PyExc_KeyError, "the pool has no cache of group 0");
+            }
+            Py_XDECREF(gid);
+            Py_XDECREF(digests);
+            Py_XDECREF(ids);
+            Py_XDECREF(move_hash);
+            if (stored == NULL) goto error;
+            Py_DECREF(stored);
+            cache_from = (stop + 1) * tokens;
+            if (set_first(num_cached, stop) < 0 || set_first(cache_at, cache_from) < 0)
+                goto error;
+        }
+        if (cache_from < new_known_limit) new_known_limit = cache_from;
+    }
+    if (set_ssize(state, kv_str_end_limit, end_limit) < 0
+        || set_ssize(state, kv_str_known_limit, new_known_limit) < 0
+        || set_ssize(state, kv_str_computed_limit, PY_SSIZE_T_MAX) < 0)
+        goto error;
+    if (real <= 0) {
+        Py_INCREF(no_new_blocks);
+        result = no_new_blocks;
+    } else {
+        PyObject *ids = PyList_AsTuple(taken);
+        PyObject *per_group = ids == NULL ? NULL : PyTuple_Pack(1, ids);
+        Py_XDECREF(ids);
+        if (per_group == NULL) goto error;
+        PyObject *args[1] = {per_group};
+        result = PyObject_Vectorcall(config->allocated, args, 0, kwnames_new_block_ids);
+        Py_DECREF(per_group);
+    }
+    goto done;
+status:
+    if (status > 0) goto fallback;
+    goto error;
+error_type:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "dense step: the pool's containers changed type");
+error:
+fallback:
+    result = NULL;
+done:
+    Py_XDECREF(blocks);
+    Py_XDECREF(num_real);
+    Py_XDECREF(num_cached);
+    Py_XDECREF(cache_at);
+    Py_XDECREF(token_ids);
+    Py_XDECREF(hashes);
+    Py_XDECREF(owner);
+    Py_XDECREF(mm_inputs);
+    Py_XDECREF(fresh);
+    Py_XDECREF(evictable);
+    Py_XDECREF(protected_);
+    Py_XDECREF(refs);
+    Py_XDECREF(taken);
+    Py_XDECREF(caches);
+    Py_XDECREF(block_group);
+    Py_XDECREF(block_hash);
+    return result;
+}
