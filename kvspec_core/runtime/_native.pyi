@@ -33,8 +33,9 @@ def step(
     allocate_slots: Callable[[Any, int, int], Any], one_pair: Callable[[Any, int], Any],
     results: list[Any], /,
 ) -> None: ...
+def count_unreferenced(blocks: list[int], refs: list[int], /) -> int: ...
 def longest_hit(digests: list[bytes], cache: dict[bytes, int], max_blocks: int, /) -> list[int]: ...
-def register_types(state_class: type, request_class: type, /) -> None: ...
+def register_types(state_class: type, request_class: type, allocated_class: type, /) -> None: ...
 
 class BlockQueue:
     """An insertion-ordered set of block ids ``0 .. capacity - 1`` with the subset of
@@ -52,7 +53,7 @@ class BlockQueue:
 
 class SlotsFastPath:
     """``allocate_slots`` of an allocator built with the kernels: decode steps that need no
-    block are answered in C; with ``dense`` (``(pool, hasher, Allocated, block_tokens,
+    block are answered in C; with ``dense`` (``(pool, hasher, block_tokens,
     admission_cap, max_model_len, hash_block_size, cacheable)`` of a one-group
     full-attention allocator) so are most steps that cross a block boundary; every other
     call goes to ``general``."""
@@ -61,6 +62,6 @@ class SlotsFastPath:
 
     def __init__(self, running: dict[Any, Any], no_new_blocks: Any,
                  general: Callable[..., Any],
-                 dense: tuple[Any, Any, type, int, int, int, int, bool] | None = None,
+                 dense: tuple[Any, Any, int, int, int, int, bool] | None = None,
                  ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -89,8 +89,9 @@ class _Running:
 
 
 if native is not None:
-    # allocate_step's compiled loop reads these slots directly and knows bare requests.
-    native.register_types(_Running, Request)
+    # The compiled steps read and write these records' slots in place (and know bare
+    # requests); they build Allocated results without a Python call.
+    native.register_types(_Running, Request, Allocated)
 
 
 class KVCacheAllocator:
@@ -246,7 +247,7 @@ class KVCacheAllocator:
             and type(self)._grow_dense is KVCacheAllocator._grow_dense
         ):
             return None
-        return (pool, self._hasher, Allocated, self._block_tokens[0], self.admission_caps[0],
+        return (pool, self._hasher, self._block_tokens[0], self.admission_caps[0],
                 self.max_model_len, self.hash_block_size, self._cacheable)
 
     # ----------------------------------------------------------------- construction
@@ -605,9 +606,8 @@ class KVCacheAllocator:
             if held > self.admission_caps[gid]:
                 return self._over_cap(request, gid, held)
             pool_index = self._pool_of[gid]
-            refs = pools[pool_index].ref_counts
             # Hit blocks with no reference (cached free ones) leave the free blocks on revival.
-            need[pool_index] += real + [refs[block] for block in table if block].count(0)
+            need[pool_index] += real + pools[pool_index].num_unreferenced(table)
             plans.append((gid, nulls, real))
         shortfall = self._shortfall(need, [0] * len(pools))
         if shortfall is not None:

@@ -130,6 +130,14 @@ class BlockPool:
     def cached_hash(self, block_id: int) -> bytes | None:
         return self._block_hash[block_id]
 
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        """How many non-null ``blocks`` no request holds (cached free blocks, which leave
+        the free blocks when a prefix hit revives them)."""
+        refs = self.ref_counts
+        if self._compiled and native is not None:
+            return native.count_unreferenced(blocks, refs)
+        return [refs[block] for block in blocks if block].count(0)
+
     # ----------------------------------------------------------------- handing out
     def take(self, count: int) -> list[int]:
         """``count`` blocks with ref count 1: uncached ones first, then cached ones in

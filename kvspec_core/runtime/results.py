@@ -38,6 +38,9 @@ class CachedPrefix:
 class Allocated:
     """Slots were allocated; ``new_block_ids[g]`` are the blocks group ``g`` received."""
 
+    # The compiled kernels build instances by filling this slot (no __init__ call): keep it
+    # the one field, with no converter or validator.
+
     new_block_ids: tuple[tuple[int, ...], ...]
 
     ok = True

@@ -12,52 +12,46 @@
 
 #include "block_queue.h"
 #include "kernels.h"
+#include "records.h"
 
-/* Interned attribute names, made on first use. */
-static PyObject *s_blocks, *s_num_real, *s_num_cached, *s_cache_at, *s_token_ids,
-    *s_block_hashes, *s_hash_owner, *s_mm_inputs, *s_fresh, *s_ref_counts, *s_evictable,
-    *s_protected, *s_caches, *s_block_group, *s_block_hash, *s_epoch, *s_take, *s_move_hash,
-    *s_pop, *s_new_block_ids, *kwnames_new_block_ids;
+/* Interned names of the pool's attributes, made on first use. */
+static PyObject *s_fresh, *s_ref_counts, *s_evictable, *s_protected, *s_caches, *s_block_group,
+    *s_block_hash, *s_epoch, *s_take, *s_move_hash, *s_pop;
 
 static int intern_names(void) {
-    if (s_blocks != NULL) return 0;
+    if (s_fresh != NULL) return 0;
     struct {
         PyObject **slot;
         const char *text;
     } names[] = {
-        {&s_blocks, "blocks"}, {&s_num_real, "num_real"}, {&s_num_cached, "num_cached"},
-        {&s_cache_at, "cache_at"}, {&s_token_ids, "token_ids"},
-        {&s_block_hashes, "block_hashes"}, {&s_hash_owner, "_hash_owner"},
-        {&s_mm_inputs, "mm_inputs"}, {&s_fresh, "_fresh"}, {&s_ref_counts, "ref_counts"},
-        {&s_evictable, "_evictable"}, {&s_protected, "_protected"}, {&s_caches, "caches"},
-        {&s_block_group, "_block_group"}, {&s_block_hash, "_block_hash"}, {&s_epoch, "epoch"},
-        {&s_take, "take"}, {&s_move_hash, "_move_hash"}, {&s_pop, "pop"},
-        {&s_new_block_ids, "new_block_ids"},
+        {&s_fresh, "_fresh"}, {&s_ref_counts, "ref_counts"}, {&s_evictable, "_evictable"},
+        {&s_protected, "_protected"}, {&s_caches, "caches"}, {&s_block_group, "_block_group"},
+        {&s_block_hash, "_block_hash"}, {&s_epoch, "epoch"}, {&s_take, "take"},
+        {&s_move_hash, "_move_hash"}, {&s_pop, "pop"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);
         if (*names[i].slot == NULL) return -1;
     }
-    kwnames_new_block_ids = PyTuple_Pack(1, s_new_block_ids);
-    return kwnames_new_block_ids == NULL ? -1 : 0;
+    return 0;
 }
 
 int kv_dense_config(PyObject *config, DenseConfig *out) {
-    /* (pool, hasher, allocated_class, block_tokens, admission_cap, max_model_len,
-     *  hash_block_size, cacheable) */
+    /* (pool, hasher, block_tokens, admission_cap, max_model_len, hash_block_size,
+     *  cacheable) */
     if (intern_names() < 0) return -1;
-    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 8) {
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 7) {
         PyErr_SetString(PyExc_TypeError,
-                        "dense must be (pool, hasher, allocated_class, block_tokens, "
-                        "admission_cap, max_model_len, hash_block_size, cacheable) or None");
+                        "dense must be (pool, hasher, block_tokens, admission_cap, "
+                        "max_model_len, hash_block_size, cacheable) or None");
         return -1;
     }
     Py_ssize_t numbers[4];
     for (int i = 0; i < 4; i++) {
-        numbers[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(config, 3 + i));
+        numbers[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(config, 2 + i));
         if (numbers[i] == -1 && PyErr_Occurred()) return -1;
     }
-    int cacheable = PyObject_IsTrue(PyTuple_GET_ITEM(config, 7));
+    int cacheable = PyObject_IsTrue(PyTuple_GET_ITEM(config, 6));
     if (cacheable < 0) return -1;
     /* block_tokens == hash_block_size: a group block is one hash block. */
     if (numbers[0] < 1 || numbers[0] != numbers[3] || numbers[1] < 0 || numbers[2] < 0
@@ -68,7 +62,6 @@ int kv_dense_config(PyObject *config, DenseConfig *out) {
     }
     out->pool = PyTuple_GET_ITEM(config, 0);
     out->hasher = PyTuple_GET_ITEM(config, 1);
-    out->allocated = PyTuple_GET_ITEM(config, 2);
     out->block_tokens = numbers[0];
     out->cap = numbers[1];
     out->max_len = numbers[2];
@@ -76,28 +69,29 @@ int kv_dense_config(PyObject *config, DenseConfig *out) {
     return 0;
 }
 
-static int get_ssize(PyObject *object, PyObject *name, Py_ssize_t *value) {
-    PyObject *item = PyObject_GetAttr(object, name);
-    if (item == NULL) return -1;
+/* A registered record's int field: 0, 1 when unset or not an exact int (the step is left to
+ * the method), -1 on an error. */
+static int record_ssize(PyObject *record, Py_ssize_t offset, Py_ssize_t *value) {
+    PyObject *item = record_get(record, offset);
+    if (item == NULL || !PyLong_CheckExact(item)) return 1;
     *value = PyLong_AsSsize_t(item);
-    Py_DECREF(item);
     return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-static int set_ssize(PyObject *object, PyObject *name, Py_ssize_t value) {
+static int record_set_ssize(PyObject *record, Py_ssize_t offset, Py_ssize_t value) {
     PyObject *item = PyLong_FromSsize_t(value);
     if (item == NULL) return -1;
-    int failed = PyObject_SetAttr(object, name, item);
-    Py_DECREF(item);
-    return failed;
+    record_set(record, offset, item);
+    return 0;
 }
 
-/* list[0] of a list attribute of ``object`` (new reference to the list in *list). */
-static int first_of_list(PyObject *object, PyObject *name, PyObject **list, Py_ssize_t *value) {
-    *list = PyObject_GetAttr(object, name);
-    if (*list == NULL) return -1;
-    if (!PyList_CheckExact(*list) || PyList_GET_SIZE(*list) < 1) return 1;
-    *value = PyLong_AsSsize_t(PyList_GET_ITEM(*list, 0));
+/* ``list[0]`` of a per-group list (one group): 0, 1 if it is not a list starting with an
+ * exact int, -1 on an error. */
+static int first_int(PyObject *list, Py_ssize_t *value) {
+    if (list == NULL || !PyList_CheckExact(list) || PyList_GET_SIZE(list) < 1
+        || !PyLong_CheckExact(PyList_GET_ITEM(list, 0)))
+        return 1;
+    *value = PyLong_AsSsize_t(PyList_GET_ITEM(list, 0));
     return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
@@ -107,64 +101,85 @@ static int set_first(PyObject *list, Py_ssize_t value) {
     return PyList_SetItem(list, 0, item); /* steals item */
 }
 
+/* The pool attribute ``name`` from its __dict__ (borrowed), or NULL with AttributeError. */
+static PyObject *pool_get(PyObject *pool_dict, PyObject *name) {
+    PyObject *value = PyDict_GetItemWithError(pool_dict, name);
+    if (value == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+    return value;
+}
+
 PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks) {
-    PyObject *result = NULL;
-    PyObject *blocks = NULL, *num_real = NULL, *num_cached = NULL, *cache_at = NULL,
-             *token_ids = NULL, *hashes = NULL, *owner = NULL, *mm_inputs = NULL,
-             *fresh = NULL, *evictable = NULL, *protected_ = NULL, *refs = NULL,
-             *taken = NULL, *caches = NULL, *block_group = NULL, *block_hash = NULL;
+    if (Py_TYPE(state) != kv_state_type || Py_TYPE(request) != kv_request_type
+        || kv_allocated_type == NULL)
+        return NULL; /* not records the kernels know: the method */
+    /* Every object used across a call that may run Python code is held here. */
+    PyObject *held[16];
+    int num_held = 0;
+#define HOLD(object) (Py_INCREF(object), held[num_held++] = (object))
+    PyObject *result = NULL, *pool_dict = NULL, *taken = NULL;
+    PyObject *fresh = NULL, *evictable = NULL, *protected_ = NULL, *hashes = NULL;
+    PyObject *num_cached = NULL, *cache_at = NULL;
     const Py_ssize_t tokens = config->block_tokens, max_len = config->max_len;
-    PyObject *pool = config->pool;
-    Py_ssize_t computed, known_limit, real_held, cached, cache_from;
+    const Py_ssize_t *fields = kv_state_offsets, *request_fields = kv_request_offsets;
+    Py_ssize_t computed, known_limit, real_held, cached = 0, cache_from = 0;
     int status;
 
-    if (get_ssize(state, kv_str_computed, &computed) < 0) goto error;
+    if ((status = record_ssize(state, fields[STATE_COMPUTED], &computed)) != 0) goto status;
     if (count > max_len || computed > max_len - count) goto fallback; /* over max_model_len */
     Py_ssize_t known = computed + count;
     Py_ssize_t total = lookahead > max_len - known ? max_len : known + lookahead;
-    blocks = PyObject_GetAttr(state, s_blocks);
-    if (blocks == NULL) goto error;
-    if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1
+    PyObject *blocks = record_get(state, fields[STATE_BLOCKS]);
+    if (blocks == NULL || !PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1
         || !PyList_CheckExact(PyList_GET_ITEM(blocks, 0)))
         goto fallback;
-    PyObject *table = PyList_GET_ITEM(blocks, 0); /* borrowed: blocks holds it */
+    PyObject *table = HOLD(PyList_GET_ITEM(blocks, 0));
     Py_ssize_t real = (total + tokens - 1) / tokens - PyList_GET_SIZE(table);
-    if ((status = first_of_list(state, s_num_real, &num_real, &real_held)) != 0) goto status;
+    PyObject *num_real = record_get(state, fields[STATE_NUM_REAL]);
+    if ((status = first_int(num_real, &real_held)) != 0) goto status;
+    HOLD(num_real);
+    if ((pool_dict = PyObject_GenericGetDict(config->pool, NULL)) == NULL) goto error;
     if (real > 0) {
         if (real_held + real > config->cap) goto fallback; /* over the admission cap */
-        if ((fresh = PyObject_GetAttr(pool, s_fresh)) == NULL
-            || (evictable = PyObject_GetAttr(pool, s_evictable)) == NULL
-            || (protected_ = PyObject_GetAttr(pool, s_protected)) == NULL)
+        if ((fresh = pool_get(pool_dict, s_fresh)) == NULL
+            || (evictable = pool_get(pool_dict, s_evictable)) == NULL
+            || (protected_ = pool_get(pool_dict, s_protected)) == NULL)
             goto error;
+        HOLD(fresh);
+        HOLD(evictable);
+        HOLD(protected_);
         Py_ssize_t num_fresh = PyObject_Length(fresh), num_evictable = PyObject_Length(evictable),
                    num_protected = PyObject_Length(protected_);
         if (num_fresh < 0 || num_evictable < 0 || num_protected < 0) goto error;
         if (real > num_fresh + num_evictable + num_protected) goto fallback; /* too few */
     }
-    token_ids = PyObject_GetAttr(request, s_token_ids);
-    if (token_ids == NULL) goto error;
-    if (!PyList_CheckExact(token_ids)) goto fallback;
+    PyObject *token_ids = record_get(request, request_fields[REQUEST_TOKEN_IDS]);
+    if (token_ids == NULL || !PyList_CheckExact(token_ids)) goto fallback;
+    HOLD(token_ids);
     Py_ssize_t available = PyList_GET_SIZE(token_ids);
     Py_ssize_t cached_upto = known < available ? known : available;
-    if (get_ssize(state, kv_str_known_limit, &known_limit) < 0) goto error;
+    if ((status = record_ssize(state, fields[STATE_KNOWN_LIMIT], &known_limit)) != 0)
+        goto status;
     int hash = config->cacheable && cached_upto >= known_limit;
     if (config->cacheable) {
-        if ((status = first_of_list(state, s_cache_at, &cache_at, &cache_from)) != 0)
+        cache_at = record_get(state, fields[STATE_CACHE_AT]);
+        num_cached = record_get(state, fields[STATE_NUM_CACHED]);
+        if ((status = first_int(cache_at, &cache_from)) != 0
+            || (status = first_int(num_cached, &cached)) != 0)
             goto status;
-        if ((status = first_of_list(state, s_num_cached, &num_cached, &cached)) != 0)
-            goto status;
+        HOLD(cache_at);
+        HOLD(num_cached);
         if (cached_upto >= cache_from && !hash) goto fallback; /* thresholds out of step */
     }
     if (hash) {
         /* PrefixHasher.hashes(request, cached_upto), for a request this hasher hashed. */
-        if ((owner = PyObject_GetAttr(request, s_hash_owner)) == NULL
-            || (mm_inputs = PyObject_GetAttr(request, s_mm_inputs)) == NULL
-            || (hashes = PyObject_GetAttr(request, s_block_hashes)) == NULL)
-            goto error;
-        if (owner != config->hasher || !PyTuple_CheckExact(mm_inputs)
-            || PyTuple_GET_SIZE(mm_inputs) != 0 || !PyList_CheckExact(hashes))
+        PyObject *mm_inputs = record_get(request, request_fields[REQUEST_MM_INPUTS]);
+        hashes = record_get(request, request_fields[REQUEST_BLOCK_HASHES]);
+        if (record_get(request, request_fields[REQUEST_HASH_OWNER]) != config->hasher
+            || mm_inputs == NULL || !PyTuple_CheckExact(mm_inputs)
+            || PyTuple_GET_SIZE(mm_inputs) != 0 || hashes == NULL || !PyList_CheckExact(hashes))
             goto fallback;
+        HOLD(hashes);
         Py_ssize_t done = PyList_GET_SIZE(hashes), target = cached_upto / tokens;
         if (target > done) {
             if (done == 0) goto fallback; /* the first block's parent is the request's root */
@@ -196,9 +211,12 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
     }
     /* From here on the step happens. */
     if (real > 0) {
-        if ((refs = PyObject_GetAttr(pool, s_ref_counts)) == NULL) goto error;
+        PyObject *refs = pool_get(pool_dict, s_ref_counts);
+        if (refs == NULL) goto error;
+        if (!PyList_CheckExact(refs)) goto error_type;
+        HOLD(refs);
         Py_ssize_t num_fresh = PyObject_Length(fresh);
-        if (num_fresh < 0 || !PyList_CheckExact(refs)) goto error_type;
+        if (num_fresh < 0) goto error;
         if (real == 1 && num_fresh > 0) {
             /* BlockPool.take's common case: one uncached block off the free stack. */
             PyObject *block = PyObject_CallMethodNoArgs(fresh, s_pop);
@@ -220,22 +238,24 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
             if (PyList_SetItem(refs, id, kv_one) < 0) goto error;
         } else if (real == 1 && PyObject_Length(evictable) >= 1) {
             /* No uncached block left: evict the oldest never-reused cached one. */
-            if ((caches = PyObject_GetAttr(pool, s_caches)) == NULL
-                || (block_group = PyObject_GetAttr(pool, s_block_group)) == NULL
-                || (block_hash = PyObject_GetAttr(pool, s_block_hash)) == NULL
-                || (taken = PyList_New(0)) == NULL)
-                goto error;
+            PyObject *caches = pool_get(pool_dict, s_caches);
+            PyObject *block_group = caches ? pool_get(pool_dict, s_block_group) : NULL;
+            PyObject *block_hash = block_group ? pool_get(pool_dict, s_block_hash) : NULL;
+            if (block_hash == NULL || (taken = PyList_New(0)) == NULL) goto error;
             PyObject *args[7] = {kv_one, taken, evictable, caches, block_group, block_hash, refs};
             PyObject *done = kv_py_evict_take(NULL, args, 7);
             if (done == NULL) goto error;
             Py_DECREF(done);
-            Py_ssize_t epoch;
-            if (get_ssize(pool, s_epoch, &epoch) < 0 || set_ssize(pool, s_epoch, epoch + 1) < 0)
-                goto error;
+            PyObject *epoch = pool_get(pool_dict, s_epoch);
+            PyObject *next = epoch == NULL ? NULL : PyNumber_Add(epoch, kv_one);
+            if (next == NULL) goto error;
+            status = PyDict_SetItem(pool_dict, s_epoch, next);
+            Py_DECREF(next);
+            if (status < 0) goto error;
         } else {
             PyObject *number = PyLong_FromSsize_t(real);
             if (number == NULL) goto error;
-            taken = PyObject_CallMethodOneArg(pool, s_take, number);
+            taken = PyObject_CallMethodOneArg(config->pool, s_take, number);
             Py_DECREF(number);
             if (taken == NULL) goto error;
             if (!PyList_CheckExact(taken)) goto error_type;
@@ -244,38 +264,30 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
             if (PyList_Append(table, PyList_GET_ITEM(taken, i)) < 0) goto error;
         if (set_first(num_real, real_held + real) < 0) goto error;
     }
-    PyObject *known_object = PyLong_FromSsize_t(known);
-    if (known_object == NULL) goto error;
-    status = PyObject_SetAttr(state, kv_str_computed, known_object);
-    Py_DECREF(known_object);
-    if (status < 0) goto error;
+    if (record_set_ssize(state, fields[STATE_COMPUTED], known) < 0) goto error;
     Py_ssize_t end_limit = max_len + 1, new_known_limit = max_len + 1;
     Py_ssize_t end = PyList_GET_SIZE(table) * tokens + 1;
     if (end < end_limit) end_limit = end;
     if (config->cacheable) {
         if (cached_upto >= cache_from) {
             Py_ssize_t stop = cached_upto / tokens;
-            if (caches == NULL && (caches = PyObject_GetAttr(pool, s_caches)) == NULL) goto error;
-            if (block_hash == NULL && (block_hash = PyObject_GetAttr(pool, s_block_hash)) == NULL)
-                goto error;
+            PyObject *caches = pool_get(pool_dict, s_caches);
+            PyObject *block_hash = caches ? pool_get(pool_dict, s_block_hash) : NULL;
+            if (block_hash == NULL) goto error;
             if (!PyDict_Check(caches)) goto error_type;
-            PyObject *group_block = NULL;
+            PyObject *group_block = Py_None;
             if (PyDict_GET_SIZE(caches) > 1) {
                 /* Several groups share the pool: cache_blocks records the group. */
-                if (block_group == NULL
-                    && (block_group = PyObject_GetAttr(pool, s_block_group)) == NULL)
-                    goto error;
-                group_block = block_group;
+                if ((group_block = pool_get(pool_dict, s_block_group)) == NULL) goto error;
             }
             PyObject *gid = PyLong_FromLong(0);
             PyObject *cache = gid == NULL ? NULL : PyDict_GetItemWithError(caches, gid);
             PyObject *digests = PyList_GetSlice(hashes, cached, stop);
             PyObject *ids = PyList_GetSlice(table, cached, stop);
-            PyObject *move_hash = PyObject_GetAttr(pool, s_move_hash);
+            PyObject *move_hash = PyObject_GetAttr(config->pool, s_move_hash);
             PyObject *stored = NULL;
             if (cache != NULL && digests != NULL && ids != NULL && move_hash != NULL) {
-                PyObject *args[7] = {gid, digests, ids, cache, block_hash,
-                                     group_block ? group_block : Py_None, move_hash};
+                PyObject *args[7] = {gid, digests, ids, cache, block_hash, group_block, move_hash};
                 stored = kv_py_cache_blocks(NULL, args, 7);
             } else if (cache == NULL && !PyErr_Occurred()) {
                 PyErr_SetString(PyExc_KeyError, "the pool has no cache of group 0");
@@ -292,21 +304,25 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
         }
         if (cache_from < new_known_limit) new_known_limit = cache_from;
     }
-    if (set_ssize(state, kv_str_end_limit, end_limit) < 0
-        || set_ssize(state, kv_str_known_limit, new_known_limit) < 0
-        || set_ssize(state, kv_str_computed_limit, PY_SSIZE_T_MAX) < 0)
+    if (record_set_ssize(state, fields[STATE_END_LIMIT], end_limit) < 0
+        || record_set_ssize(state, fields[STATE_KNOWN_LIMIT], new_known_limit) < 0
+        || record_set_ssize(state, fields[STATE_COMPUTED_LIMIT], PY_SSIZE_T_MAX) < 0)
         goto error;
     if (real <= 0) {
         Py_INCREF(no_new_blocks);
         result = no_new_blocks;
     } else {
+        /* Allocated(new_block_ids=(tuple(taken),)), its one slot filled directly. */
         PyObject *ids = PyList_AsTuple(taken);
         PyObject *per_group = ids == NULL ? NULL : PyTuple_Pack(1, ids);
         Py_XDECREF(ids);
         if (per_group == NULL) goto error;
-        PyObject *args[1] = {per_group};
-        result = PyObject_Vectorcall(config->allocated, args, 0, kwnames_new_block_ids);
-        Py_DECREF(per_group);
+        result = kv_allocated_type->tp_alloc(kv_allocated_type, 0);
+        if (result == NULL) {
+            Py_DECREF(per_group);
+            goto error;
+        }
+        record_set(result, kv_allocated_offset, per_group);
     }
     goto done;
 status:
@@ -319,21 +335,9 @@ error:
 fallback:
     result = NULL;
 done:
-    Py_XDECREF(blocks);
-    Py_XDECREF(num_real);
-    Py_XDECREF(num_cached);
-    Py_XDECREF(cache_at);
-    Py_XDECREF(token_ids);
-    Py_XDECREF(hashes);
-    Py_XDECREF(owner);
-    Py_XDECREF(mm_inputs);
-    Py_XDECREF(fresh);
-    Py_XDECREF(evictable);
-    Py_XDECREF(protected_);
-    Py_XDECREF(refs);
+    Py_XDECREF(pool_dict);
     Py_XDECREF(taken);
-    Py_XDECREF(caches);
-    Py_XDECREF(block_group);
-    Py_XDECREF(block_hash);
+    while (num_held > 0) Py_DECREF(held[--num_held]);
+#undef HOLD
     return result;
 }

@@ -8,6 +8,28 @@
 #include "blake2b.h"
 #include "kernels.h"
 
+/* A non-negative int that fits one digit of CPython's int representation (every token id
+ * of a real vocabulary): its value without a call. 0 for any other int. */
+static inline int small_int(PyObject *item, unsigned long long *value) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        Py_ssize_t compact = PyUnstable_Long_CompactValue((PyLongObject *)item);
+        if (compact >= 0) {
+            *value = (unsigned long long)compact;
+            return 1;
+        }
+    }
+    return 0;
+#else
+    Py_ssize_t size = Py_SIZE(item);
+    if (size == 0 || size == 1) {
+        *value = size ? (unsigned long long)((PyLongObject *)item)->ob_digit[0] : 0;
+        return 1;
+    }
+    return 0;
+#endif
+}
+
 PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer data;
     if (nargs != 2) {
@@ -80,7 +102,9 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_INCREF(item); /* held: an __index__ method below may drop it from the list */
         unsigned long long value;
         int bad = 0;
-        if (PyLong_CheckExact(item)) {
+        if (PyLong_CheckExact(item) && small_int(item, &value)) {
+            /* The common case: the value without a call. */
+        } else if (PyLong_CheckExact(item)) {
             value = PyLong_AsUnsignedLongLong(item);
             bad = value == (unsigned long long)-1 && PyErr_Occurred();
         } else {

@@ -21,10 +21,11 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* grow.c: the block-boundary step of a one-group full-attention allocator. */
 typedef struct {
-    PyObject *pool, *hasher, *allocated; /* borrowed from the config tuple */
+    PyObject *pool, *hasher; /* borrowed from the config tuple */
     Py_ssize_t block_tokens, cap, max_len;
     int cacheable;
 } DenseConfig;
@@ -37,7 +38,6 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
 
 /* step.c */
 extern PyTypeObject kv_SlotsFastPath_Type;
-PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

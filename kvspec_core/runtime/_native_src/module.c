@@ -8,8 +8,10 @@
  *   blake2b.c      BLAKE2b (RFC 7693)
  *   hashing.c      blake2b(), chain_hashes(): the chained block hashes
  *   block_queue.c  BlockQueue: the pools' eviction orders
- *   pool.c         release, touch, evict_take, cache_blocks, longest_hit: the pool's loops
- *   step.c         register_types, step, SlotsFastPath: the per-step fast paths
+ *   pool.c         release, touch, evict_take, cache_blocks, longest_hit,
+ *                  count_unreferenced: the pool's loops
+ *   records.c      register_types: the Python records read and written in place
+ *   step.c         step, SlotsFastPath: the per-step fast paths
  *   grow.c         the block-boundary step of one-group full-attention allocators
  */
 #define PY_SSIZE_T_CLEAN
@@ -19,6 +21,7 @@
 
 #include "block_queue.h"
 #include "kernels.h"
+#include "records.h"
 
 PyObject *kv_one;
 PyObject *kv_str_extend, *kv_str_request_id, *kv_str_computed, *kv_str_end_limit,
@@ -39,8 +42,10 @@ static PyMethodDef native_methods[] = {
      "cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int"},
     {"longest_hit", (PyCFunction)(void (*)(void))kv_py_longest_hit, METH_FASTCALL,
      "longest_hit(digests, cache, max_blocks) -> list of the cached prefix's blocks"},
+    {"count_unreferenced", (PyCFunction)(void (*)(void))kv_py_count_unreferenced,
+     METH_FASTCALL, "count_unreferenced(blocks, refs) -> non-null blocks with ref count 0"},
     {"register_types", (PyCFunction)(void (*)(void))kv_py_register_types, METH_FASTCALL,
-     "register_types(state_class, request_class): the classes step reads directly"},
+     "register_types(state_class, request_class, allocated_class): the records read in place"},
     {"step", (PyCFunction)(void (*)(void))kv_py_step, METH_FASTCALL,
      "step(pairs, running, lookahead, no_new_blocks, one_pair, results)"},
     {NULL, NULL, 0, NULL},

@@ -337,6 +337,26 @@ fail:
     return NULL;
 }
 
+/* count_unreferenced(blocks, refs) -> int: how many non-null blocks of ``blocks`` have ref
+ * count 0. BlockPool.num_unreferenced. */
+PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "count_unreferenced(blocks, refs): two lists");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *refs = args[1];
+    Py_ssize_t size = PyList_GET_SIZE(refs), count = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) return NULL;
+        if (!block) continue;
+        Py_ssize_t refs_now = ref_of(refs, block);
+        if (refs_now == -1 && PyErr_Occurred()) return NULL;
+        count += refs_now == 0;
+    }
+    return PyLong_FromSsize_t(count);
+}
+
 /* longest_hit(digests, cache, max_blocks) -> list: the blocks ``cache`` maps the first
  * digests to, up to the first digest it lacks, at most ``max_blocks``.
  * FullAttentionRules.longest_hit. */

@@ -5,61 +5,23 @@
 #include <stdint.h>
 #include <string.h>
 #include <stddef.h>
-#include <structmember.h> /* T_OBJECT_EX: the member type of __slots__ fields */
 
 #include "kernels.h"
-
-/* The allocator's per-request state class (``_Running``, a __slots__ class) and where its
- * four step fields sit in its instances, from its member descriptors: reading a slot there
- * skips the attribute lookup. Set by register_state_type; other objects take getattr. */
-static PyTypeObject *state_type, *request_type;
-static Py_ssize_t state_offsets[4]; /* computed, end_limit, known_limit, computed_limit */
-
-/* register_types(state_class, request_class): the allocator's per-request state class (its
- * step fields are read in place) and the Request class (a bare Request in a step is one
- * new token). */
-PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "register_types(state_class, request_class)");
-        return NULL;
-    }
-    PyObject *type = args[0];
-    PyObject *names[4] = {kv_str_computed, kv_str_end_limit, kv_str_known_limit,
-                          kv_str_computed_limit};
-    Py_ssize_t offsets[4];
-    for (int i = 0; i < 4; i++) {
-        PyObject *descr = PyObject_GetAttr(type, names[i]);
-        if (descr == NULL) return NULL;
-        int is_slot = Py_IS_TYPE(descr, &PyMemberDescr_Type)
-            && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
-        if (is_slot) offsets[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        Py_DECREF(descr);
-        if (!is_slot) {
-            PyErr_Format(PyExc_TypeError, "%R.%U must be a __slots__ field", type, names[i]);
-            return NULL;
-        }
-    }
-    Py_INCREF(type);
-    Py_XSETREF(state_type, (PyTypeObject *)type);
-    Py_INCREF(args[1]);
-    Py_XSETREF(request_type, (PyTypeObject *)args[1]);
-    memcpy(state_offsets, offsets, sizeof offsets);
-    Py_RETURN_NONE;
-}
+#include "records.h"
 
 /* Field ``index`` of a state as an int; -1 with an exception if unset or not an int. */
 static inline int state_int(PyObject *state, int index, Py_ssize_t *value) {
-    static PyObject **names[4] = {&kv_str_computed, &kv_str_end_limit, &kv_str_known_limit,
-                                  &kv_str_computed_limit};
     PyObject *item;
-    if (Py_TYPE(state) == state_type) {
-        item = *(PyObject **)((char *)state + state_offsets[index]);
+    if (Py_TYPE(state) == kv_state_type) {
+        item = record_get(state, kv_state_offsets[index]);
         if (item == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, *names[index]);
+            PyErr_SetObject(PyExc_AttributeError, kv_state_names[index]);
             return -1;
         }
         Py_INCREF(item);
     } else {
+        static PyObject **names[4] = {&kv_str_computed, &kv_str_end_limit, &kv_str_known_limit,
+                                      &kv_str_computed_limit};
         item = PyObject_GetAttr(state, *names[index]);
         if (item == NULL) return -1;
     }
@@ -69,10 +31,9 @@ static inline int state_int(PyObject *state, int index, Py_ssize_t *value) {
 }
 
 static inline int set_state_computed(PyObject *state, PyObject *value) {
-    if (Py_TYPE(state) == state_type) {
-        PyObject **slot = (PyObject **)((char *)state + state_offsets[0]);
+    if (Py_TYPE(state) == kv_state_type) {
         Py_INCREF(value);
-        Py_XSETREF(*slot, value);
+        record_set(state, kv_state_offsets[STATE_COMPUTED], value);
         return 0;
     }
     return PyObject_SetAttr(state, kv_str_computed, value);
@@ -93,8 +54,11 @@ static int fast_step(PyObject *running, PyObject *request, PyObject *count_objec
         return 0;
     }
     if (count < 0) return 0;
-    PyObject *rid = PyObject_GetAttr(request, kv_str_request_id);
-    if (rid == NULL) {
+    PyObject *rid;
+    if (Py_TYPE(request) == kv_request_type
+        && (rid = record_get(request, kv_request_offsets[REQUEST_ID])) != NULL) {
+        Py_INCREF(rid);
+    } else if ((rid = PyObject_GetAttr(request, kv_str_request_id)) == NULL) {
         PyErr_Clear();
         return 0;
     }
@@ -158,7 +122,7 @@ PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             && PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1))) {
             request = PyTuple_GET_ITEM(pair, 0);
             count_object = PyTuple_GET_ITEM(pair, 1);
-        } else if (request_type != NULL && PyObject_TypeCheck(pair, request_type)) {
+        } else if (kv_request_type != NULL && PyObject_TypeCheck(pair, kv_request_type)) {
             request = pair;
             count_object = kv_one;
         }
