@@ -53,6 +53,13 @@ def pool_state(allocator: KVCacheAllocator) -> list[dict]:
     ]
 
 
+def running_state(allocator: KVCacheAllocator) -> dict:
+    """Every field of every running request's allocator-side state but the request."""
+    return {rid: {name: getattr(state, name) for name in type(state).__slots__
+                  if name != "request"}
+            for rid, state in allocator._running.items()}
+
+
 def tables(allocator: KVCacheAllocator) -> dict:
     return {rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
             for rid in allocator._running}

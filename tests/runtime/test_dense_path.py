@@ -10,9 +10,10 @@ stay equal.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, given, settings
 from runtime_testkit import admit_on_each, full, make_allocator, sliding
-from test_allocate_step import pool_state, tables
+from test_allocate_step import pool_state, running_state, tables
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import Request
@@ -73,6 +74,7 @@ def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program:
             dense.free(pair[0].request_id)
             general.free(pair[1].request_id)
         assert tables(dense) == tables(general)
+        assert running_state(dense) == running_state(general)
         assert pool_state(dense) == pool_state(general)
     dense.check_invariants()
     general.check_invariants()
@@ -80,3 +82,21 @@ def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program:
 
 def test_sliding_window_and_plugin_rules_take_the_general_path() -> None:
     assert not make_allocator([full(2), sliding(2, 5)], 30)._dense
+
+
+def test_a_prefix_naming_blocks_this_pool_does_not_cache_is_refused() -> None:
+    # Found by another allocator (same epochs, 0): its blocks are not cached here.
+    other = make_allocator([full(2)], 24)
+    donor = Request("d", [1, 2, 3, 4, 5])
+    assert other.allocate_slots(donor, 5, prefix=other.find_cached_prefix(donor))
+    request = Request("r", [1, 2, 3, 4, 5, 6])
+    foreign = other.find_cached_prefix(request)
+    assert foreign.num_tokens == 4
+    for allocator in (make_allocator([full(2)], 24),
+                      make_allocator([full(2)], 24, enable_kv_events=True)):
+        fresh_blocks = allocator.pools[0].num_free_blocks
+        with pytest.raises(AllocatorError, match="neither in use nor a cached free block"):
+            allocator.allocate_slots(Request("r", [1, 2, 3, 4, 5, 6]), 2, prefix=foreign)
+        assert not allocator.is_running("r")
+        assert allocator.pools[0].num_free_blocks == fresh_blocks
+        allocator.check_invariants()

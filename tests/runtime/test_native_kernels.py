@@ -33,7 +33,7 @@ from runtime_testkit import (
     sliding,
     use_pure_python,
 )
-from test_allocate_step import pool_state, tables
+from test_allocate_step import pool_state, running_state, tables
 from test_dense_path import outcome
 
 from kvspec_core.errors import AllocatorError
@@ -209,13 +209,6 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
         assert compiled.take_events() == reference.take_events()
     compiled.check_invariants()
     reference.check_invariants()
-
-
-def running_state(allocator: KVCacheAllocator) -> dict:
-    """Every field of every running request's allocator-side state but the request."""
-    return {rid: {name: getattr(state, name) for name in type(state).__slots__
-                  if name != "request"}
-            for rid, state in allocator._running.items()}
 
 
 queue_ops = st.lists(

@@ -30,6 +30,17 @@ static inline int small_int(PyObject *item, unsigned long long *value) {
 #endif
 }
 
+static inline void store_uint32_le(uint8_t *p, uint32_t value) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(p, &value, 4);
+#else
+    p[0] = (uint8_t)value;
+    p[1] = (uint8_t)(value >> 8);
+    p[2] = (uint8_t)(value >> 16);
+    p[3] = (uint8_t)(value >> 24);
+#endif
+}
+
 PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer data;
     if (nargs != 2) {
@@ -99,12 +110,15 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
             return NULL;
         }
         PyObject *item = PyList_GET_ITEM(tokens, start + i);
-        Py_INCREF(item); /* held: an __index__ method below may drop it from the list */
         unsigned long long value;
-        int bad = 0;
         if (PyLong_CheckExact(item) && small_int(item, &value)) {
-            /* The common case: the value without a call. */
-        } else if (PyLong_CheckExact(item)) {
+            /* The common case: no call, so no Python code can touch the list. */
+            store_uint32_le(packed + 4 * i, (uint32_t)value);
+            continue;
+        }
+        Py_INCREF(item); /* held: an __index__ method below may drop it from the list */
+        int bad = 0;
+        if (PyLong_CheckExact(item)) {
             value = PyLong_AsUnsignedLongLong(item);
             bad = value == (unsigned long long)-1 && PyErr_Occurred();
         } else {
@@ -129,11 +143,7 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
             PyMem_Free(message);
             return NULL;
         }
-        uint8_t *p = packed + 4 * i;
-        p[0] = (uint8_t)value;
-        p[1] = (uint8_t)(value >> 8);
-        p[2] = (uint8_t)(value >> 16);
-        p[3] = (uint8_t)(value >> 24);
+        store_uint32_le(packed + 4 * i, (uint32_t)value);
         Py_DECREF(item);
     }
     memcpy(message, PyBytes_AS_STRING(parent), digest);
