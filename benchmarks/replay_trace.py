@@ -15,8 +15,9 @@ Per event: admit = find the cached prefix + allocate slots for the whole prompt 
 now" queues the request; queued requests retry after the next finish, each failed try
 counts as a wait); decode = append the token and allocate one slot; finish = free.
 Decode and finish events of a request still waiting in the queue are dropped (counted).
-``--batched``: each run of consecutive decode events is one engine step, allocated through
-one ``allocate_step`` call (its running requests, bare: one new token each).
+``--batched``: each run of consecutive decode events is one engine step, given to one
+``decode_step`` call (the step's request ids and sampled tokens, as a model runner reports
+them: the allocator appends each token and allocates its slot).
 When the allocator names a ``checkpoint_at`` position (Mamba: the prompt shares content
 with earlier prompts beyond the last saved state), the prefill is split there so that the
 state is saved, as ``kvspec simulate`` does.
@@ -89,15 +90,17 @@ def build_allocator(
 
 def engine_steps(events: list[tuple]) -> list[tuple]:
     """The events with every run of consecutive decode events (one engine step) merged
-    into one ``("step", [(request_id, token), ...])`` event."""
+    into one ``("step", [request_id, ...], [token, ...])`` event: the step's requests and
+    the tokens they sampled, as an engine's model runner reports them."""
     merged: list[tuple] = []
     for event in events:
         if event[0] != "decode":
             merged.append(event)
-        elif merged and merged[-1][0] == "step":
-            merged[-1][1].append(event[1:])
-        else:
-            merged.append(("step", [event[1:]]))
+            continue
+        if not merged or merged[-1][0] != "step":
+            merged.append(("step", [], []))
+        merged[-1][1].append(event[1])
+        merged[-1][2].append(event[2])
     return merged
 
 
@@ -105,11 +108,11 @@ def replay(
     events: list[tuple], allocator: KVCacheAllocator, batched: bool = False
 ) -> dict[str, float | int]:
     """Replay ``events``; ``batched``: each engine step's decodes through one
-    ``allocate_step`` call (peak blocks then sampled once per step)."""
+    ``decode_step`` call (peak blocks then sampled once per step)."""
     num_events = len(events)
     if batched:
         events = engine_steps(events)
-    allocate_step = allocator.allocate_step
+    decode_step = allocator.decode_step
     requests: dict[int, Request] = {}
     waiting: collections.OrderedDict[int, Request] = collections.OrderedDict()
     pool = allocator.pools[0]
@@ -161,17 +164,15 @@ def replay(
                 if used > peak:
                     peak = used
         elif kind == "step":
-            # A decode step: each running request's one new token (a bare Request means
-            # one token, so no (request, 1) pair is built per decode).
-            pairs = []
-            for rid, token in event[1]:
-                request = requests.get(rid)
-                if request is None:
-                    dropped += 1
-                    continue
-                request.token_ids.append(token)
-                pairs.append(request)
-            results = allocate_step(pairs)
+            # A decode step: the allocator appends each request's sampled token and gives
+            # it its slot. Decodes of requests still queued are dropped first.
+            ids, tokens = event[1], event[2]
+            if waiting:
+                kept = [index for index, rid in enumerate(ids) if rid in requests]
+                dropped += len(ids) - len(kept)
+                ids = [ids[index] for index in kept]
+                tokens = [tokens[index] for index in kept]
+            results = decode_step(ids, tokens)
             if results.count(no_new_blocks) != len(results):
                 # A class test, not truth: Allocated.__bool__ is a Python call per result.
                 decode_stalls += sum(1 for result in results if result.__class__ is NotNow)
@@ -239,7 +240,7 @@ def main() -> None:
     parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
                         help=f"cached-block eviction order (default: {DEFAULT_EVICTION})")
     parser.add_argument("--batched", action="store_true",
-                        help="decode steps through allocate_step, one call per engine step")
+                        help="decode steps through decode_step, one call per engine step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()

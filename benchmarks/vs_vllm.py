@@ -12,9 +12,9 @@ groups over one pool). Runs alternate (kvspec, vLLM, kvspec batched, kvspec, vLL
 a fresh allocator / manager, ``--repeat`` times; the medians are printed.
 
 kvspec is driven exactly as ``benchmarks/replay_trace.py`` drives it (``replay``); with
-``--batched`` also through :meth:`KVCacheAllocator.allocate_step`, one call per run of
-consecutive decode events (one engine step). vLLM is driven as its scheduler drives the
-manager, without the scheduler itself:
+``--batched`` also through :meth:`KVCacheAllocator.decode_step`, one call per run of
+consecutive decode events (one engine step: its request ids and sampled tokens). vLLM is
+driven as its scheduler drives the manager, without the scheduler itself:
 
 * admit: a ``vllm.v1.request.Request`` built as the engine core builds it (the block hasher
   of ``get_request_block_hasher`` with the configured ``prefix_caching_hash_algo``, vLLM's
@@ -396,7 +396,7 @@ def main() -> None:
     model.add_argument("--mamba", action="store_true",
                        help="Mamba-1 state (align mode) + full attention sharing one pool")
     parser.add_argument("--batched", action="store_true",
-                        help="also replay kvspec through allocate_step, one call per step")
+                        help="also replay kvspec through decode_step, one call per step")
     parser.add_argument("--blocks", type=int, default=32768)
     parser.add_argument("--requests", type=int, default=None,
                         help="requests in the trace (default: the trace's own)")

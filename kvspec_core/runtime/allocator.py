@@ -472,6 +472,63 @@ class KVCacheAllocator:
             append(self.allocate_slots(request, num_new_tokens, lookahead))
         return results
 
+    def decode_step(
+        self, request_ids: Sequence[str | int], token_ids: Sequence[int], lookahead: int = 0
+    ) -> list[Allocated | NotNow]:
+        """One decode step of running requests, given as an engine's sampler reports it:
+        request ``request_ids[i]`` sampled ``token_ids[i]``.
+
+        Exactly ``request.token_ids.append(token); allocate_slots(request, 1, lookahead)``
+        for each, in order (results, block tables, hits and pool state alike), in one call:
+        the engine's own loop over the step's requests is not needed. Refuses, with
+        :class:`AllocatorError`, lists of different lengths (before anything is done) and
+        an id that names no running request (the requests before it were stepped).
+        """
+        if lookahead.__class__ is not int or lookahead < 0:
+            raise AllocatorError(f"decode_step: lookahead={lookahead!r} must be an int >= 0")
+        ids = request_ids if request_ids.__class__ in (list, tuple) else list(request_ids)
+        tokens = token_ids if token_ids.__class__ in (list, tuple) else list(token_ids)
+        if len(ids) != len(tokens):
+            raise AllocatorError(
+                f"decode_step: {len(ids)} request ids but {len(tokens)} tokens; pass the "
+                "token each request sampled, in the order of request_ids"
+            )
+        results: list[Allocated | NotNow] = []
+        if native is not None:
+            stopped = native.decode_step(ids, tokens, self._running, lookahead,
+                                         self._no_new_blocks, self.allocate_slots, results)
+        else:
+            stopped = self._decode_loop(ids, tokens, lookahead, results)
+        if stopped >= 0:
+            rid = ids[stopped]
+            try:
+                reason = self._not_running_message(rid)
+            except TypeError:
+                reason = f"request id {rid!r} is not hashable"
+            raise AllocatorError(
+                f"decode_step: item {stopped}: {reason}; the {stopped} requests before it "
+                "were stepped"
+            )
+        return results
+
+    def _decode_loop(self, ids: Sequence[str | int], tokens: Sequence[int], lookahead: int,
+                     results: list[Allocated | NotNow]) -> int:
+        """:meth:`decode_step`'s loop (``native.decode_step`` in Python): the position of the
+        first id that names no running request, or -1."""
+        running = self._running
+        append = results.append
+        for position, rid in enumerate(ids):
+            try:
+                state = running.get(rid)
+            except TypeError:
+                state = None
+            if state is None:
+                return position
+            request = state.request
+            request.token_ids.append(tokens[position])
+            append(self.allocate_slots(request, 1, lookahead))
+        return -1
+
     def _step_pair(self, pair: Any, position: int, lookahead: int) -> Allocated | NotNow:
         """``allocate_slots`` for item ``position`` of an :meth:`allocate_step`."""
         request, num_new_tokens, _ = self._step_item(pair, position)

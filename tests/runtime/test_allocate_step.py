@@ -60,6 +60,20 @@ def running_state(allocator: KVCacheAllocator) -> dict:
             for rid, state in allocator._running.items()}
 
 
+def assert_alike(first: KVCacheAllocator, second: KVCacheAllocator) -> None:
+    """Both allocators hold the same block tables, running states and pools."""
+    assert tables(first) == tables(second)
+    assert running_state(first) == running_state(second)
+    assert pool_state(first) == pool_state(second)
+
+
+def finish_on_each(allocators: tuple[KVCacheAllocator, ...], running: list, index: int) -> None:
+    """Free running pair ``index`` (modulo their number) on each allocator."""
+    pair = running.pop(index % len(running))
+    for allocator, request in zip(allocators, pair):
+        allocator.free(request.request_id)
+
+
 def tables(allocator: KVCacheAllocator) -> dict:
     return {rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
             for rid in allocator._running}

@@ -13,7 +13,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 from runtime_testkit import admit_on_each, full, make_allocator, sliding
-from test_allocate_step import pool_state, running_state, tables
+from test_allocate_step import assert_alike, finish_on_each
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import Request
@@ -70,12 +70,8 @@ def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program:
                 for request in pair:
                     request.token_ids.pop()
         elif op[0] == "finish" and running:
-            pair = running.pop(op[1] % len(running))
-            dense.free(pair[0].request_id)
-            general.free(pair[1].request_id)
-        assert tables(dense) == tables(general)
-        assert running_state(dense) == running_state(general)
-        assert pool_state(dense) == pool_state(general)
+            finish_on_each((dense, general), running, op[1])
+        assert_alike(dense, general)
     dense.check_invariants()
     general.check_invariants()
 

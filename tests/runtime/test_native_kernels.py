@@ -33,7 +33,7 @@ from runtime_testkit import (
     sliding,
     use_pure_python,
 )
-from test_allocate_step import pool_state, running_state, tables
+from test_allocate_step import assert_alike, finish_on_each
 from test_dense_path import outcome
 
 from kvspec_core.errors import AllocatorError
@@ -200,12 +200,8 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
                 for side_index, side in enumerate(sides)]
             assert results[0] == results[1]
         elif op[0] == "finish" and running:
-            pair = running.pop(op[1] % len(running))
-            for side, request in zip(sides, pair):
-                side.free(request.request_id)
-        assert tables(compiled) == tables(reference._allocator)
-        assert running_state(compiled) == running_state(reference._allocator)
-        assert pool_state(compiled) == pool_state(reference._allocator)
+            finish_on_each(sides, running, op[1])  # type: ignore[arg-type]
+        assert_alike(compiled, reference._allocator)
         assert compiled.take_events() == reference.take_events()
     compiled.check_invariants()
     reference.check_invariants()
@@ -367,9 +363,7 @@ def test_the_compiled_boundary_step_evicts_as_the_python_one() -> None:
         assert side.allocate_slots(second, 1).new_block_ids == ((1,),)  # A's last block
         assert side.pools[0].epoch == epoch + 1
         assert side.find_cached_prefix(Request("c", [1, 2, 3, 4, 5, 6, 7, 8, 9])).num_tokens == 6
-    assert tables(sides[0]) == tables(sides[1]._allocator)
-    assert running_state(sides[0]) == running_state(sides[1]._allocator)
-    assert pool_state(sides[0]) == pool_state(sides[1]._allocator)
+    assert_alike(sides[0], sides[1]._allocator)
 
 
 @pytest.mark.parametrize("make", [

@@ -39,5 +39,6 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
 /* step.c */
 extern PyTypeObject kv_SlotsFastPath_Type;
 PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

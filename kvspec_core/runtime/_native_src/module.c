@@ -11,7 +11,7 @@
  *   pool.c         release, touch, evict_take, cache_blocks, longest_hit,
  *                  count_unreferenced: the pool's loops
  *   records.c      register_types: the Python records read and written in place
- *   step.c         step, SlotsFastPath: the per-step fast paths
+ *   step.c         step, decode_step, SlotsFastPath: the per-step fast paths
  *   grow.c         the block-boundary step of one-group full-attention allocators
  */
 #define PY_SSIZE_T_CLEAN
@@ -46,6 +46,9 @@ static PyMethodDef native_methods[] = {
      METH_FASTCALL, "count_unreferenced(blocks, refs) -> non-null blocks with ref count 0"},
     {"register_types", (PyCFunction)(void (*)(void))kv_py_register_types, METH_FASTCALL,
      "register_types(state_class, request_class, allocated_class): the records read in place"},
+    {"decode_step", (PyCFunction)(void (*)(void))kv_py_decode_step, METH_FASTCALL,
+     "decode_step(request_ids, tokens, running, lookahead, no_new_blocks, allocate_slots, "
+     "results) -> int"},
     {"step", (PyCFunction)(void (*)(void))kv_py_step, METH_FASTCALL,
      "step(pairs, running, lookahead, no_new_blocks, one_pair, results)"},
     {NULL, NULL, 0, NULL},

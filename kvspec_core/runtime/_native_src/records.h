@@ -19,6 +19,7 @@ enum {
     STATE_NUM_REAL,
     STATE_NUM_CACHED,
     STATE_CACHE_AT,
+    STATE_REQUEST,
     STATE_FIELDS
 };
 /* Request's. */

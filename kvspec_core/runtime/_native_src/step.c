@@ -39,6 +39,24 @@ static inline int set_state_computed(PyObject *state, PyObject *value) {
     return PyObject_SetAttr(state, kv_str_computed, value);
 }
 
+/* allocate_slots' first test for a running request's state: 1: the step of ``count`` tokens
+ * needs no new block, caches and frees nothing, and they were counted as computed; 2: it
+ * needs the general path; -1: an error. */
+static inline int fast_state(PyObject *state, Py_ssize_t count, Py_ssize_t lookahead) {
+    Py_ssize_t computed, end_limit, known_limit, computed_limit;
+    if (state_int(state, 0, &computed) < 0 || state_int(state, 1, &end_limit) < 0
+        || state_int(state, 2, &known_limit) < 0 || state_int(state, 3, &computed_limit) < 0)
+        return -1;
+    Py_ssize_t known = computed + count;
+    if (known + lookahead < end_limit && known < known_limit && computed < computed_limit) {
+        PyObject *value = PyLong_FromSsize_t(known);
+        int failed = value == NULL || set_state_computed(state, value) < 0;
+        Py_XDECREF(value);
+        return failed ? -1 : 1;
+    }
+    return 2;
+}
+
 /* allocate_slots(request, count_object, lookahead)'s first test, for a running request:
  * 1: the step needs no new block, caches and frees nothing, and its tokens were counted as
  * computed (the answer is no_new_blocks); 2: a running or new request whose step needs the
@@ -70,19 +88,7 @@ static int fast_step(PyObject *running, PyObject *request, PyObject *count_objec
         return 0;
     }
     Py_INCREF(state);
-    Py_ssize_t computed, end_limit, known_limit, computed_limit;
-    int result = 2;
-    if (state_int(state, 0, &computed) < 0 || state_int(state, 1, &end_limit) < 0
-        || state_int(state, 2, &known_limit) < 0 || state_int(state, 3, &computed_limit) < 0) {
-        result = -1;
-    } else {
-        Py_ssize_t known = computed + count;
-        if (known + lookahead < end_limit && known < known_limit && computed < computed_limit) {
-            PyObject *value = PyLong_FromSsize_t(known);
-            result = (value == NULL || set_state_computed(state, value) < 0) ? -1 : 1;
-            Py_XDECREF(value);
-        }
-    }
+    int result = fast_state(state, count, lookahead);
     if (result == 2 && state_out != NULL) {
         *state_out = state;
         *count_out = count;
@@ -161,6 +167,87 @@ fail_pair:
     Py_DECREF(pair);
     Py_DECREF(iterator);
     return NULL;
+}
+
+/* decode_step(request_ids, tokens, running, lookahead, no_new_blocks, allocate_slots,
+ * results) -> int: for each position i of the two lists (or tuples) of one length, append
+ * tokens[i] to the token_ids of running request request_ids[i] and append to ``results``
+ * what allocate_slots(request, 1, lookahead) answers (no_new_blocks without a call when the
+ * step needs no block, as allocate_slots' first test). Returns -1 when every request was
+ * stepped, else the position of the first id that names no running request (nothing was
+ * done for it and those after it). KVCacheAllocator.decode_step's loop. */
+PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "decode_step takes 7 arguments");
+        return NULL;
+    }
+    PyObject *ids = args[0], *tokens = args[1], *running = args[2], *no_new_blocks = args[4],
+             *allocate_slots = args[5], *results = args[6];
+    Py_ssize_t lookahead = PyLong_AsSsize_t(args[3]);
+    if (lookahead == -1 && PyErr_Occurred()) return NULL;
+    if (!(PyList_CheckExact(ids) || PyTuple_CheckExact(ids))
+        || !(PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens))
+        || PySequence_Fast_GET_SIZE(ids) != PySequence_Fast_GET_SIZE(tokens)
+        || !PyDict_Check(running) || !PyList_Check(results) || kv_state_type == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode_step: request_ids and tokens must be lists or tuples of one "
+                        "length, running a dict, results a list, the records registered");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ids); i++) {
+        /* The lists may change under calls below: re-read them each time. */
+        if (i >= PySequence_Fast_GET_SIZE(ids) || i >= PySequence_Fast_GET_SIZE(tokens)) {
+            PyErr_SetString(PyExc_RuntimeError, "decode_step: the lists changed size");
+            return NULL;
+        }
+        PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+        Py_INCREF(rid);
+        PyObject *state = PyDict_GetItemWithError(running, rid);
+        Py_DECREF(rid);
+        if (state == NULL) {
+            PyErr_Clear(); /* an unhashable id names no running request either */
+            return PyLong_FromSsize_t(i);
+        }
+        Py_INCREF(state);
+        PyObject *request = Py_TYPE(state) == kv_state_type
+            ? record_get(state, kv_state_offsets[STATE_REQUEST]) : NULL;
+        if (request == NULL) {
+            Py_DECREF(state);
+            PyErr_SetString(PyExc_TypeError, "decode_step: running states must be registered");
+            return NULL;
+        }
+        Py_INCREF(request);
+        PyObject *token_ids = Py_TYPE(request) == kv_request_type
+            ? record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]) : NULL;
+        PyObject *token = PySequence_Fast_GET_ITEM(tokens, i);
+        int fast;
+        if (token_ids != NULL && PyList_CheckExact(token_ids)) {
+            /* Appending to a list runs no Python code: the state stays this request's. */
+            fast = PyList_Append(token_ids, token) < 0 ? -1 : fast_state(state, 1, lookahead);
+        } else {
+            /* A Request subclass: append as Python does, then the method's first test. */
+            PyObject *list = PyObject_GetAttrString(request, "token_ids");
+            PyObject *done = list == NULL ? NULL : PyObject_CallMethod(list, "append", "O", token);
+            Py_XDECREF(list);
+            Py_XDECREF(done);
+            fast = done == NULL ? -1 : 2;
+        }
+        Py_DECREF(state);
+        PyObject *result = NULL;
+        if (fast == 1) {
+            Py_INCREF(no_new_blocks);
+            result = no_new_blocks;
+        } else if (fast == 2) {
+            PyObject *call[3] = {request, kv_one, args[3]};
+            result = PyObject_Vectorcall(allocate_slots, call, 3, NULL);
+        }
+        Py_DECREF(request);
+        if (result == NULL) return NULL;
+        int failed = PyList_Append(results, result);
+        Py_DECREF(result);
+        if (failed < 0) return NULL;
+    }
+    return PyLong_FromLong(-1);
 }
 
 /* SlotsFastPath(running, no_new_blocks, general, dense=None): a callable taking
