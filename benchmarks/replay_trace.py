@@ -8,8 +8,8 @@ Traces (``--trace``): ``shared`` (default), the shared-system-prompt request tra
 Block size 16, prefix caching on, all groups sharing one pool. Models: default one
 full-attention group; ``--hybrid``: Gemma-2-like, sliding window 4096 + full attention;
 ``--mamba``: Jamba-like, a Mamba state group (the real ``MambaSpec``, ``align`` prefix
-caching) + full attention. All events are generated before timing starts (and the heap frozen, as an engine
-freezes it after start-up); the timed replay includes admission hashing.
+caching) + full attention. All events are generated and the allocator built before timing starts (then the heap is
+frozen, as an engine freezes it after start-up); the timed replay includes admission hashing.
 
 Per event: admit = find the cached prefix + allocate slots for the whole prompt (a "not
 now" queues the request; queued requests retry after the next finish, each failed try
@@ -247,11 +247,12 @@ def main() -> None:
     make_trace, default_requests = TRACES[args.trace]
     requests = default_requests if args.requests is None else args.requests
     events = list(make_trace(seed=args.seed, num_requests=requests))
-    # As an engine freezes its heap after start-up (vLLM's engine core does; vs_vllm.py too).
-    gc.collect()
-    gc.freeze()
     model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
     allocator = build_allocator(args.blocks, model_name, args.eviction)
+    # As an engine freezes its heap once started, the KV-cache allocator built (vLLM's
+    # engine core does; vs_vllm.py too).
+    gc.collect()
+    gc.freeze()
     if args.profile:
         import cProfile
         import pstats

@@ -49,13 +49,15 @@ queued again (the scheduler would preempt it; kvspec's driver frees it the same 
 groups are in kvspec's order (full attention first), which is the order ``free`` returns
 their blocks in.
 
-Before the runs, the heap is frozen (``gc.freeze()``, as vLLM's engine core freezes it after
-start-up) and collected before each run, for both sides alike.
+Before each run, once its allocator or manager is built, the heap is frozen (``gc.freeze()``,
+as vLLM's engine core freezes it once its scheduler and KV-cache manager are built), for both
+sides alike; it is unfrozen after the run.
 
 Both sides queue a request whose admission finds too few blocks, retry the queue head after
 every finish, and skip the events of queued requests, the same way. Request construction and
 hashing are inside the timed region on both sides. Figures: events per second of wall time
-and of process CPU time (less sensitive to other processes on a shared machine), hit tokens.
+and of process CPU time (less sensitive to other processes on a shared machine), their ratios
+to vLLM's (of the medians, and the median of each round's ratio), hit tokens.
 
 Needs vLLM 0.33 importable (not a kvspec dependency); see the README's Benchmarks section for
 the side environment ``.venv-vllm``::
@@ -350,24 +352,31 @@ def compare(events: list[tuple], args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved runs of every side; per side its medians and each run's figures."""
     model = model_name(args)
     chunked = model == "mamba_hybrid"
-    sides: dict[str, Callable[[], dict[str, Any]]] = {
-        "kvspec": lambda: replay(events, build_allocator(args.blocks, model)),
-        "vllm": lambda: replay_vllm(
-            events,
-            *build_vllm_manager(args.blocks, model, args.vllm_hash_algo,
-                                args.vllm_retention_interval),
-            args.vllm_max_num_batched_tokens if chunked else None,
-        ),
+    # Per side: build the allocator / manager, then the replay of it.
+    sides: dict[str, tuple[Callable[[], Any], Callable[[Any], dict[str, Any]]]] = {
+        "kvspec": (lambda: build_allocator(args.blocks, model),
+                   lambda allocator: replay(events, allocator)),
+        "vllm": (lambda: build_vllm_manager(args.blocks, model, args.vllm_hash_algo,
+                                            args.vllm_retention_interval),
+                 lambda built: replay_vllm(events, *built,
+                                           args.vllm_max_num_batched_tokens if chunked else None)),
     }
     if args.batched:
-        sides["kvspec_batched"] = lambda: replay(
-            events, build_allocator(args.blocks, model), batched=True
-        )
+        sides["kvspec_batched"] = (lambda: build_allocator(args.blocks, model),
+                                   lambda allocator: replay(events, allocator, batched=True))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     for _ in range(args.repeat):
-        for name, run in sides.items():
+        for name, (build, run) in sides.items():
+            built = build()
+            # As vLLM's engine core does once its scheduler and KV-cache manager are built
+            # (EngineCore.__init__: freeze_gc_heap): the start-up heap, the allocator or
+            # manager included, leaves the collector's generations.
             gc.collect()
-            runs[name].append(run())
+            gc.freeze()
+            runs[name].append(run(built))
+            del built
+            gc.unfreeze()
+            gc.collect()
     summary: dict[str, Any] = {}
     for name, side_runs in runs.items():
         first = side_runs[0]
@@ -422,15 +431,7 @@ def main() -> None:
     make_trace, default_requests = TRACES[args.trace]
     requests = default_requests if args.requests is None else args.requests
     events = list(make_trace(seed=args.seed, num_requests=requests))
-    # As vLLM's engine core does after start-up (vllm.utils.gc_utils.freeze_gc_heap): the
-    # static objects (modules, the trace) leave the collector's generations, so neither
-    # side's replay pays for traversing them.
-    gc.collect()
-    gc.freeze()
     summary = compare(events, args)
-    # Frozen objects are never freed at exit; some extension modules vLLM imports report
-    # that as leaks.
-    gc.unfreeze()
     model = model_name(args)
     header = {"trace": args.trace, "model": model, "blocks": args.blocks, "events": len(events),
               "repeat": args.repeat, "vllm_version": vllm.__version__,
@@ -446,6 +447,11 @@ def main() -> None:
     for name, figures in summary.items():
         figures["speedup_wall"] = figures["events_per_s"] / base["events_per_s"]
         figures["speedup_cpu"] = figures["events_per_cpu_s"] / base["events_per_cpu_s"]
+        # Each round's runs are adjacent in time, so a change of the machine's load between
+        # rounds moves both sides of a round alike: the median of the rounds' ratios.
+        figures["speedup_cpu_rounds"] = statistics.median(
+            run / vllm_run for run, vllm_run in
+            zip(figures["runs_events_per_cpu_s"], base["runs_events_per_cpu_s"]))
     if args.json:
         print(json.dumps({**header, **summary}))
         return
@@ -455,7 +461,8 @@ def main() -> None:
     for name, figures in summary.items():
         print(f"  {name:15} {figures['events_per_s']:>10,.0f} events/s "
               f"{figures['events_per_cpu_s']:>10,.0f} per CPU s  "
-              f"x{figures['speedup_wall']:5.2f} wall x{figures['speedup_cpu']:5.2f} CPU  "
+              f"x{figures['speedup_wall']:5.2f} wall x{figures['speedup_cpu']:5.2f} CPU "
+              f"(x{figures['speedup_cpu_rounds']:5.2f} per round)  "
               f"hit tokens {figures['hit_tokens']:,}  peak blocks {figures['peak_blocks']:,}  "
               f"waits {figures['waits']}")
 

@@ -9,6 +9,7 @@ Typical engine loop::
     if not result:                                            # NotNow: queue, retry later
         ...
     request.append_token(token); allocator.allocate_slots(request, 1)   # each decode step
+    allocator.decode_step(request_ids, sampled_tokens)        # or a whole decode step
     allocator.free(request.request_id)                       # when it finishes
 
 Design: block tables are plain int lists per group, ref counts a flat array (see
