@@ -215,6 +215,9 @@ class KVCacheAllocator:
             self._events is None
             and all(type(self.rules[gid]) is FullAttentionRules for gid in self._holding)
         )
+        # find_cached_prefix asks the one group directly (see there).
+        self._single_full = (self._dense and len(self.specs) == 1 and self._holding == [0]
+                             and self._hash_stride == [1])
         # Hash blocks finer than every group's block: the general path hashes each one as
         # it completes, before any group block is full.
         self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1
@@ -362,15 +365,23 @@ class KVCacheAllocator:
             return CachedPrefix(request_id=request.request_id, num_tokens=0, block_ids=empty,
                                 epochs=epochs)
         fine = self._hasher.hashes(request, max_tokens)
-        try:
-            hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens)
-        except KVSpecError:
-            raise
-        except Exception as error:
-            raise self._plugin_error(error) from None
-        block_ids = tuple(
-            tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
-        )
+        if self._single_full:
+            # One full-attention group whose blocks are hash blocks: its longest cached run
+            # is the hit (the coordinator's fixed point, reached in one question).
+            tokens = self._block_tokens[0]
+            hit_blocks = self.rules[0].longest_hit(fine, self._caches[0], max_tokens // tokens)
+            hit, checkpoint_at = len(hit_blocks) * tokens, None
+            block_ids: tuple[tuple[int, ...], ...] = (tuple(hit_blocks),)
+        else:
+            try:
+                hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens)
+            except KVSpecError:
+                raise
+            except Exception as error:
+                raise self._plugin_error(error) from None
+            block_ids = tuple(
+                tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
+            )
         prefix = CachedPrefix(
             request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
             checkpoint_at=checkpoint_at,

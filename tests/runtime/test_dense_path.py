@@ -96,3 +96,15 @@ def test_a_prefix_naming_blocks_this_pool_does_not_cache_is_refused() -> None:
         assert not allocator.is_running("r")
         assert allocator.pools[0].num_free_blocks == fresh_blocks
         allocator.check_invariants()
+
+
+def test_a_preempted_request_resumes_below_its_last_token_on_both_paths() -> None:
+    for allocator in (make_allocator([full(2)], 24),
+                      make_allocator([full(2)], 24, enable_kv_events=True)):
+        request = Request("r", [1, 2, 3, 4, 5, 6])
+        assert allocator.allocate_slots(request, 6, prefix=allocator.find_cached_prefix(request))
+        allocator.free("r")  # preempted: all its blocks stay cached, its hashes on it
+        assert len(request.block_hashes) == 3
+        prefix = allocator.find_cached_prefix(request)
+        # The last token is always computed again, to produce logits.
+        assert prefix.num_tokens == 4 and len(prefix.block_ids[0]) == 2
