@@ -215,7 +215,8 @@ class KVCacheAllocator:
             self._events is None
             and all(type(self.rules[gid]) is FullAttentionRules for gid in self._holding)
         )
-        # find_cached_prefix asks the one group directly (see there).
+        # One full-attention group whose blocks are hash blocks: find_cached_prefix asks it
+        # directly, and the compiled fast path may take its block-boundary steps.
         self._single_full = (self._dense and len(self.specs) == 1 and self._holding == [0]
                              and self._hash_stride == [1])
         # Hash blocks finer than every group's block: the general path hashes each one as
@@ -241,10 +242,7 @@ class KVCacheAllocator:
         allocator, pool and hasher methods (a subclass's override runs as Python)."""
         pool = self._group_pools[0]
         if not (
-            self._dense
-            and self._holding == [0]
-            and len(self.specs) == 1
-            and self._hash_stride == [1]
+            self._single_full
             and type(pool) is BlockPool
             and pool._compiled
             and type(self._hasher) is PrefixHasher

@@ -134,8 +134,9 @@ class BlockPool:
         """How many non-null ``blocks`` no request holds (cached free blocks, which leave
         the free blocks when a prefix hit revives them)."""
         refs = self.ref_counts
-        if self._compiled and native is not None:
-            return native.count_unreferenced(blocks, refs)
+        kernels = native if self._compiled else None
+        if kernels is not None:
+            return kernels.count_unreferenced(blocks, refs)
         return [refs[block] for block in blocks if block].count(0)
 
     # ----------------------------------------------------------------- handing out

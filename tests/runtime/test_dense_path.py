@@ -43,6 +43,21 @@ def outcome(call):  # type: ignore[no-untyped-def]
         return ("error", str(error))
 
 
+def grow_on_each(allocators, pair, count, lookahead, token):  # type: ignore[no-untyped-def]
+    """Append ``token`` to each side's request of ``pair`` (-1: none; -2: one that cannot be
+    hashed), then ``allocate_slots(request, count, lookahead)`` on each: the same answer."""
+    if token != -1:
+        for request in pair:
+            request.append_token(-5 if token == -2 else token)
+    results = [outcome(lambda a=allocator, r=request: a.allocate_slots(r, count, lookahead))
+               for allocator, request in zip(allocators, pair)]
+    assert results[0] == results[1]
+    if token == -2:
+        # Refused (nothing changed); take the bad token back on both sides.
+        for request in pair:
+            request.token_ids.pop()
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
        program=programs)
@@ -58,17 +73,8 @@ def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program:
             next_id = admit_on_each((dense, general), op, next_id, running)
         elif op[0] == "grow" and running:
             _, index, count, lookahead, token = op
-            pair = running[index % len(running)]
-            if token != -1:
-                for request in pair:
-                    request.append_token(-5 if token == -2 else token)
-            results = [outcome(lambda a=allocator, r=request: a.allocate_slots(r, count, lookahead))
-                       for allocator, request in zip((dense, general), pair)]
-            assert results[0] == results[1]
-            if token == -2:
-                # Refused (nothing changed); take the bad token back on both sides.
-                for request in pair:
-                    request.token_ids.pop()
+            grow_on_each((dense, general), running[index % len(running)], count, lookahead,
+                         token)
         elif op[0] == "finish" and running:
             finish_on_each((dense, general), running, op[1])
         assert_alike(dense, general)

@@ -34,7 +34,7 @@ from runtime_testkit import (
     use_pure_python,
 )
 from test_allocate_step import assert_alike, finish_on_each
-from test_dense_path import outcome
+from test_dense_path import grow_on_each, outcome
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import KVCacheAllocator, PrefixHasher, Request
@@ -179,16 +179,7 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
             next_id = admit_on_each(sides, op, next_id, running)  # type: ignore[arg-type]
         elif op[0] == "grow" and running:
             _, index, count, token, lookahead = op
-            pair = running[index % len(running)]
-            if token != -1:
-                for request in pair:
-                    request.append_token(-5 if token == -2 else token)
-            results = [outcome(lambda a=side, r=request: a.allocate_slots(r, count, lookahead))
-                       for side, request in zip(sides, pair)]
-            assert results[0] == results[1]
-            if token == -2:
-                for request in pair:
-                    request.token_ids.pop()
+            grow_on_each(sides, running[index % len(running)], count, lookahead, token)
         elif op[0] == "step" and running:
             chosen = [running[index % len(running)] for index in op[1]]
             for pair in chosen:
