@@ -183,21 +183,12 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
         Py_ssize_t done = PyList_GET_SIZE(hashes), target = cached_upto / tokens;
         if (target > done) {
             if (done == 0) goto fallback; /* the first block's parent is the request's root */
-            PyObject *start = PyLong_FromSsize_t(done * tokens);
-            PyObject *stop = PyLong_FromSsize_t(target * tokens);
-            PyObject *size = PyLong_FromSsize_t(tokens);
-            PyObject *chained = NULL;
-            if (start != NULL && stop != NULL && size != NULL) {
-                PyObject *args[6] = {PyList_GET_ITEM(hashes, done - 1), token_ids, start, stop,
-                                     size, hashes};
-                Py_INCREF(args[0]);
-                chained = kv_py_chain_hashes(NULL, args, 6);
-                Py_DECREF(args[0]);
-            }
-            Py_XDECREF(start);
-            Py_XDECREF(stop);
-            Py_XDECREF(size);
-            if (chained == NULL) {
+            PyObject *parent = PyList_GET_ITEM(hashes, done - 1);
+            Py_INCREF(parent);
+            int chained = kv_chain_hashes(parent, token_ids, done * tokens, target * tokens,
+                                          tokens, hashes);
+            Py_DECREF(parent);
+            if (chained < 0) {
                 /* A token that cannot be hashed: nothing was appended; the method refuses
                  * the step with its own message. */
                 if (PyErr_ExceptionMatches(PyExc_ValueError)) {
@@ -206,7 +197,6 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
                 }
                 goto error;
             }
-            Py_DECREF(chained);
         }
     }
     /* From here on the step happens. */

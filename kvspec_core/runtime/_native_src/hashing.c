@@ -60,36 +60,28 @@ PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBytes_FromStringAndSize((const char *)out, out_len);
 }
 
-/* chain_hashes(parent, tokens, start, stop, block_tokens, out): append to ``out`` the
+/* kv_chain_hashes(parent, tokens, start, stop, block_tokens, out), 0 or -1 with an
+ * exception; chain_hashes(...) from Python: append to ``out`` the
  * chained digests of tokens[start:stop] in blocks of ``block_tokens``:
  * d_i = BLAKE2b(d_{i-1} || uint32-LE tokens of block i), d_{-1} = parent, digest size
  * len(parent). All tokens are checked before anything is appended: a token that is not an
  * int in [0, 2**32) raises ValueError naming its position, and ``out`` is unchanged. */
-PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError,
-                        "chain_hashes(parent, tokens, start, stop, block_tokens, out)");
-        return NULL;
-    }
-    PyObject *parent = args[0], *tokens = args[1], *out = args[5];
+int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssize_t stop,
+                    Py_ssize_t size, PyObject *out) {
     if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) < 1 || PyBytes_GET_SIZE(parent) > 64) {
         PyErr_SetString(PyExc_TypeError, "parent must be bytes of length 1..64");
-        return NULL;
+        return -1;
     }
     if (!PyList_Check(tokens) || !PyList_Check(out)) {
         PyErr_SetString(PyExc_TypeError, "tokens and out must be lists");
-        return NULL;
+        return -1;
     }
-    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t stop = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t size = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred()) return NULL;
     if (size < 1 || start < 0 || stop < start || stop > PyList_GET_SIZE(tokens)
         || (stop - start) % size) {
         PyErr_SetString(PyExc_ValueError,
                         "need 0 <= start <= stop <= len(tokens), whole blocks of "
                         "block_tokens >= 1");
-        return NULL;
+        return -1;
     }
     size_t digest = (size_t)PyBytes_GET_SIZE(parent);
     Py_ssize_t count = stop - start;
@@ -99,7 +91,8 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (packed == NULL || message == NULL) {
         PyMem_Free(packed);
         PyMem_Free(message);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         if (start + i >= PyList_GET_SIZE(tokens)) {
@@ -107,7 +100,7 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
             PyErr_SetString(PyExc_ValueError, "token ids changed while they were hashed");
             PyMem_Free(packed);
             PyMem_Free(message);
-            return NULL;
+            return -1;
         }
         PyObject *item = PyList_GET_ITEM(tokens, start + i);
         unsigned long long value;
@@ -141,7 +134,7 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
             Py_DECREF(item);
             PyMem_Free(packed);
             PyMem_Free(message);
-            return NULL;
+            return -1;
         }
         store_uint32_le(packed + 4 * i, (uint32_t)value);
         Py_DECREF(item);
@@ -172,9 +165,23 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     PyMem_Free(packed);
     PyMem_Free(message);
-    Py_RETURN_NONE;
+    return 0;
 fail:
     PyMem_Free(packed);
     PyMem_Free(message);
-    return NULL;
+    return -1;
+}
+
+PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "chain_hashes(parent, tokens, start, stop, block_tokens, out)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t stop = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t size = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (kv_chain_hashes(args[0], args[1], start, stop, size, args[5]) < 0) return NULL;
+    Py_RETURN_NONE;
 }

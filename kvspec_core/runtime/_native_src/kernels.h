@@ -14,6 +14,9 @@ extern PyObject *kv_str_extend, *kv_str_request_id, *kv_str_computed, *kv_str_en
 /* hashing.c */
 PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* chain_hashes with C arguments: 0, or -1 with an exception. */
+int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssize_t stop,
+                    Py_ssize_t size, PyObject *out);
 
 /* pool.c */
 PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
