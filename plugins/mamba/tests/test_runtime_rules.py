@@ -8,7 +8,7 @@ from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, Request
 
 import kvspec_mamba.plugin as mamba_plugin
-from kvspec_mamba.runtime_rules import MambaRules
+from kvspec_mamba.runtime_rules import MambaRules, MambaRunningStateRules, mamba_rules
 from kvspec_mamba.specs import MambaSpec
 
 ALIGN = SizingContext(max_model_len=256, max_in_flight_tokens=64, mamba_cache_mode="align")
@@ -32,7 +32,9 @@ def manager() -> PluginManager:
 
 
 def test_hook_registers_rules_for_the_kind() -> None:
-    assert manager().runtime_rules("mamba") is MambaRules
+    assert manager().runtime_rules("mamba") is mamba_rules
+    assert type(mamba_rules(state_spec(), ALIGN)) is MambaRules
+    assert type(mamba_rules(state_spec(), NONE)) is MambaRunningStateRules
 
 
 def test_align_mode_keeps_the_start_state_and_the_running_state_only() -> None:

@@ -19,29 +19,23 @@ from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
-from kvspec_core.runtime.rules import FullAttentionRules, SingleBlockRules
+from kvspec_core.runtime.rules import FullAttentionRules, SingleBlockRules, TrailingWindowRules
 
 from kvspec_sliding_window.specs import SlidingWindowSpec
 
 
-class SlidingWindowRules(FullAttentionRules):
-    """Rules of one sliding-window group."""
-
-    hit_priority = 1
+class SlidingWindowRules(TrailingWindowRules):
+    """Rules of one sliding-window group: the core's trailing-window shape (whose steps
+    the compiled kernels do) with this family's hits."""
 
     def __init__(self, spec: SlidingWindowSpec, ctx: SizingContext) -> None:
         super().__init__(spec, ctx)
         self.window = spec.sliding_window
         self.extra = spec.extra_retained_tokens
+        self.retained_tokens = self.window - 1 + self.extra
         #: Cached blocks a hit past the first window needs right before the hit position:
         #: the window, plus the retained tokens a speculative re-prefill reads.
         self.window_blocks = cdiv(self.window - 1 + self.extra, self.block_tokens)
-
-    def skipped_tokens(self, num_computed: int) -> int:
-        return max(0, num_computed - self.window + 1 - self.extra)
-
-    def next_skip_position(self, num_skipped_blocks: int) -> int:
-        return (num_skipped_blocks + 1) * self.block_tokens + self.window - 1 + self.extra
 
     def longest_hit(
         self, hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
