@@ -46,6 +46,7 @@ from kvspec_core.runtime.results import (
 from kvspec_core.runtime.rules import (
     NEVER,
     FullAttentionRules,
+    compiled_shape,
     plugin_rules_error,
     rules_for,
     rules_plugin,
@@ -230,9 +231,10 @@ class KVCacheAllocator:
             # Decode steps that need no block are answered without a Python frame, and so
             # are most block-boundary steps of a one-group full-attention allocator; every
             # other call reaches the method below.
+            dense = self._compiled_dense_step()
             self.allocate_slots = native.SlotsFastPath(  # type: ignore[method-assign]
-                self._running, self._no_new_blocks, self._allocate_slots,
-                self._compiled_dense_step(),
+                self._running, self._no_new_blocks, self._allocate_slots, dense,
+                None if dense is not None else self._compiled_group_step(),
             )
 
     def _compiled_dense_step(self) -> tuple[Any, ...] | None:
@@ -251,6 +253,43 @@ class KVCacheAllocator:
             return None
         return (pool, self._hasher, self._block_tokens[0], self.admission_caps[0],
                 self.max_model_len, self.hash_block_size, self._cacheable)
+
+    def _compiled_group_step(self) -> tuple[Any, ...] | None:
+        """What ``native.SlotsFastPath`` needs to do :meth:`_grow_checked` itself, or None
+        where the compiled step does not apply: it serves allocators recording no events
+        whose holding groups' rules all keep the step methods of one of the core's
+        parametric shapes (:func:`~kvspec_core.runtime.rules.compiled_shape`), each
+        group's block one hash block, in pools built with the kernels, with the core's own
+        allocator, pool and hasher methods."""
+        methods = ("_grow", "_grow_checked", "_grow_dense", "_preflight", "_cache_new_blocks",
+                   "_update_limits")
+        if (
+            self._events is not None
+            or not self._holding
+            or type(self._hasher) is not PrefixHasher
+            or any(getattr(type(self), name) is not getattr(KVCacheAllocator, name)
+                   for name in methods)
+        ):
+            return None
+        groups = []
+        for gid in self._holding:
+            rules = self.rules[gid]
+            pool = self._group_pools[gid]
+            shape = compiled_shape(rules)
+            retained = getattr(rules, "retained_tokens", 0)
+            if (
+                shape is None
+                or type(pool) is not BlockPool
+                or not pool._compiled
+                or self._hash_stride[gid] != 1
+                or retained.__class__ is not int
+                or not 0 <= retained < self.max_model_len + 1
+            ):
+                return None
+            groups.append((gid, shape, self._block_tokens[gid], self.admission_caps[gid],
+                           retained, self._is_state_group[gid], pool))
+        return (self._hasher, self.max_model_len, self.hash_block_size, self._cacheable,
+                len(self.specs), tuple(groups))
 
     # ----------------------------------------------------------------- construction
     @classmethod

@@ -281,6 +281,28 @@ class StateCheckpointRules(FullAttentionRules):
         return max(num_cached, boundary - 1), boundary
 
 
+#: The rules methods a block-boundary step asks (what the compiled step does itself).
+STEP_METHODS = (
+    "skipped_tokens", "next_skip_position", "blocks_needed", "next_allocation_end",
+    "cache_range",
+)
+#: The core's parametric rule shapes the compiled step knows, by its code for them.
+COMPILED_SHAPES: tuple[type[FullAttentionRules], ...] = (
+    FullAttentionRules, TrailingWindowRules, StateCheckpointRules,
+)
+
+
+def compiled_shape(rules: object) -> int | None:
+    """The index in :data:`COMPILED_SHAPES` of the shape whose step methods ``rules`` keeps
+    (a subclass that overrides none of them), or ``None`` (its steps run as Python)."""
+    for code, shape in enumerate(COMPILED_SHAPES):
+        if isinstance(rules, shape) and all(
+            getattr(type(rules), name) is getattr(shape, name) for name in STEP_METHODS
+        ):
+            return code
+    return None
+
+
 #: The core's rules per core kind (registered through ``kvspec_register_runtime_rules``).
 CORE_RULES: dict[str, RulesFactory] = {
     "full_attention": FullAttentionRules,

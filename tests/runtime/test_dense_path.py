@@ -16,7 +16,7 @@ from runtime_testkit import admit_on_each, full, make_allocator, sliding
 from test_allocate_step import assert_alike, finish_on_each
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime import Request
+from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.pool import EVICTION_POLICIES
 
 CONFIGS = {
@@ -66,20 +66,25 @@ def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program:
     dense = make_allocator(specs, blocks, pools, eviction=eviction)
     general = make_allocator(specs, blocks, pools, eviction=eviction, enable_kv_events=True)
     assert dense._dense and not general._dense
+    run_on_both((dense, general), program)
+
+
+def run_on_both(allocators: tuple[KVCacheAllocator, KVCacheAllocator], program: list) -> None:
+    """Carry out ``program`` (ops of ``programs``) on both allocators, which must stay alike
+    after every op."""
     running: list[tuple[Request, Request]] = []
     next_id = 0
     for op in program:
         if op[0] == "admit":
-            next_id = admit_on_each((dense, general), op, next_id, running)
+            next_id = admit_on_each(allocators, op, next_id, running)
         elif op[0] == "grow" and running:
             _, index, count, lookahead, token = op
-            grow_on_each((dense, general), running[index % len(running)], count, lookahead,
-                         token)
+            grow_on_each(allocators, running[index % len(running)], count, lookahead, token)
         elif op[0] == "finish" and running:
-            finish_on_each((dense, general), running, op[1])
-        assert_alike(dense, general)
-    dense.check_invariants()
-    general.check_invariants()
+            finish_on_each(allocators, running, op[1])
+        assert_alike(*allocators)
+    for allocator in allocators:
+        allocator.check_invariants()
 
 
 def test_sliding_window_and_plugin_rules_take_the_general_path() -> None:

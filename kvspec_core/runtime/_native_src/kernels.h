@@ -26,6 +26,27 @@ PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t n
 PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* pool_access.c: a BlockPool's containers and operations for the block-boundary kernels. */
+enum {
+    POOL_FRESH, POOL_REF_COUNTS, POOL_EVICTABLE, POOL_PROTECTED, POOL_CACHES,
+    POOL_BLOCK_GROUP, POOL_BLOCK_HASH, POOL_REUSED, POOL_EPOCH, POOL_TAKE, POOL_MOVE_HASH,
+    POOL_POP, POOL_FIELDS
+};
+/* The pool's __dict__ (a new reference), or NULL with an exception. */
+PyObject *kv_pool_dict(PyObject *pool);
+/* Its attribute ``field`` (borrowed), or NULL with AttributeError. */
+PyObject *kv_pool_get(PyObject *pool_dict, int field);
+/* BlockPool.num_free_blocks; -1 with an exception. */
+int kv_pool_num_free(PyObject *pool_dict, Py_ssize_t *num_free);
+/* BlockPool.take(count) for a pool recording no events (a new list), or NULL with an
+ * exception. The caller checked that ``count`` blocks are free. */
+PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count);
+/* BlockPool._release_unchecked(blocks) for a list; -1 with an exception. */
+int kv_pool_release(PyObject *pool_dict, PyObject *blocks);
+/* BlockPool.cache_blocks(gid, digests, blocks) for lists; -1 with an exception. */
+int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *digests,
+                  PyObject *blocks);
+
 /* grow.c: the block-boundary step of a one-group full-attention allocator. */
 typedef struct {
     PyObject *pool, *hasher; /* borrowed from the config tuple */
@@ -34,10 +55,37 @@ typedef struct {
 } DenseConfig;
 /* Parse SlotsFastPath's ``dense`` tuple; -1 with an exception. */
 int kv_dense_config(PyObject *config, DenseConfig *out);
+/* PrefixHasher.hashes(request, upto) for a registered Request this hasher hashed before,
+ * hash blocks of ``tokens``: 0 (``*hashes_out`` borrows its block_hashes), 1: leave it to
+ * the Python method (nothing changed), -1: an error. */
+int kv_hash_known(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize_t tokens,
+                  PyObject **hashes_out);
 /* The step's result (new reference); NULL without an exception: leave the step to the
  * Python method (nothing changed); NULL with one: an error. */
 PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks);
+
+/* group_step.c: the block-boundary step of an allocator whose groups all have one of the
+ * core's parametric rule shapes (full attention, trailing window, state checkpoints). */
+typedef struct {
+    Py_ssize_t gid, shape, block_tokens, cap, retained;
+    int is_state;
+    int pool_slot;   /* index of the first group with this group's pool */
+    PyObject *pool;  /* borrowed from the config tuple */
+} GroupShape;
+#define KV_STEP_GROUPS 8
+typedef struct {
+    PyObject *hasher; /* borrowed from the config tuple */
+    Py_ssize_t max_len, hash_tokens, num_groups;
+    int count; /* holding groups; -1: more than KV_STEP_GROUPS (never compiled) */
+    int cacheable;
+    GroupShape groups[KV_STEP_GROUPS];
+} GroupsConfig;
+/* Parse SlotsFastPath's ``groups`` tuple; -1 with an exception. */
+int kv_groups_config(PyObject *config, GroupsConfig *out);
+/* As kv_dense_grow. */
+PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *request,
+                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks);
 
 /* step.c */
 extern PyTypeObject kv_SlotsFastPath_Type;

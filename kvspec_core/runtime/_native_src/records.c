@@ -13,7 +13,7 @@ PyObject *kv_state_names[STATE_FIELDS];
 
 static const char *state_fields[STATE_FIELDS] = {
     "computed", "end_limit", "known_limit", "computed_limit",
-    "blocks", "num_real", "num_cached", "cache_at", "request",
+    "blocks", "num_real", "num_cached", "cache_at", "request", "num_skipped",
 };
 static const char *request_fields[REQUEST_FIELDS] = {
     "request_id", "token_ids", "block_hashes", "_hash_owner", "mm_inputs",

@@ -20,6 +20,7 @@ enum {
     STATE_NUM_CACHED,
     STATE_CACHE_AT,
     STATE_REQUEST,
+    STATE_NUM_SKIPPED,
     STATE_FIELDS
 };
 /* Request's. */
@@ -50,6 +51,38 @@ static inline void record_set(PyObject *record, Py_ssize_t offset, PyObject *val
     PyObject *old = *slot;
     *slot = value;
     Py_XDECREF(old);
+}
+
+/* A registered record's int field: 0, 1 when unset or not an exact int (the step is left to
+ * the Python method), -1 on an error. */
+static inline int record_ssize(PyObject *record, Py_ssize_t offset, Py_ssize_t *value) {
+    PyObject *item = record_get(record, offset);
+    if (item == NULL || !PyLong_CheckExact(item)) return 1;
+    *value = PyLong_AsSsize_t(item);
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline int record_set_ssize(PyObject *record, Py_ssize_t offset, Py_ssize_t value) {
+    PyObject *item = PyLong_FromSsize_t(value);
+    if (item == NULL) return -1;
+    record_set(record, offset, item);
+    return 0;
+}
+
+/* ``list[index]`` of a per-group list: 0, 1 if it is not a list with an exact int there,
+ * -1 on an error. */
+static inline int list_ssize(PyObject *list, Py_ssize_t index, Py_ssize_t *value) {
+    if (list == NULL || !PyList_CheckExact(list) || PyList_GET_SIZE(list) <= index
+        || !PyLong_CheckExact(PyList_GET_ITEM(list, index)))
+        return 1;
+    *value = PyLong_AsSsize_t(PyList_GET_ITEM(list, index));
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline int list_set_ssize(PyObject *list, Py_ssize_t index, Py_ssize_t value) {
+    PyObject *item = PyLong_FromSsize_t(value);
+    if (item == NULL) return -1;
+    return PyList_SetItem(list, index, item); /* steals item */
 }
 
 /* register_types(state_class, request_class, allocated_class). */

@@ -250,13 +250,14 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(-1);
 }
 
-/* SlotsFastPath(running, no_new_blocks, general, dense=None): a callable taking
+/* SlotsFastPath(running, no_new_blocks, general, dense=None, groups=None): a callable taking
  * allocate_slots' arguments. A call (request, n[, lookahead]) with exact ints n, lookahead
  * >= 0, for a running request whose step needs no new block, caches nothing and frees
  * nothing (as allocate_slots' first test) counts the tokens as computed and returns
  * no_new_blocks, with no Python frame. With ``dense`` (an allocator of one full-attention
  * group, see grow.c), such a call that crosses a block boundary is done by kv_dense_grow
- * when it can. Every other call is general(*args, **kwargs). An allocator built with the
+ * when it can; with ``groups`` (groups of the core's parametric rule shapes, see group_step.c),
+ * by kv_groups_grow. Every other call is general(*args, **kwargs). An allocator built with the
  * kernels holds one as its allocate_slots. */
 
 typedef struct {
@@ -266,6 +267,8 @@ typedef struct {
     PyObject *general;
     PyObject *dense; /* the config tuple, or None */
     DenseConfig dense_config;
+    PyObject *groups; /* the config tuple, or None */
+    GroupsConfig groups_config;
     vectorcallfunc vectorcall;
 } SlotsFastPath;
 
@@ -291,17 +294,21 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
         if (valid) {
             PyObject *state = NULL;
             Py_ssize_t count = 0;
+            int compiled = (self->dense != NULL && self->dense != Py_None)
+                || (self->groups != NULL && self->groups != Py_None);
             int fast = fast_step(self->running, args[0], args[1], lookahead,
-                                 self->dense == NULL || self->dense == Py_None ? NULL : &state,
-                                 &count);
+                                 compiled ? &state : NULL, &count);
             if (fast < 0) return NULL;
             if (fast == 1) {
                 Py_INCREF(self->no_new_blocks);
                 return self->no_new_blocks;
             }
             if (state != NULL) {
-                PyObject *result = kv_dense_grow(&self->dense_config, state, args[0], count,
-                                                 lookahead, self->no_new_blocks);
+                PyObject *result = self->dense != NULL && self->dense != Py_None
+                    ? kv_dense_grow(&self->dense_config, state, args[0], count, lookahead,
+                                    self->no_new_blocks)
+                    : kv_groups_grow(&self->groups_config, state, args[0], count, lookahead,
+                                     self->no_new_blocks);
                 Py_DECREF(state);
                 if (result != NULL || PyErr_Occurred()) return result;
             }
@@ -315,17 +322,23 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
 }
 
 static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *running, *no_new_blocks, *general, *dense = Py_None;
-    static char *names[] = {"running", "no_new_blocks", "general", "dense", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO|O", names, &PyDict_Type, &running,
-                                     &no_new_blocks, &general, &dense))
+    PyObject *running, *no_new_blocks, *general, *dense = Py_None, *groups = Py_None;
+    static char *names[] = {"running", "no_new_blocks", "general", "dense", "groups", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO|OO", names, &PyDict_Type, &running,
+                                     &no_new_blocks, &general, &dense, &groups))
         return NULL;
+    if (dense != Py_None && groups != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "SlotsFastPath: dense or groups, not both");
+        return NULL;
+    }
     if (!PyCallable_Check(general)) {
         PyErr_SetString(PyExc_TypeError, "SlotsFastPath: general must be callable");
         return NULL;
     }
     DenseConfig config = {0};
     if (dense != Py_None && kv_dense_config(dense, &config) < 0) return NULL;
+    GroupsConfig groups_config = {0};
+    if (groups != Py_None && kv_groups_config(groups, &groups_config) < 0) return NULL;
     SlotsFastPath *self = (SlotsFastPath *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     Py_INCREF(running);
@@ -337,6 +350,9 @@ static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject 
     self->general = general;
     self->dense = dense; /* keeps the config's borrowed references alive */
     self->dense_config = config;
+    Py_INCREF(groups);
+    self->groups = groups; /* as dense */
+    self->groups_config = groups_config;
     self->vectorcall = SlotsFastPath_vectorcall;
     return (PyObject *)self;
 }
@@ -346,6 +362,7 @@ static int SlotsFastPath_traverse(SlotsFastPath *self, visitproc visit, void *ar
     Py_VISIT(self->no_new_blocks);
     Py_VISIT(self->general);
     Py_VISIT(self->dense);
+    Py_VISIT(self->groups);
     return 0;
 }
 
@@ -355,6 +372,7 @@ static int SlotsFastPath_clear(SlotsFastPath *self) {
     Py_CLEAR(self->general);
     /* The config's borrowed references die with the tuple: no dense steps after a clear. */
     Py_CLEAR(self->dense);
+    Py_CLEAR(self->groups);
     return 0;
 }
 
@@ -376,9 +394,10 @@ static PyObject *SlotsFastPath_get_wrapped(SlotsFastPath *self, void *closure) {
 /* Copies and pickles rebuild it from what it refers to (a deep copy of an allocator gets a
  * fast path over the copy's own running requests). */
 static PyObject *SlotsFastPath_reduce(SlotsFastPath *self, PyObject *unused) {
-    return Py_BuildValue("O(OOOO)", (PyObject *)Py_TYPE(self), self->running,
+    return Py_BuildValue("O(OOOOO)", (PyObject *)Py_TYPE(self), self->running,
                          self->no_new_blocks, self->general,
-                         self->dense != NULL ? self->dense : Py_None);
+                         self->dense != NULL ? self->dense : Py_None,
+                         self->groups != NULL ? self->groups : Py_None);
 }
 
 static PyMethodDef SlotsFastPath_methods[] = {

@@ -1,0 +1,152 @@
+/* What the block-boundary kernels (grow.c, group_step.c) do to a BlockPool without calling
+ * its Python methods: read its containers, count its free blocks, take blocks (the one-block
+ * cases inline, every other count through BlockPool.take), release and cache blocks through
+ * the pool's own kernels. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+static PyObject *names[POOL_FIELDS];
+
+static int intern_names(void) {
+    if (names[0] != NULL) return 0;
+    static const char *const texts[POOL_FIELDS] = {
+        "_fresh", "ref_counts", "_evictable", "_protected", "caches", "_block_group",
+        "_block_hash", "_reused", "epoch", "take", "_move_hash", "pop",
+    };
+    for (int i = 0; i < POOL_FIELDS; i++)
+        if ((names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return -1;
+    return 0;
+}
+
+PyObject *kv_pool_dict(PyObject *pool) {
+    if (intern_names() < 0) return NULL;
+    return PyObject_GenericGetDict(pool, NULL);
+}
+
+PyObject *kv_pool_get(PyObject *pool_dict, int field) {
+    PyObject *value = PyDict_GetItemWithError(pool_dict, names[field]);
+    if (value == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, names[field]);
+    return value;
+}
+
+int kv_pool_num_free(PyObject *pool_dict, Py_ssize_t *num_free) {
+    /* BlockPool.num_free_blocks: uncached free + evictable + protected cached free. */
+    static const int fields[3] = {POOL_FRESH, POOL_EVICTABLE, POOL_PROTECTED};
+    *num_free = 0;
+    for (int i = 0; i < 3; i++) {
+        PyObject *container = kv_pool_get(pool_dict, fields[i]);
+        Py_ssize_t size = container == NULL ? -1 : PyObject_Length(container);
+        if (size < 0) return -1;
+        *num_free += size;
+    }
+    return 0;
+}
+
+PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
+    PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
+    PyObject *fresh = refs == NULL ? NULL : kv_pool_get(pool_dict, POOL_FRESH);
+    PyObject *evictable = fresh == NULL ? NULL : kv_pool_get(pool_dict, POOL_EVICTABLE);
+    if (evictable == NULL) return NULL;
+    if (!PyList_CheckExact(refs)) {
+        PyErr_SetString(PyExc_TypeError, "the pool's ref_counts changed type");
+        return NULL;
+    }
+    Py_ssize_t num_fresh = PyObject_Length(fresh), num_evictable;
+    if (num_fresh < 0) return NULL;
+    if (count == 1 && num_fresh > 0) {
+        /* BlockPool.take's common case: one uncached block off the free stack. */
+        PyObject *block = PyObject_CallMethodNoArgs(fresh, names[POOL_POP]);
+        if (block == NULL) return NULL;
+        Py_ssize_t id = PyLong_AsSsize_t(block);
+        if ((id == -1 && PyErr_Occurred()) || id < 1 || id >= PyList_GET_SIZE(refs)) {
+            Py_DECREF(block);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_IndexError, "block id %zd is not in this pool", id);
+            return NULL;
+        }
+        PyObject *taken = PyList_New(1);
+        if (taken == NULL) {
+            Py_DECREF(block);
+            return NULL;
+        }
+        PyList_SET_ITEM(taken, 0, block);
+        Py_INCREF(kv_one);
+        if (PyList_SetItem(refs, id, kv_one) < 0) {
+            Py_DECREF(taken);
+            return NULL;
+        }
+        return taken;
+    }
+    if (count == 1 && num_fresh == 0 && (num_evictable = PyObject_Length(evictable)) >= 1) {
+        /* No uncached block left: evict the oldest never-reused cached one. */
+        PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
+        PyObject *block_group = caches ? kv_pool_get(pool_dict, POOL_BLOCK_GROUP) : NULL;
+        PyObject *block_hash = block_group ? kv_pool_get(pool_dict, POOL_BLOCK_HASH) : NULL;
+        PyObject *taken = block_hash == NULL ? NULL : PyList_New(0);
+        if (taken == NULL) return NULL;
+        PyObject *args[7] = {kv_one, taken, evictable, caches, block_group, block_hash, refs};
+        PyObject *done = kv_py_evict_take(NULL, args, 7);
+        PyObject *epoch = done == NULL ? NULL : kv_pool_get(pool_dict, POOL_EPOCH);
+        PyObject *next = epoch == NULL ? NULL : PyNumber_Add(epoch, kv_one);
+        int failed = next == NULL || PyDict_SetItem(pool_dict, names[POOL_EPOCH], next) < 0;
+        Py_XDECREF(done);
+        Py_XDECREF(next);
+        if (failed) {
+            Py_DECREF(taken);
+            return NULL;
+        }
+        return taken;
+    }
+    PyObject *number = PyLong_FromSsize_t(count);
+    if (number == NULL) return NULL;
+    PyObject *taken = PyObject_CallMethodOneArg(pool, names[POOL_TAKE], number);
+    Py_DECREF(number);
+    if (taken != NULL && !PyList_CheckExact(taken)) {
+        Py_DECREF(taken);
+        PyErr_SetString(PyExc_TypeError, "BlockPool.take must return a list");
+        return NULL;
+    }
+    return taken;
+}
+
+int kv_pool_release(PyObject *pool_dict, PyObject *blocks) {
+    PyObject *args[8] = {blocks, Py_False};
+    static const int fields[6] = {POOL_REF_COUNTS, POOL_BLOCK_HASH, POOL_REUSED, POOL_FRESH,
+                                  POOL_EVICTABLE, POOL_PROTECTED};
+    for (int i = 0; i < 6; i++)
+        if ((args[2 + i] = kv_pool_get(pool_dict, fields[i])) == NULL) return -1;
+    PyObject *done = kv_py_release(NULL, args, 8);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *digests,
+                  PyObject *blocks) {
+    /* BlockPool.cache_blocks(gid, digests, blocks). */
+    PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
+    PyObject *block_hash = caches ? kv_pool_get(pool_dict, POOL_BLOCK_HASH) : NULL;
+    if (block_hash == NULL) return -1;
+    if (!PyDict_Check(caches)) {
+        PyErr_SetString(PyExc_TypeError, "the pool's caches changed type");
+        return -1;
+    }
+    PyObject *group_block = Py_None;
+    /* Several groups share the pool: cache_blocks records the group. */
+    if (PyDict_GET_SIZE(caches) > 1
+        && (group_block = kv_pool_get(pool_dict, POOL_BLOCK_GROUP)) == NULL)
+        return -1;
+    PyObject *cache = PyDict_GetItemWithError(caches, gid);
+    if (cache == NULL) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "the pool has no cache of group %R", gid);
+        return -1;
+    }
+    PyObject *move_hash = PyObject_GetAttr(pool, names[POOL_MOVE_HASH]);
+    if (move_hash == NULL) return -1;
+    PyObject *args[7] = {gid, digests, blocks, cache, block_hash, group_block, move_hash};
+    PyObject *stored = kv_py_cache_blocks(NULL, args, 7);
+    Py_DECREF(move_hash);
+    Py_XDECREF(stored);
+    return stored == NULL ? -1 : 0;
+}
