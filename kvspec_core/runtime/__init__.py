@@ -33,6 +33,8 @@ from kvspec_core.runtime.rules import (
     FullAttentionRules,
     RulesFactory,
     SingleBlockRules,
+    StateCheckpointRules,
+    TrailingWindowRules,
     block_tokens_of,
     rules_for,
 )
@@ -61,6 +63,8 @@ __all__ = [
     "RulesFactory",
     "SimulationReport",
     "SingleBlockRules",
+    "StateCheckpointRules",
+    "TrailingWindowRules",
     "Usage",
     "block_tokens_of",
     "rules_for",
