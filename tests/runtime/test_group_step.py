@@ -48,6 +48,7 @@ CONFIGS: dict[str, tuple[list[Any], Any, Any]] = {
     "state + full, one pool": ([full(2), mamba(2)], 30, None),
     "state + window + full, two pools": ([full(2), mamba(2), sliding(2, 4)], [24, 14],
                                          [0, 1, 0]),
+    "two full groups, two pools": ([full(2), full(2)], [16, 12], [0, 1]),
 }
 
 
