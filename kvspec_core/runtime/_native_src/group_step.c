@@ -142,6 +142,14 @@ static Py_ssize_t next_skip(const GroupShape *group, Py_ssize_t num_skipped) {
     return PY_SSIZE_T_MAX;
 }
 
+/* The __dict__ of ``group``'s pool, fetched once per step per pool (borrowed from
+ * ``pool_dicts``, which holds it); NULL with an exception. */
+static PyObject *pool_dict_of(PyObject **pool_dicts, const GroupShape *group) {
+    PyObject **slot = &pool_dicts[group->pool_slot];
+    if (*slot == NULL) *slot = kv_pool_dict(group->pool);
+    return *slot;
+}
+
 /* Release table[done:skip]'s real blocks, last first, and null the entries. */
 static int drop_skipped(PyObject *pool_dict, PyObject *table, GroupPlan *plan,
                         PyObject *zero) {
@@ -211,9 +219,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         plan->dropped = 0;
         if (!plan->planned) continue;
         any_planned = 1;
-        if (pool_dicts[group->pool_slot] == NULL
-            && (pool_dicts[group->pool_slot] = kv_pool_dict(group->pool)) == NULL)
-            goto error;
+        if (pool_dict_of(pool_dicts, group) == NULL) goto error;
         if (plan->skip > plan->done) {
             PyObject *refs = kv_pool_get(pool_dicts[group->pool_slot], POOL_REF_COUNTS);
             if (refs == NULL) goto error;
@@ -285,7 +291,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         const GroupShape *group = &config->groups[i];
         const Py_ssize_t tokens = group->block_tokens, gid = group->gid;
         PyObject *table = plans[i].table;
-        Py_ssize_t cache_from = 0, num_cached = 0, num_skipped = 0;
+        Py_ssize_t cache_from = 0, num_cached = 0;
         if (config->cacheable) {
             if (list_ssize(lists[CACHE_AT], gid, &cache_from) != 0
                 || list_ssize(lists[NUM_CACHED], gid, &num_cached) != 0)
@@ -300,11 +306,8 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
                     cache_range(group, num_cached, upto, &start, &stop);
                 }
                 if (stop > start) {
-                    PyObject *pool_dict = pool_dicts[group->pool_slot];
-                    if (pool_dict == NULL
-                        && (pool_dict = pool_dicts[group->pool_slot] = kv_pool_dict(group->pool))
-                            == NULL)
-                        goto error;
+                    PyObject *pool_dict = pool_dict_of(pool_dicts, group);
+                    if (pool_dict == NULL) goto error;
                     PyObject *digests = PyList_GetSlice(hashes, start, stop);
                     PyObject *ids = digests == NULL ? NULL : PyList_GetSlice(table, start, stop);
                     PyObject *gid_object = ids == NULL ? NULL : PyLong_FromSsize_t(gid);
@@ -327,8 +330,8 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         /* FamilyRules.next_allocation_end is len(table) * block_tokens + 1 for every shape. */
         Py_ssize_t end = PyList_GET_SIZE(table) * tokens + 1;
         if (end < end_limit) end_limit = end;
-        if (list_ssize(lists[NUM_SKIPPED], gid, &num_skipped) != 0) goto error_type;
-        Py_ssize_t skip_at = next_skip(group, num_skipped);
+        /* plans[i].skip is the group's num_skipped now, changed by this step or not. */
+        Py_ssize_t skip_at = next_skip(group, plans[i].skip);
         if (skip_at < computed_limit) computed_limit = skip_at;
     }
     if (record_set_ssize(state, fields[STATE_END_LIMIT], end_limit) < 0
@@ -354,12 +357,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         }
         PyTuple_SET_ITEM(per_group, gid, ids);
     }
-    result = kv_allocated_type->tp_alloc(kv_allocated_type, 0);
-    if (result == NULL) {
-        Py_DECREF(per_group);
-        goto error;
-    }
-    record_set(result, kv_allocated_offset, per_group);
+    if ((result = new_allocated(per_group)) == NULL) goto error;
     goto done;
 fallback_or_status:
     if (status == 0) goto fallback;

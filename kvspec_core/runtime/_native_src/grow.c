@@ -178,17 +178,11 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
         Py_INCREF(no_new_blocks);
         result = no_new_blocks;
     } else {
-        /* Allocated(new_block_ids=(tuple(taken),)), its one slot filled directly. */
+        /* Allocated(new_block_ids=(tuple(taken),)). */
         PyObject *ids = PyList_AsTuple(taken);
         PyObject *per_group = ids == NULL ? NULL : PyTuple_Pack(1, ids);
         Py_XDECREF(ids);
-        if (per_group == NULL) goto error;
-        result = kv_allocated_type->tp_alloc(kv_allocated_type, 0);
-        if (result == NULL) {
-            Py_DECREF(per_group);
-            goto error;
-        }
-        record_set(result, kv_allocated_offset, per_group);
+        if (per_group == NULL || (result = new_allocated(per_group)) == NULL) goto error;
     }
     goto done;
 status:

@@ -53,6 +53,18 @@ static inline void record_set(PyObject *record, Py_ssize_t offset, PyObject *val
     Py_XDECREF(old);
 }
 
+/* Allocated(new_block_ids=per_group), its one slot filled directly (steals ``per_group``,
+ * which is released on failure); NULL with an exception. */
+static inline PyObject *new_allocated(PyObject *per_group) {
+    PyObject *result = kv_allocated_type->tp_alloc(kv_allocated_type, 0);
+    if (result == NULL) {
+        Py_DECREF(per_group);
+        return NULL;
+    }
+    record_set(result, kv_allocated_offset, per_group);
+    return result;
+}
+
 /* A registered record's int field: 0, 1 when unset or not an exact int (the step is left to
  * the Python method), -1 on an error. */
 static inline int record_ssize(PyObject *record, Py_ssize_t offset, Py_ssize_t *value) {

@@ -35,7 +35,7 @@ class SlidingWindowRules(TrailingWindowRules):
         self.retained_tokens = self.window - 1 + self.extra
         #: Cached blocks a hit past the first window needs right before the hit position:
         #: the window, plus the retained tokens a speculative re-prefill reads.
-        self.window_blocks = cdiv(self.window - 1 + self.extra, self.block_tokens)
+        self.window_blocks = cdiv(self.retained_tokens, self.block_tokens)
 
     def longest_hit(
         self, hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
