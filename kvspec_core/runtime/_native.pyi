@@ -59,8 +59,9 @@ class BlockQueue:
 class SlotsFastPath:
     """``allocate_slots`` of an allocator built with the kernels: decode steps that need no
     block are answered in C; with ``dense`` (``(pool, hasher, block_tokens,
-    admission_cap, max_model_len, hash_block_size, cacheable)`` of a one-group
-    full-attention allocator) so are most steps that cross a block boundary; with ``groups``
+    admission_cap, max_model_len, hash_block_size, cacheable, freed, prefix_class)`` of a
+    one-group full-attention allocator) so are most steps that cross a block boundary and,
+    unless ``freed`` is None, most admissions; with ``groups``
     (``(hasher, max_model_len, hash_block_size, cacheable, num_groups, ((gid, shape,
     block_tokens, admission_cap, retained_tokens, is_state, pool), ...))`` of an allocator
     whose holding groups all have one of the core's parametric rule shapes, shape 0: full
@@ -71,7 +72,8 @@ class SlotsFastPath:
 
     def __init__(self, running: dict[Any, Any], no_new_blocks: Any,
                  general: Callable[..., Any],
-                 dense: tuple[Any, Any, int, int, int, int, bool] | None = None,
+                 dense: tuple[Any, Any, int, int, int, int, bool, dict[Any, None] | None,
+                              type] | None = None,
                  groups: tuple[Any, int, int, bool, int,
                                tuple[tuple[int, int, int, int, int, bool, Any], ...]]
                  | None = None,

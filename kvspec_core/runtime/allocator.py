@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 #: Request ids remembered after ``free`` so a second ``free`` says "already freed".
 _FREED_MEMORY = 4096
 
+#: What an admission runs: a subclass overriding one of them admits through its Python code.
+_ADMISSION_METHODS = ("_admit", "_admit_checked", "_check_counts", "_stale_group",
+                      "_preflight", "_cache_new_blocks", "_update_limits", "_shortfall")
+
 
 class _Running:
     """Allocator-side state of one running request."""
@@ -238,10 +242,11 @@ class KVCacheAllocator:
             )
 
     def _compiled_dense_step(self) -> tuple[Any, ...] | None:
-        """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` itself, or None
-        where the compiled step does not apply: it serves one full-attention group whose
-        block is one hash block, in a pool built with the kernels, with the core's own
-        allocator, pool and hasher methods (a subclass's override runs as Python)."""
+        """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` (and admissions,
+        :meth:`_admit_checked`) itself, or None where the compiled step does not apply: it
+        serves one full-attention group whose block is one hash block, in a pool built with
+        the kernels, with the core's own allocator, pool and hasher methods (a subclass's
+        override runs as Python)."""
         pool = self._group_pools[0]
         if not (
             self._single_full
@@ -251,8 +256,12 @@ class KVCacheAllocator:
             and type(self)._grow_dense is KVCacheAllocator._grow_dense
         ):
             return None
+        # Admissions are compiled too unless a subclass changes how they are made.
+        admits = all(getattr(type(self), name) is getattr(KVCacheAllocator, name)
+                     for name in _ADMISSION_METHODS)
         return (pool, self._hasher, self._block_tokens[0], self.admission_caps[0],
-                self.max_model_len, self.hash_block_size, self._cacheable)
+                self.max_model_len, self.hash_block_size, self._cacheable,
+                self._freed if admits else None, CachedPrefix)
 
     def _compiled_group_step(self) -> tuple[Any, ...] | None:
         """What ``native.SlotsFastPath`` needs to do :meth:`_grow_checked` itself, or None

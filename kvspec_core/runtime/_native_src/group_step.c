@@ -308,15 +308,9 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
                 if (stop > start) {
                     PyObject *pool_dict = pool_dict_of(pool_dicts, group);
                     if (pool_dict == NULL) goto error;
-                    PyObject *digests = PyList_GetSlice(hashes, start, stop);
-                    PyObject *ids = digests == NULL ? NULL : PyList_GetSlice(table, start, stop);
-                    PyObject *gid_object = ids == NULL ? NULL : PyLong_FromSsize_t(gid);
-                    int failed = gid_object == NULL
-                        || kv_pool_cache(group->pool, pool_dict, gid_object, digests, ids) < 0;
-                    Py_XDECREF(gid_object);
-                    Py_XDECREF(digests);
-                    Py_XDECREF(ids);
-                    if (failed) goto error;
+                    if (kv_pool_cache_range(group->pool, pool_dict, gid, hashes, table, start,
+                                            stop) < 0)
+                        goto error;
                 }
                 if (stop > num_cached) {
                     num_cached = stop;

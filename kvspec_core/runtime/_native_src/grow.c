@@ -15,11 +15,12 @@
 
 int kv_dense_config(PyObject *config, DenseConfig *out) {
     /* (pool, hasher, block_tokens, admission_cap, max_model_len, hash_block_size,
-     *  cacheable) */
-    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 7) {
+     *  cacheable, freed, prefix_class); freed None: admissions are the method's. */
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 9) {
         PyErr_SetString(PyExc_TypeError,
                         "dense must be (pool, hasher, block_tokens, admission_cap, "
-                        "max_model_len, hash_block_size, cacheable) or None");
+                        "max_model_len, hash_block_size, cacheable, freed, prefix_class) or "
+                        "None");
         return -1;
     }
     Py_ssize_t numbers[4];
@@ -36,12 +37,19 @@ int kv_dense_config(PyObject *config, DenseConfig *out) {
                         "dense: block_tokens must equal hash_block_size (>= 1), caps >= 0");
         return -1;
     }
+    PyObject *freed = PyTuple_GET_ITEM(config, 7), *prefix_type = PyTuple_GET_ITEM(config, 8);
+    if (freed != Py_None && (!PyDict_Check(freed) || !PyType_Check(prefix_type))) {
+        PyErr_SetString(PyExc_TypeError, "dense: freed must be a dict, prefix_class a class");
+        return -1;
+    }
     out->pool = PyTuple_GET_ITEM(config, 0);
     out->hasher = PyTuple_GET_ITEM(config, 1);
     out->block_tokens = numbers[0];
     out->cap = numbers[1];
     out->max_len = numbers[2];
     out->cacheable = cacheable;
+    out->freed = freed == Py_None ? NULL : freed;
+    out->prefix_type = prefix_type;
     return 0;
 }
 
@@ -155,15 +163,8 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
     if (config->cacheable) {
         if (cached_upto >= cache_from) {
             Py_ssize_t stop = cached_upto / tokens;
-            PyObject *digests = PyList_GetSlice(hashes, cached, stop);
-            PyObject *ids = digests == NULL ? NULL : PyList_GetSlice(table, cached, stop);
-            PyObject *gid = ids == NULL ? NULL : PyLong_FromLong(0);
-            int failed = gid == NULL
-                || kv_pool_cache(config->pool, pool_dict, gid, digests, ids) < 0;
-            Py_XDECREF(gid);
-            Py_XDECREF(digests);
-            Py_XDECREF(ids);
-            if (failed) goto error;
+            if (kv_pool_cache_range(config->pool, pool_dict, 0, hashes, table, cached, stop) < 0)
+                goto error;
             cache_from = (stop + 1) * tokens;
             if (list_set_ssize(num_cached, 0, stop) < 0 || list_set_ssize(cache_at, 0, cache_from) < 0)
                 goto error;
@@ -177,12 +178,8 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
     if (real <= 0) {
         Py_INCREF(no_new_blocks);
         result = no_new_blocks;
-    } else {
-        /* Allocated(new_block_ids=(tuple(taken),)). */
-        PyObject *ids = PyList_AsTuple(taken);
-        PyObject *per_group = ids == NULL ? NULL : PyTuple_Pack(1, ids);
-        Py_XDECREF(ids);
-        if (per_group == NULL || (result = new_allocated(per_group)) == NULL) goto error;
+    } else if ((result = new_allocated_one(taken)) == NULL) {
+        goto error;
     }
     goto done;
 status:

@@ -30,7 +30,7 @@ PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssi
 enum {
     POOL_FRESH, POOL_REF_COUNTS, POOL_EVICTABLE, POOL_PROTECTED, POOL_CACHES,
     POOL_BLOCK_GROUP, POOL_BLOCK_HASH, POOL_REUSED, POOL_EPOCH, POOL_TAKE, POOL_MOVE_HASH,
-    POOL_POP, POOL_FIELDS
+    POOL_POP, POOL_SEGMENTED, POOL_FIELDS
 };
 /* The pool's __dict__ (a new reference), or NULL with an exception. */
 PyObject *kv_pool_dict(PyObject *pool);
@@ -46,12 +46,19 @@ int kv_pool_release(PyObject *pool_dict, PyObject *blocks);
 /* BlockPool.cache_blocks(gid, digests, blocks) for lists; -1 with an exception. */
 int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *digests,
                   PyObject *blocks);
+/* The same for blocks ``table[start:stop]`` of group ``gid``, digests
+ * ``hashes[start:stop]`` (a group block is one hash block); -1 with an exception. */
+int kv_pool_cache_range(PyObject *pool, PyObject *pool_dict, Py_ssize_t gid, PyObject *hashes,
+                        PyObject *table, Py_ssize_t start, Py_ssize_t stop);
 
 /* grow.c: the block-boundary step of a one-group full-attention allocator. */
 typedef struct {
     PyObject *pool, *hasher; /* borrowed from the config tuple */
     Py_ssize_t block_tokens, cap, max_len;
     int cacheable;
+    /* Admissions (admit.c): the allocator's freed request ids and the CachedPrefix class,
+     * borrowed from the config tuple; freed is NULL where admissions are the method's. */
+    PyObject *freed, *prefix_type;
 } DenseConfig;
 /* Parse SlotsFastPath's ``dense`` tuple; -1 with an exception. */
 int kv_dense_config(PyObject *config, DenseConfig *out);
@@ -64,6 +71,11 @@ int kv_hash_known(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize
  * Python method (nothing changed); NULL with one: an error. */
 PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks);
+
+/* admit.c: the admission of a request to such an allocator (``running``: its running
+ * states; ``prefix``: the CachedPrefix passed, or None). As kv_dense_grow. */
+PyObject *kv_dense_admit(const DenseConfig *config, PyObject *running, PyObject *request,
+                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *prefix);
 
 /* group_step.c: the block-boundary step of an allocator whose groups all have one of the
  * core's parametric rule shapes (full attention, trailing window, state checkpoints). */

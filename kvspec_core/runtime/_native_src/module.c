@@ -13,6 +13,7 @@
  *   records.c      register_types: the Python records read and written in place
  *   step.c         step, decode_step, SlotsFastPath: the per-step fast paths
  *   grow.c         the block-boundary step of one-group full-attention allocators
+ *   admit.c        the admission of a request to such an allocator
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

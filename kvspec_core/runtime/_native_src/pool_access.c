@@ -13,7 +13,7 @@ static int intern_names(void) {
     if (names[0] != NULL) return 0;
     static const char *const texts[POOL_FIELDS] = {
         "_fresh", "ref_counts", "_evictable", "_protected", "caches", "_block_group",
-        "_block_hash", "_reused", "epoch", "take", "_move_hash", "pop",
+        "_block_hash", "_reused", "epoch", "take", "_move_hash", "pop", "_segmented",
     };
     for (int i = 0; i < POOL_FIELDS; i++)
         if ((names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return -1;
@@ -149,4 +149,17 @@ int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *
     Py_DECREF(move_hash);
     Py_XDECREF(stored);
     return stored == NULL ? -1 : 0;
+}
+
+int kv_pool_cache_range(PyObject *pool, PyObject *pool_dict, Py_ssize_t gid, PyObject *hashes,
+                        PyObject *table, Py_ssize_t start, Py_ssize_t stop) {
+    PyObject *digests = PyList_GetSlice(hashes, start, stop);
+    PyObject *ids = digests == NULL ? NULL : PyList_GetSlice(table, start, stop);
+    PyObject *gid_object = ids == NULL ? NULL : PyLong_FromSsize_t(gid);
+    int failed = gid_object == NULL
+        || kv_pool_cache(pool, pool_dict, gid_object, digests, ids) < 0;
+    Py_XDECREF(gid_object);
+    Py_XDECREF(digests);
+    Py_XDECREF(ids);
+    return failed ? -1 : 0;
 }

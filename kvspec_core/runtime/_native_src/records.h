@@ -65,6 +65,15 @@ static inline PyObject *new_allocated(PyObject *per_group) {
     return result;
 }
 
+/* Allocated(new_block_ids=(tuple(taken),)) of a one-group allocator (``taken``: the list
+ * of blocks the group received, NULL for none); NULL with an exception. */
+static inline PyObject *new_allocated_one(PyObject *taken) {
+    PyObject *ids = taken == NULL ? PyTuple_New(0) : PyList_AsTuple(taken);
+    PyObject *per_group = ids == NULL ? NULL : PyTuple_Pack(1, ids);
+    Py_XDECREF(ids);
+    return per_group == NULL ? NULL : new_allocated(per_group);
+}
+
 /* A registered record's int field: 0, 1 when unset or not an exact int (the step is left to
  * the Python method), -1 on an error. */
 static inline int record_ssize(PyObject *record, Py_ssize_t offset, Py_ssize_t *value) {

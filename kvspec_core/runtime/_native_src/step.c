@@ -256,8 +256,9 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
  * nothing (as allocate_slots' first test) counts the tokens as computed and returns
  * no_new_blocks, with no Python frame. With ``dense`` (an allocator of one full-attention
  * group, see grow.c), such a call that crosses a block boundary is done by kv_dense_grow
- * when it can; with ``groups`` (groups of the core's parametric rule shapes, see group_step.c),
- * by kv_groups_grow. Every other call is general(*args, **kwargs). An allocator built with the
+ * when it can, and so is the admission of a request (kv_dense_admit, admit.c); with
+ * ``groups`` (groups of the core's parametric rule shapes, see group_step.c), by
+ * kv_groups_grow. Every other call is general(*args, **kwargs). An allocator built with the
  * kernels holds one as its allocate_slots. */
 
 typedef struct {
@@ -273,29 +274,65 @@ typedef struct {
 } SlotsFastPath;
 
 
+/* allocate_slots' arguments (request, num_new_tokens[, lookahead[, prefix]]), lookahead and
+ * prefix also by keyword: 1 with ``*lookahead`` (an exact int >= 0) and ``*prefix`` (None
+ * if not given) set, 0 for any other call (the general path says what is wrong). */
+static int slots_arguments(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                           Py_ssize_t *lookahead, PyObject **prefix) {
+    Py_ssize_t num_keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs < 2 || nargs + num_keywords > 4) return 0;
+    PyObject *lookahead_object = nargs >= 3 ? args[2] : NULL;
+    *prefix = nargs == 4 ? args[3] : Py_None;
+    for (Py_ssize_t i = 0; i < num_keywords; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (nargs < 3 && lookahead_object == NULL
+            && PyUnicode_CompareWithASCIIString(name, "lookahead") == 0)
+            lookahead_object = args[nargs + i];
+        else if (nargs < 4 && PyUnicode_CompareWithASCIIString(name, "prefix") == 0)
+            *prefix = args[nargs + i];
+        else
+            return 0;
+    }
+    *lookahead = 0;
+    if (lookahead_object != NULL) {
+        if (!PyLong_CheckExact(lookahead_object)) return 0;
+        *lookahead = PyLong_AsSsize_t(lookahead_object);
+        if (*lookahead == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return *lookahead >= 0;
+}
+
+/* 1: ``request`` is a registered Request with a hashable id that names no running request,
+ * and ``count_object`` an exact int >= 0 (stored in ``*count``); 0 otherwise. */
+static int admissible(PyObject *running, PyObject *request, PyObject *count_object,
+                      Py_ssize_t *count) {
+    if (Py_TYPE(request) != kv_request_type || !PyLong_CheckExact(count_object)) return 0;
+    PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
+    if (rid == NULL) return 0;
+    *count = PyLong_AsSsize_t(count_object);
+    int known = *count == -1 && PyErr_Occurred() ? -1 : PyDict_Contains(running, rid);
+    if (known < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !known && *count >= 0;
+}
+
 static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *args,
                                           size_t nargsf, PyObject *kwnames) {
     SlotsFastPath *self = (SlotsFastPath *)callable;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames == NULL && (nargs == 2 || nargs == 3) && self->running != NULL) {
-        Py_ssize_t lookahead = 0;
-        int valid = 1;
-        if (nargs == 3) {
-            valid = PyLong_CheckExact(args[2]);
-            if (valid) {
-                lookahead = PyLong_AsSsize_t(args[2]);
-                if (lookahead == -1 && PyErr_Occurred()) {
-                    PyErr_Clear();
-                    valid = 0;
-                }
-                valid = valid && lookahead >= 0;
-            }
-        }
-        if (valid) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), lookahead, count = 0;
+    PyObject *prefix;
+    if (self->running != NULL && slots_arguments(args, nargs, kwnames, &lookahead, &prefix)) {
+        int dense = self->dense != NULL && self->dense != Py_None;
+        int compiled = dense || (self->groups != NULL && self->groups != Py_None);
+        int admit = dense && self->dense_config.freed != NULL;
+        PyObject *result = NULL;
+        if (prefix == Py_None) {
             PyObject *state = NULL;
-            Py_ssize_t count = 0;
-            int compiled = (self->dense != NULL && self->dense != Py_None)
-                || (self->groups != NULL && self->groups != Py_None);
             int fast = fast_step(self->running, args[0], args[1], lookahead,
                                  compiled ? &state : NULL, &count);
             if (fast < 0) return NULL;
@@ -304,15 +341,22 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
                 return self->no_new_blocks;
             }
             if (state != NULL) {
-                PyObject *result = self->dense != NULL && self->dense != Py_None
+                result = dense
                     ? kv_dense_grow(&self->dense_config, state, args[0], count, lookahead,
                                     self->no_new_blocks)
                     : kv_groups_grow(&self->groups_config, state, args[0], count, lookahead,
                                      self->no_new_blocks);
                 Py_DECREF(state);
-                if (result != NULL || PyErr_Occurred()) return result;
+            } else if (fast == 2 && admit
+                       && admissible(self->running, args[0], args[1], &count)) {
+                result = kv_dense_admit(&self->dense_config, self->running, args[0], count,
+                                        lookahead, Py_None);
             }
+        } else if (admit && admissible(self->running, args[0], args[1], &count)) {
+            result = kv_dense_admit(&self->dense_config, self->running, args[0], count,
+                                    lookahead, prefix);
         }
+        if (result != NULL || PyErr_Occurred()) return result;
     }
     if (self->general == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "SlotsFastPath was cleared");

@@ -1,0 +1,173 @@
+"""The compiled admission of a one-group full-attention allocator (``admit.c``) admits as the
+Python method does.
+
+Random programs look prefixes up, then admit requests with their own prefix, no prefix,
+another request's prefix, a prefix gone stale, a lookahead or more tokens than
+``max_model_len``; grow, free, and re-admit freed requests, in roomy and tight pools with
+caching on and off. One allocator runs on the kernels and one on the pure-Python code: every
+answer, error, hit, block table, running state and pool field must stay equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+from runtime_testkit import context, full, make_allocator, manager_with_families
+from test_allocate_step import assert_alike
+from test_dense_path import grow_on_each, outcome
+from test_native_kernels import OnPurePython, pure_python
+
+from kvspec_core.runtime import KVCacheAllocator, Request
+from kvspec_core.runtime.native import native
+from kvspec_core.runtime.pool import EVICTION_POLICIES
+
+pytestmark = [
+    pytest.mark.both_kernels,
+    pytest.mark.skipif(native is None, reason="kvspec_core.runtime._native is not built"),
+]
+
+PROMPTS = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [5])
+
+# A new pending request: prompt, extra tokens.
+lookup_op = st.tuples(st.just("lookup"), st.sampled_from(PROMPTS),
+                      st.lists(st.integers(0, 2), max_size=12))
+# Admit pending request ``index``: which prefix (its own, none, another pending request's),
+# tokens to schedule past the hit (-1: all of the prompt; 99: over max_model_len), lookahead.
+admit_op = st.tuples(st.just("admit"), st.integers(0, 7),
+                     st.sampled_from(["own", "own", "own", "none", "other"]),
+                     st.sampled_from([-1, -1, -1, 0, 1, 3, 99]), st.sampled_from([0, 0, 1, 4]))
+grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(0, 3),
+                    st.integers(-1, 2))
+# Free running request ``index``; with True, it is queued again (preempted) with its tokens.
+free_op = st.tuples(st.just("free"), st.integers(0, 63), st.booleans())
+programs = st.lists(st.one_of(lookup_op, lookup_op, admit_op, admit_op, grow_op, free_op),
+                    max_size=60)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.sampled_from([6, 10, 24, 120]), eviction=st.sampled_from(EVICTION_POLICIES),
+       caching=st.sampled_from([True, True, False]), program=programs)
+def test_compiled_admissions_equal_the_python_ones(blocks: int, eviction: str, caching: bool,
+                                                  program: list) -> None:
+    options = dict(eviction=eviction, enable_prefix_caching=caching)
+    compiled = make_allocator([full(2)], blocks, **options)
+    with pure_python():
+        reference = OnPurePython(make_allocator([full(2)], blocks, **options))
+    assert compiled._compiled_dense_step()[7] is compiled._freed
+    sides = (compiled, reference)
+    # Pending: (request per side, prefix per side or None); running: a request per side.
+    pending: list[tuple[tuple[Request, Request], list[Any]]] = []
+    running: list[tuple[Request, Request]] = []
+    next_id = 0
+    for op in program:
+        if op[0] == "lookup":
+            prompt = [*op[1], *op[2]]
+            pair = (Request(next_id, list(prompt)), Request(next_id, list(prompt)))
+            next_id += 1
+            prefixes = [outcome(lambda s=side, r=request: s.find_cached_prefix(r))
+                        for side, request in zip(sides, pair)]
+            assert prefixes[0] == prefixes[1]
+            pending.append((pair, prefixes))
+        elif op[0] == "admit" and pending:
+            _, index, which, count, lookahead = op
+            entry = pending[index % len(pending)]
+            pair, prefixes = entry
+            if which == "other":
+                prefixes = pending[(index + 1) % len(pending)][1]
+            hit = prefixes[0].num_tokens if which != "none" else 0
+            if count == -1:
+                count = len(pair[0].token_ids) - hit
+            results = [outcome(lambda s=side, r=request, p=prefix: s.allocate_slots(
+                           r, count, lookahead, prefix=None if which == "none" else p))
+                       for side, request, prefix in zip(sides, pair, prefixes)]
+            assert results[0] == results[1]
+            if results[0] and not isinstance(results[0], tuple):  # Allocated, not an error
+                pending.remove(entry)
+                running.append(pair)
+        elif op[0] == "grow" and running:
+            _, index, count, lookahead, token = op
+            grow_on_each(sides, running[index % len(running)], count, lookahead, token)
+        elif op[0] == "free" and running:
+            pair = running.pop(op[1] % len(running))
+            for side, request in zip(sides, pair):
+                side.free(request.request_id)
+            if op[2]:
+                # Preempted: its tokens so far come back as a prompt (same id: a re-admission).
+                prefixes = [outcome(lambda s=side, r=request: s.find_cached_prefix(r))
+                            for side, request in zip(sides, pair)]
+                assert prefixes[0] == prefixes[1]
+                pending.append((pair, prefixes))
+        assert_alike(compiled, reference._allocator)
+    compiled.check_invariants()
+    reference.check_invariants()
+
+
+def test_admissions_of_one_full_attention_group_run_compiled() -> None:
+    allocator = make_allocator([full(2)], 24)
+
+    def python_admission(*args: Any) -> Any:
+        raise AssertionError("admitted by the Python method")
+
+    # The Python path looks the method up on the instance; the compiled admission does not.
+    allocator._admit_checked = python_admission  # type: ignore[method-assign]
+    first = Request("a", [1, 2, 3, 4, 5])
+    assert allocator.allocate_slots(first, 5, prefix=allocator.find_cached_prefix(first))
+    second = Request("b", [1, 2, 3, 4, 9, 9, 9])
+    hit = allocator.find_cached_prefix(second)
+    assert hit.num_tokens == 4
+    assert allocator.allocate_slots(second, 3, 1, hit).new_block_ids == ((5, 4),)
+    assert allocator.allocate_slots(Request("c", [8, 8, 8]), 3).new_block_ids == ((7, 6),)
+    assert allocator.block_ids("b") == ((3, 2, 5, 4),)
+    # What it leaves to the method: a request freed before, asked again without a prefix.
+    allocator.free("c")
+    with pytest.raises(AssertionError, match="Python method"):
+        allocator.allocate_slots(Request("c", [8, 8, 8]), 3)
+    allocator.check_invariants()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: make_allocator([full(2)], 24, enable_kv_events=True),
+    lambda: make_allocator([full(2), full(2)], 24),
+    # A subclass that changes how admissions are made admits through its Python code.
+    lambda: type("Custom", (KVCacheAllocator,), {
+        "_cache_new_blocks": lambda self, *args: KVCacheAllocator._cache_new_blocks(self, *args),
+    })([full(2)], 24, context(), manager=manager_with_families()),
+])
+def test_admissions_run_as_python_where_the_kernel_does_not_apply(make: Any) -> None:
+    allocator = make()
+    config = allocator._compiled_dense_step()
+    assert config is None or config[7] is None
+    calls: list[int] = []
+    method = allocator._admit_checked
+
+    def spy(*args: Any) -> Any:
+        calls.append(1)
+        return method(*args)
+
+    allocator._admit_checked = spy  # type: ignore[method-assign]
+    request = Request("a", [1, 2, 3, 4, 5])
+    assert allocator.allocate_slots(request, 5, prefix=allocator.find_cached_prefix(request))
+    assert calls == [1]
+
+
+def test_a_hit_on_cached_free_blocks_counts_them_against_the_free_blocks() -> None:
+    sides = [make_allocator([full(2)], 6)]
+    with pure_python():
+        sides.append(OnPurePython(make_allocator([full(2)], 6)))
+    answers = []
+    for side in sides:
+        first = Request("a", [1, 2, 3, 1, 2, 3, 1, 2, 3, 4])
+        assert side.allocate_slots(first, 10, prefix=side.find_cached_prefix(first))
+        side.free("a")  # its 5 blocks: cached, free, the whole pool
+        second = Request("b", [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 0, 0])
+        hit = side.find_cached_prefix(second)
+        assert hit.num_tokens == 10
+        # One new block, but reviving the 5 hit blocks leaves none free: not now.
+        answers.append(side.allocate_slots(second, 2, prefix=hit))
+        assert not answers[-1] and answers[-1].blocks_needed == 6
+        assert side.allocate_slots(second, 0, prefix=hit)
+    assert answers[0] == answers[1]
+    assert_alike(sides[0], sides[1]._allocator)
