@@ -24,6 +24,9 @@ PROCESS_SALT = os.urandom(32)
 #: Bytes of one block hash.
 DIGEST_SIZE = 32
 
+#: Most roots a hasher remembers (distinct tenant salts and adapters) before it starts over.
+_ROOTS_KEPT = 4096
+
 #: Bytes of one packed token id.
 _TOKEN_BYTES = struct.calcsize("<I")
 
@@ -72,9 +75,25 @@ class PrefixHasher:
             raise AllocatorError(f"hash_block_size={hash_block_size!r} must be a positive int")
         self.hash_block_size = hash_block_size
         self._salt = PROCESS_SALT if salt is None else bytes(salt)
+        # Roots by (cache salt, LoRA name): every request of a tenant and adapter has the
+        # same one, so it is hashed once, not per request.
+        self._roots: dict[tuple[str | bytes | None, str | None], bytes] = {}
 
     def root(self, request: Request) -> bytes:
         """The parent hash of the request's first block (process salt, tenant, LoRA)."""
+        key = (request.cache_salt, request.lora_name)
+        try:
+            return self._roots[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable salt (a bytearray): not remembered
+            return self._make_root(request)
+        if len(self._roots) >= _ROOTS_KEPT:
+            self._roots.clear()
+        root = self._roots[key] = self._make_root(request)
+        return root
+
+    def _make_root(self, request: Request) -> bytes:
         return blake2b(
             b"kvspec-prefix-root" + _field(self._salt) + _field(request.cache_salt)
             + _field(request.lora_name),

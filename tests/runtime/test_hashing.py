@@ -83,3 +83,17 @@ def test_invalid_requests_and_multimodal_inputs_are_refused() -> None:
         MultiModalInput(offset=0, length=0, identifier="x")
     with pytest.raises(AllocatorError, match="hash_block_size"):
         PrefixHasher(0)
+
+
+def test_a_hasher_remembers_roots_per_tenant_and_adapter_without_mixing_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvspec_core.runtime import hashing
+
+    monkeypatch.setattr(hashing, "_ROOTS_KEPT", 2)  # forgetting is exercised too
+    shared = PrefixHasher(4, salt=b"s")
+    tokens = list(range(8))
+    for salt, lora in [("a", None), ("b", None), ("a", None), (None, "x"), (None, None),
+                       (b"a", None), (bytearray(b"a"), None), ("a", "x"), ("a", None)]:
+        assert hashes(tokens, shared, cache_salt=salt, lora_name=lora) == hashes(
+            tokens, cache_salt=salt, lora_name=lora)
+    assert len(shared._roots) <= 2

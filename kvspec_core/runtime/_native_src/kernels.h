@@ -30,7 +30,7 @@ PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssi
 enum {
     POOL_FRESH, POOL_REF_COUNTS, POOL_EVICTABLE, POOL_PROTECTED, POOL_CACHES,
     POOL_BLOCK_GROUP, POOL_BLOCK_HASH, POOL_REUSED, POOL_EPOCH, POOL_TAKE, POOL_MOVE_HASH,
-    POOL_POP, POOL_SEGMENTED, POOL_FIELDS
+    POOL_SEGMENTED, POOL_FIELDS
 };
 /* The pool's __dict__ (a new reference), or NULL with an exception. */
 PyObject *kv_pool_dict(PyObject *pool);

@@ -4,6 +4,7 @@
  * the pool's own kernels. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -13,7 +14,7 @@ static int intern_names(void) {
     if (names[0] != NULL) return 0;
     static const char *const texts[POOL_FIELDS] = {
         "_fresh", "ref_counts", "_evictable", "_protected", "caches", "_block_group",
-        "_block_hash", "_reused", "epoch", "take", "_move_hash", "pop", "_segmented",
+        "_block_hash", "_reused", "epoch", "take", "_move_hash", "_segmented",
     };
     for (int i = 0; i < POOL_FIELDS; i++)
         if ((names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return -1;
@@ -44,6 +45,42 @@ int kv_pool_num_free(PyObject *pool_dict, Py_ssize_t *num_free) {
     return 0;
 }
 
+/* Move the last ``count`` ids of the free stack (an array('i')), in its order, onto ``out``
+ * with ref count 1: the slice BlockPool.take hands out. -1 with an exception. */
+static int take_fresh(PyObject *fresh, PyObject *refs, Py_ssize_t count, PyObject *out) {
+    Py_buffer stack;
+    if (count == 0) return 0;
+    if (PyObject_GetBuffer(fresh, &stack, PyBUF_FORMAT) < 0) return -1;
+    Py_ssize_t length = stack.len / (stack.itemsize ? stack.itemsize : 1);
+    if (stack.itemsize != 4 || stack.format == NULL || strcmp(stack.format, "i") != 0
+        || count > length) {
+        PyBuffer_Release(&stack);
+        PyErr_SetString(PyExc_TypeError, "the pool's free stack must be an array('i')");
+        return -1;
+    }
+    const int *ids = (const int *)stack.buf;
+    Py_ssize_t first = length - count, size = PyList_GET_SIZE(refs);
+    for (Py_ssize_t i = first; i < length; i++) {
+        if (ids[i] < 1 || ids[i] >= size) {
+            PyBuffer_Release(&stack);
+            PyErr_Format(PyExc_IndexError, "block id %d is not in this pool", ids[i]);
+            return -1;
+        }
+    }
+    int failed = 0;
+    for (Py_ssize_t i = first; i < length && !failed; i++) {
+        PyObject *block = PyLong_FromLong(ids[i]);
+        failed = block == NULL || PyList_Append(out, block) < 0;
+        Py_XDECREF(block);
+        if (!failed) {
+            Py_INCREF(kv_one);
+            failed = PyList_SetItem(refs, ids[i], kv_one) < 0;
+        }
+    }
+    PyBuffer_Release(&stack);
+    return failed ? -1 : PySequence_DelSlice(fresh, first, length);
+}
+
 PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
     PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
     PyObject *fresh = refs == NULL ? NULL : kv_pool_get(pool_dict, POOL_FRESH);
@@ -55,39 +92,30 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
     }
     Py_ssize_t num_fresh = PyObject_Length(fresh), num_evictable;
     if (num_fresh < 0) return NULL;
-    if (count == 1 && num_fresh > 0) {
-        /* BlockPool.take's common case: one uncached block off the free stack. */
-        PyObject *block = PyObject_CallMethodNoArgs(fresh, names[POOL_POP]);
-        if (block == NULL) return NULL;
-        Py_ssize_t id = PyLong_AsSsize_t(block);
-        if ((id == -1 && PyErr_Occurred()) || id < 1 || id >= PyList_GET_SIZE(refs)) {
-            Py_DECREF(block);
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_IndexError, "block id %zd is not in this pool", id);
-            return NULL;
-        }
-        PyObject *taken = PyList_New(1);
-        if (taken == NULL) {
-            Py_DECREF(block);
-            return NULL;
-        }
-        PyList_SET_ITEM(taken, 0, block);
-        Py_INCREF(kv_one);
-        if (PyList_SetItem(refs, id, kv_one) < 0) {
-            Py_DECREF(taken);
+    if (count <= num_fresh) {
+        /* Uncached blocks cover it. */
+        PyObject *taken = PyList_New(0);
+        if (taken == NULL || take_fresh(fresh, refs, count, taken) < 0) {
+            Py_XDECREF(taken);
             return NULL;
         }
         return taken;
     }
-    if (count == 1 && num_fresh == 0 && (num_evictable = PyObject_Length(evictable)) >= 1) {
-        /* No uncached block left: evict the oldest never-reused cached one. */
+    if ((num_evictable = PyObject_Length(evictable)) < 0) return NULL;
+    if (count - num_fresh <= num_evictable) {
+        /* Every uncached block, then never-reused cached ones evicted in one pass. */
         PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
         PyObject *block_group = caches ? kv_pool_get(pool_dict, POOL_BLOCK_GROUP) : NULL;
         PyObject *block_hash = block_group ? kv_pool_get(pool_dict, POOL_BLOCK_HASH) : NULL;
         PyObject *taken = block_hash == NULL ? NULL : PyList_New(0);
         if (taken == NULL) return NULL;
-        PyObject *args[7] = {kv_one, taken, evictable, caches, block_group, block_hash, refs};
-        PyObject *done = kv_py_evict_take(NULL, args, 7);
+        PyObject *rest = PyLong_FromSsize_t(count - num_fresh);
+        PyObject *done = NULL;
+        if (rest != NULL && take_fresh(fresh, refs, num_fresh, taken) == 0) {
+            PyObject *args[7] = {rest, taken, evictable, caches, block_group, block_hash, refs};
+            done = kv_py_evict_take(NULL, args, 7);
+        }
+        Py_XDECREF(rest);
         PyObject *epoch = done == NULL ? NULL : kv_pool_get(pool_dict, POOL_EPOCH);
         PyObject *next = epoch == NULL ? NULL : PyNumber_Add(epoch, kv_one);
         int failed = next == NULL || PyDict_SetItem(pool_dict, names[POOL_EPOCH], next) < 0;
@@ -99,6 +127,7 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
         }
         return taken;
     }
+    /* Reused (protected) blocks too: BlockPool.take's general path. */
     PyObject *number = PyLong_FromSsize_t(count);
     if (number == NULL) return NULL;
     PyObject *taken = PyObject_CallMethodOneArg(pool, names[POOL_TAKE], number);
