@@ -59,23 +59,25 @@ class BlockQueue:
 class SlotsFastPath:
     """``allocate_slots`` of an allocator built with the kernels: decode steps that need no
     block are answered in C; with ``dense`` (``(pool, hasher, block_tokens,
-    admission_cap, max_model_len, hash_block_size, cacheable, freed, prefix_class)`` of a
-    one-group full-attention allocator) so are most steps that cross a block boundary and,
-    unless ``freed`` is None, most admissions; with ``groups``
+    admission_cap, max_model_len, hash_block_size, cacheable)`` of a one-group
+    full-attention allocator) so are most steps that cross a block boundary; with ``groups``
     (``(hasher, max_model_len, hash_block_size, cacheable, num_groups, ((gid, shape,
     block_tokens, admission_cap, retained_tokens, is_state, pool), ...))`` of an allocator
     whose holding groups all have one of the core's parametric rule shapes, shape 0: full
-    attention, 1: trailing window, 2: state checkpoints) too; every other call goes to
+    attention, 1: trailing window, 2: state checkpoints) too; with ``admit`` (``(freed,
+    prefix_class, pools, groups)``: the allocator's freed request ids, ``CachedPrefix``, its
+    pools and a ``groups`` tuple) most admissions of a request; every other call goes to
     ``general``."""
 
     __wrapped__: Callable[..., Any]
 
     def __init__(self, running: dict[Any, Any], no_new_blocks: Any,
                  general: Callable[..., Any],
-                 dense: tuple[Any, Any, int, int, int, int, bool, dict[Any, None] | None,
-                              type] | None = None,
+                 dense: tuple[Any, Any, int, int, int, int, bool] | None = None,
                  groups: tuple[Any, int, int, bool, int,
                                tuple[tuple[int, int, int, int, int, bool, Any], ...]]
+                 | None = None,
+                 admit: tuple[dict[Any, None], type, tuple[Any, ...], tuple[Any, ...]]
                  | None = None,
                  ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

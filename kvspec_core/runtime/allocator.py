@@ -236,17 +236,17 @@ class KVCacheAllocator:
             # are most block-boundary steps of a one-group full-attention allocator; every
             # other call reaches the method below.
             dense = self._compiled_dense_step()
+            groups = self._compiled_group_step()
             self.allocate_slots = native.SlotsFastPath(  # type: ignore[method-assign]
                 self._running, self._no_new_blocks, self._allocate_slots, dense,
-                None if dense is not None else self._compiled_group_step(),
+                None if dense is not None else groups, self._compiled_admission(groups),
             )
 
     def _compiled_dense_step(self) -> tuple[Any, ...] | None:
-        """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` (and admissions,
-        :meth:`_admit_checked`) itself, or None where the compiled step does not apply: it
-        serves one full-attention group whose block is one hash block, in a pool built with
-        the kernels, with the core's own allocator, pool and hasher methods (a subclass's
-        override runs as Python)."""
+        """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` itself, or None
+        where the compiled step does not apply: it serves one full-attention group whose
+        block is one hash block, in a pool built with the kernels, with the core's own
+        allocator, pool and hasher methods (a subclass's override runs as Python)."""
         pool = self._group_pools[0]
         if not (
             self._single_full
@@ -256,12 +256,8 @@ class KVCacheAllocator:
             and type(self)._grow_dense is KVCacheAllocator._grow_dense
         ):
             return None
-        # Admissions are compiled too unless a subclass changes how they are made.
-        admits = all(getattr(type(self), name) is getattr(KVCacheAllocator, name)
-                     for name in _ADMISSION_METHODS)
         return (pool, self._hasher, self._block_tokens[0], self.admission_caps[0],
-                self.max_model_len, self.hash_block_size, self._cacheable,
-                self._freed if admits else None, CachedPrefix)
+                self.max_model_len, self.hash_block_size, self._cacheable)
 
     def _compiled_group_step(self) -> tuple[Any, ...] | None:
         """What ``native.SlotsFastPath`` needs to do :meth:`_grow_checked` itself, or None
@@ -299,6 +295,17 @@ class KVCacheAllocator:
                            retained, self._is_state_group[gid], pool))
         return (self._hasher, self.max_model_len, self.hash_block_size, self._cacheable,
                 len(self.specs), tuple(groups))
+
+    def _compiled_admission(self, groups: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        """What ``native.SlotsFastPath`` needs to do :meth:`_admit_checked` itself (the
+        allocator's freed ids, :class:`CachedPrefix`, its pools, and ``groups``, what
+        :meth:`_compiled_group_step` gave), or None where the compiled admission does not
+        apply: where the group steps are not compiled, or a subclass changes how
+        admissions are made."""
+        if groups is None or any(getattr(type(self), name) is not getattr(KVCacheAllocator, name)
+                                 for name in _ADMISSION_METHODS):
+            return None
+        return (self._freed, CachedPrefix, tuple(self.pools), groups)
 
     # ----------------------------------------------------------------- construction
     @classmethod

@@ -1,16 +1,35 @@
-/* The admission of a request to a one-group full-attention allocator (KVCacheAllocator.
- * _admit_checked for the allocators grow.c serves): the hit blocks revived, the new blocks
- * taken, the prompt's full blocks cached, the running state built with its thresholds.
- * SlotsFastPath calls it for a request that is not running yet. Anything out of the ordinary
- * (a prefix that is not a CachedPrefix for this request at the pool's epoch, a request freed
- * before, over max_model_len or the admission cap, too few free blocks, a hit block the pool
- * no longer holds, tokens it cannot hash) is left to the Python method: the kernel gives up
- * before it changes anything, and the method then answers (or refuses) as it always does. */
+/* The admission of a request (KVCacheAllocator._admit_checked) to an allocator whose holding
+ * groups all follow one of the core's parametric rule shapes (see group_step.c), each
+ * group's block one hash block: the hit's blocks revived, skipped and null entries placed,
+ * new blocks taken, the prompt's full blocks cached, the running state built with its
+ * thresholds. SlotsFastPath calls it for a request that is not running yet. Anything out of
+ * the ordinary (a prefix that is not a CachedPrefix for this request at the pools' epochs, a
+ * request freed before, over max_model_len or an admission cap, too few free blocks, a hit
+ * block the pool no longer holds, tokens it cannot hash) is left to the Python method: the
+ * kernel gives up before it changes anything, and the method then answers (or refuses) as
+ * it always does. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "block_queue.h"
 #include "kernels.h"
 #include "records.h"
+
+int kv_admit_config(PyObject *config, AdmitConfig *out) {
+    /* (freed, prefix_class, pools, groups): groups as SlotsFastPath's ``groups``. */
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 4
+        || !PyDict_Check(PyTuple_GET_ITEM(config, 0)) || !PyType_Check(PyTuple_GET_ITEM(config, 1))
+        || !PyTuple_CheckExact(PyTuple_GET_ITEM(config, 2))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "admit must be (freed, prefix_class, pools, groups) or None");
+        return -1;
+    }
+    if (kv_groups_config(PyTuple_GET_ITEM(config, 3), &out->groups) < 0) return -1;
+    out->freed = PyTuple_GET_ITEM(config, 0);
+    out->prefix_type = PyTuple_GET_ITEM(config, 1);
+    out->pools = PyTuple_GET_ITEM(config, 2);
+    return 0;
+}
 
 static PyObject *prefix_names[4];
 
@@ -22,10 +41,25 @@ static int intern_prefix_names(void) {
     return 0;
 }
 
-/* The hit of ``prefix`` for request id ``rid``: its block table (a new list) and tokens.
- * 0, 1: leave it to the method, -1: an error. */
-static int prefix_hit(const DenseConfig *config, PyObject *pool_dict, PyObject *prefix,
-                      PyObject *rid, PyObject **table_out, Py_ssize_t *computed_out) {
+/* 1 if every pool's epoch is the one in ``epochs`` (a tuple), 0 if not, -1 on an error. */
+static int epochs_current(PyObject *pools, PyObject *epochs) {
+    if (!PyTuple_CheckExact(epochs) || PyTuple_GET_SIZE(epochs) != PyTuple_GET_SIZE(pools))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pools); i++) {
+        PyObject *pool_dict = kv_pool_dict(PyTuple_GET_ITEM(pools, i));
+        PyObject *epoch = pool_dict == NULL ? NULL : kv_pool_get(pool_dict, POOL_EPOCH);
+        int same = epoch == NULL ? -1
+            : PyObject_RichCompareBool(PyTuple_GET_ITEM(epochs, i), epoch, Py_EQ);
+        Py_XDECREF(pool_dict);
+        if (same <= 0) return same;
+    }
+    return 1;
+}
+
+/* The hit of ``prefix`` for request id ``rid``: each group's block table (new lists in
+ * ``tables``) and the tokens it covers. 0, 1: leave it to the method, -1: an error. */
+static int prefix_hit(const AdmitConfig *config, PyObject *prefix, PyObject *rid,
+                      PyObject **tables, Py_ssize_t *computed_out) {
     if ((PyObject *)Py_TYPE(prefix) != config->prefix_type) return 1;
     if (intern_prefix_names() < 0) return -1;
     PyObject *fields[4];
@@ -35,27 +69,22 @@ static int prefix_hit(const DenseConfig *config, PyObject *pool_dict, PyObject *
             return -1;
         }
     }
-    int status = 1;
-    PyObject *ids = fields[2], *epochs = fields[3];
-    PyObject *epoch = kv_pool_get(pool_dict, POOL_EPOCH);
-    if (epoch == NULL) {
-        status = -1;
+    const Py_ssize_t num_groups = config->groups.num_groups;
+    PyObject *ids = fields[2];
+    int status = PyObject_RichCompareBool(fields[0], rid, Py_EQ);
+    if (status <= 0) {
+        status = status < 0 ? -1 : 1; /* another request's prefix: the method refuses it */
         goto done;
     }
-    int same_request = fields[0] == rid || PyObject_RichCompareBool(fields[0], rid, Py_EQ);
-    if (same_request < 0) {
-        status = -1;
+    status = 1;
+    if (!PyLong_CheckExact(fields[1]) || !PyTuple_CheckExact(ids)
+        || PyTuple_GET_SIZE(ids) != num_groups)
         goto done;
-    }
-    if (!same_request || !PyLong_CheckExact(fields[1]) || !PyTuple_CheckExact(ids)
-        || PyTuple_GET_SIZE(ids) != 1 || !PyTuple_CheckExact(PyTuple_GET_ITEM(ids, 0))
-        || !PyTuple_CheckExact(epochs) || PyTuple_GET_SIZE(epochs) != 1
-        || !PyLong_CheckExact(PyTuple_GET_ITEM(epochs, 0)) || !PyLong_CheckExact(epoch))
-        goto done; /* refused by the method */
-    int current = PyObject_RichCompareBool(PyTuple_GET_ITEM(epochs, 0), epoch, Py_EQ);
+    for (Py_ssize_t gid = 0; gid < num_groups; gid++)
+        if (!PyTuple_CheckExact(PyTuple_GET_ITEM(ids, gid))) goto done;
+    int current = epochs_current(config->pools, fields[3]);
     if (current <= 0) {
-        status = current; /* 0: evicted since, the method checks which blocks */
-        if (status == 0) status = 1;
+        status = current < 0 ? -1 : 1; /* evicted since: the method checks which blocks */
         goto done;
     }
     Py_ssize_t computed = PyLong_AsSsize_t(fields[1]);
@@ -64,15 +93,28 @@ static int prefix_hit(const DenseConfig *config, PyObject *pool_dict, PyObject *
         goto done;
     }
     if (computed < 0) goto done;
-    if ((*table_out = PySequence_List(PyTuple_GET_ITEM(ids, 0))) == NULL) {
-        status = -1;
-        goto done;
+    for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
+        if ((tables[gid] = PySequence_List(PyTuple_GET_ITEM(ids, gid))) == NULL) {
+            status = -1;
+            goto done;
+        }
     }
     *computed_out = computed;
     status = 0;
 done:
     for (int i = 0; i < 4; i++) Py_DECREF(fields[i]);
     return status;
+}
+
+/* A per-group list of ints; NULL with an exception. */
+static PyObject *int_list(const Py_ssize_t *values, Py_ssize_t count) {
+    PyObject *list = PyList_New(count);
+    for (Py_ssize_t i = 0; list != NULL && i < count; i++) {
+        PyObject *item = PyLong_FromSsize_t(values[i]);
+        if (item == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, item);
+    }
+    return list;
 }
 
 /* A new _Running, every field set (new references stolen); NULL with an exception. */
@@ -88,27 +130,71 @@ fail:
     return NULL;
 }
 
-/* A one-item list holding ``value``; NULL with an exception. */
-static PyObject *one_int_list(Py_ssize_t value) {
-    PyObject *item = PyLong_FromSsize_t(value);
-    PyObject *list = item == NULL ? NULL : PyList_New(1);
-    if (list == NULL) {
-        Py_XDECREF(item);
-        return NULL;
+/* Checks a group's hit table against its pool before anything changes: every entry an int
+ * block id of the pool, each real block in use or a cached free block (what touch
+ * requires). Counts its real blocks and those no request holds. 0, 1: leave it to the
+ * method, -1: an error. */
+static int check_hit(PyObject *pool_dict, PyObject *table, Py_ssize_t *num_real,
+                     Py_ssize_t *num_unreferenced) {
+    PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
+    PyObject *evictable = refs == NULL ? NULL : kv_pool_get(pool_dict, POOL_EVICTABLE);
+    PyObject *protected_ = evictable == NULL ? NULL : kv_pool_get(pool_dict, POOL_PROTECTED);
+    if (protected_ == NULL) return -1;
+    if (!PyList_CheckExact(refs)) return 1;
+    Py_ssize_t size = PyList_GET_SIZE(refs);
+    const BlockQueue *queues[2] = {as_queue(evictable, size), as_queue(protected_, size)};
+    if (queues[0] == NULL || queues[1] == NULL) return 1;
+    *num_real = *num_unreferenced = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(table); i++) {
+        PyObject *item = PyList_GET_ITEM(table, i);
+        if (!PyLong_CheckExact(item)) return 1;
+        Py_ssize_t block = PyLong_AsSsize_t(item);
+        if (block == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        if (block == 0) continue;
+        if (block < 0 || block >= size) return 1; /* the method names the bad block */
+        PyObject *ref = PyList_GET_ITEM(refs, block);
+        if (!PyLong_CheckExact(ref)) return 1;
+        (*num_real)++;
+        if (PyLong_AsSsize_t(ref) == 0) {
+            if (!queue_has(queues[0], block) && !queue_has(queues[1], block)) return 1;
+            (*num_unreferenced)++;
+        }
     }
-    PyList_SET_ITEM(list, 0, item);
-    return list;
+    return 0;
 }
 
-PyObject *kv_dense_admit(const DenseConfig *config, PyObject *running, PyObject *request,
-                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *prefix) {
-    if (Py_TYPE(request) != kv_request_type || kv_state_type == NULL
-        || kv_allocated_type == NULL || !PyDict_CheckExact(running))
-        return NULL; /* not records the kernels know: the method */
-    PyObject *result = NULL, *pool_dict = NULL, *table = NULL, *taken = NULL;
-    PyObject *hashes = NULL, *state = NULL;
-    const Py_ssize_t tokens = config->block_tokens, max_len = config->max_len;
-    Py_ssize_t computed = 0, prefix_blocks = 0;
+/* BlockPool.touch(table) once check_hit passed: -1 with an exception, else 0. */
+static int revive(PyObject *pool_dict, PyObject *table) {
+    PyObject *args[7] = {table};
+    static const int fields[5] = {POOL_REF_COUNTS, POOL_REUSED, POOL_EVICTABLE,
+                                  POOL_PROTECTED, POOL_SEGMENTED};
+    for (int i = 0; i < 5; i++)
+        if ((args[1 + i] = kv_pool_get(pool_dict, fields[i])) == NULL) return -1;
+    args[6] = Py_False; /* checked */
+    PyObject *bad = kv_py_touch(NULL, args, 7);
+    Py_XDECREF(bad);
+    return bad == NULL ? -1 : 0;
+}
+
+PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *request,
+                   Py_ssize_t count, Py_ssize_t lookahead, PyObject *prefix) {
+    const GroupsConfig *groups = &config->groups;
+    const Py_ssize_t num_groups = groups->num_groups, max_len = groups->max_len;
+    const int num_holding = groups->count;
+    if (num_holding < 0 || num_groups > KV_STEP_GROUPS || Py_TYPE(request) != kv_request_type
+        || kv_state_type == NULL || kv_allocated_type == NULL || !PyDict_CheckExact(running))
+        return NULL; /* not what the kernel knows: the method */
+    PyObject *tables[KV_STEP_GROUPS] = {NULL}, *taken[KV_STEP_GROUPS] = {NULL};
+    PyObject *pool_dicts[KV_STEP_GROUPS] = {NULL};
+    PyObject *result = NULL, *hashes = NULL, *state = NULL, *zero = NULL;
+    GroupPlan plans[KV_STEP_GROUPS];
+    Py_ssize_t need[KV_STEP_GROUPS] = {0}, num_real[KV_STEP_GROUPS] = {0},
+               num_cached[KV_STEP_GROUPS] = {0}, cache_at[KV_STEP_GROUPS] = {0},
+               num_skipped[KV_STEP_GROUPS] = {0};
+    Py_ssize_t computed = 0;
     int status;
     PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
     PyObject *token_ids = record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]);
@@ -117,113 +203,139 @@ PyObject *kv_dense_admit(const DenseConfig *config, PyObject *running, PyObject 
     Py_INCREF(token_ids);
     /* A request freed before: the method refuses it or, with a prefix, forgets the free. */
     if ((status = PyDict_Contains(config->freed, rid)) != 0) goto status;
-    if ((pool_dict = kv_pool_dict(config->pool)) == NULL) goto error;
     if (prefix == Py_None) {
-        if ((table = PyList_New(0)) == NULL) goto error;
+        for (Py_ssize_t gid = 0; gid < num_groups; gid++)
+            if ((tables[gid] = PyList_New(0)) == NULL) goto error;
     } else {
-        if ((status = prefix_hit(config, pool_dict, prefix, rid, &table, &computed)) != 0)
-            goto status;
-        prefix_blocks = PyList_GET_SIZE(table);
+        if ((status = prefix_hit(config, prefix, rid, tables, &computed)) != 0) goto status;
+        int holding[KV_STEP_GROUPS] = {0};
+        for (int i = 0; i < num_holding; i++) holding[groups->groups[i].gid] = 1;
+        for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
+            /* A group that holds no blocks has no hit (find_cached_prefix gives ()). */
+            if (!holding[gid] && PyList_GET_SIZE(tables[gid])) goto fallback;
+            num_cached[gid] = PyList_GET_SIZE(tables[gid]);
+        }
     }
     if (count > max_len || computed > max_len - count) goto fallback; /* over max_model_len */
-    Py_ssize_t known = computed + count;
-    Py_ssize_t total = lookahead > max_len - known ? max_len : known + lookahead;
-    Py_ssize_t real = (total + tokens - 1) / tokens - PyList_GET_SIZE(table);
-    if (real < 0) real = 0;
-    /* The hit's real blocks, and those no request holds (a revival takes them off the free
-     * blocks). */
-    PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
-    if (refs == NULL) goto error;
-    if (!PyList_CheckExact(refs)) goto fallback;
-    Py_ssize_t size = PyList_GET_SIZE(refs), num_hit = 0, num_unreferenced = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(table); i++) {
-        PyObject *item = PyList_GET_ITEM(table, i);
-        if (!PyLong_CheckExact(item)) goto fallback;
-        Py_ssize_t block = PyLong_AsSsize_t(item);
-        if (block == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            goto fallback;
+    const Py_ssize_t known = computed + count;
+    const Py_ssize_t total = lookahead > max_len - known ? max_len : known + lookahead;
+    if ((zero = PyLong_FromLong(0)) == NULL) goto error;
+    for (int i = 0; i < num_holding; i++) {
+        const GroupShape *group = &groups->groups[i];
+        GroupPlan *plan = &plans[i];
+        PyObject *table = tables[group->gid];
+        plan->done = 0;
+        kv_plan_group(group, computed, known, total, PyList_GET_SIZE(table), plan);
+        /* Hit blocks the step skips are never touched: null entries, nothing released. */
+        for (Py_ssize_t index = 0; index < plan->skip; index++) {
+            Py_INCREF(zero);
+            PyList_SetItem(table, index, zero);
         }
-        if (block < 0 || block >= size) goto fallback; /* the method names the bad block */
-        if (!block) continue;
-        num_hit++;
-        PyObject *ref = PyList_GET_ITEM(refs, block);
-        if (!PyLong_CheckExact(ref)) goto fallback;
-        num_unreferenced += PyLong_AsSsize_t(ref) == 0;
+        num_skipped[group->gid] = plan->skip;
+        PyObject *pool_dict = kv_pool_dict_of(pool_dicts, group);
+        if (pool_dict == NULL) goto error;
+        Py_ssize_t hit_real, unreferenced;
+        if ((status = check_hit(pool_dict, table, &hit_real, &unreferenced)) != 0) goto status;
+        if (hit_real + plan->real > group->cap) goto fallback; /* over the admission cap */
+        num_real[group->gid] = hit_real + plan->real;
+        need[group->pool_slot] += plan->real + unreferenced;
     }
-    if (num_hit + real > config->cap) goto fallback; /* over the admission cap */
-    Py_ssize_t num_free;
-    if (kv_pool_num_free(pool_dict, &num_free) < 0) goto error;
-    if (real + num_unreferenced > num_free) goto fallback; /* too few */
-    Py_ssize_t available = PyList_GET_SIZE(token_ids);
-    Py_ssize_t cached_upto = known < available ? known : available;
-    if (config->cacheable) {
+    for (int i = 0; i < num_holding; i++) {
+        const int slot = groups->groups[i].pool_slot;
+        if (slot != i || need[slot] == 0) continue;
+        Py_ssize_t num_free;
+        if (kv_pool_num_free(pool_dicts[slot], &num_free) < 0) goto error;
+        if (need[slot] > num_free) goto fallback; /* too few free blocks */
+    }
+    const Py_ssize_t available = PyList_GET_SIZE(token_ids);
+    const Py_ssize_t upto = known < available ? known : available;
+    if (groups->cacheable) {
         /* Hash before anything changes: bad token ids refuse the admission here (the
          * method raises the hasher's error). */
-        if ((status = kv_hash_known(config->hasher, request, cached_upto, tokens, &hashes)) < 0)
-            goto error;
+        status = kv_hash_known(groups->hasher, request, upto, groups->hash_tokens, &hashes);
+        if (status < 0) goto error;
         if (status == 0) {
             Py_INCREF(hashes);
-        } else if ((hashes = PyObject_CallMethod(config->hasher, "hashes", "On", request,
-                                                 cached_upto)) == NULL) {
+        } else if ((hashes = PyObject_CallMethod(groups->hasher, "hashes", "On", request,
+                                                 upto)) == NULL) {
             PyErr_Clear();
             goto fallback;
         } else if (!PyList_CheckExact(hashes)) {
             goto fallback;
         }
     }
-    /* Revive the hit: refused (nothing changed) for a block that is neither in use nor a
-     * cached free block. */
-    PyObject *touch_args[7] = {table, refs};
-    static const int touch_fields[4] = {POOL_REUSED, POOL_EVICTABLE, POOL_PROTECTED,
-                                        POOL_SEGMENTED};
-    for (int i = 0; i < 4; i++)
-        if ((touch_args[2 + i] = kv_pool_get(pool_dict, touch_fields[i])) == NULL) goto error;
-    touch_args[6] = Py_True;
-    PyObject *bad = kv_py_touch(NULL, touch_args, 7);
-    if (bad == NULL) goto error;
-    Py_ssize_t bad_index = PyLong_AsSsize_t(bad);
-    Py_DECREF(bad);
-    if (bad_index >= 0) goto fallback;
-    /* From here on the admission happens. */
-    if (real > 0) {
-        if ((taken = kv_pool_take(config->pool, pool_dict, real)) == NULL) goto error;
+    /* From here on the admission happens. Revive every group's hit before any group takes
+     * new blocks: groups sharing a pool would otherwise take each other's hit blocks. */
+    for (int i = 0; i < num_holding; i++) {
+        const GroupShape *group = &groups->groups[i];
+        if (revive(pool_dicts[group->pool_slot], tables[group->gid]) < 0) goto error;
+    }
+    for (int i = 0; i < num_holding; i++) {
+        const GroupShape *group = &groups->groups[i];
+        PyObject *table = tables[group->gid];
+        for (Py_ssize_t j = 0; j < plans[i].nulls; j++)
+            if (PyList_Append(table, zero) < 0) goto error;
+        if (plans[i].real == 0) continue;
+        taken[i] = kv_pool_take(group->pool, pool_dicts[group->pool_slot], plans[i].real);
         Py_ssize_t end = PyList_GET_SIZE(table);
-        if (PyList_SetSlice(table, end, end, taken) < 0) goto error;
+        if (taken[i] == NULL || PyList_SetSlice(table, end, end, taken[i]) < 0) goto error;
     }
-    Py_ssize_t num_cached = prefix_blocks, cache_at = 0;
-    if (config->cacheable) {
-        Py_ssize_t stop = cached_upto / tokens;
-        if (stop > num_cached) {
-            if (kv_pool_cache_range(config->pool, pool_dict, 0, hashes, table, num_cached,
-                                    stop) < 0)
+    Py_ssize_t end_limit = max_len + 1, known_limit = max_len + 1,
+               computed_limit = PY_SSIZE_T_MAX;
+    for (int i = 0; i < num_holding; i++) {
+        const GroupShape *group = &groups->groups[i];
+        const Py_ssize_t gid = group->gid, tokens = group->block_tokens;
+        PyObject *table = tables[gid];
+        if (groups->cacheable) {
+            Py_ssize_t start, stop;
+            if (group->is_state && known > available) {
+                /* The step ends past the tokens the engine appended (drafts): the state it
+                 * saves is not the state of a known prefix, so nothing is cached. */
+                start = stop = known / tokens;
+            } else {
+                kv_cache_range(group, num_cached[gid], upto, &start, &stop);
+            }
+            if (stop > start
+                && kv_pool_cache_range(group->pool, pool_dicts[group->pool_slot], gid, hashes,
+                                       table, start, stop) < 0)
                 goto error;
-            num_cached = stop;
+            if (stop > num_cached[gid]) num_cached[gid] = stop;
+            cache_at[gid] = (num_cached[gid] + 1) * tokens;
+            if (cache_at[gid] < known_limit) known_limit = cache_at[gid];
         }
-        cache_at = (num_cached + 1) * tokens;
+        /* FamilyRules.next_allocation_end is len(table) * block_tokens + 1 for every shape. */
+        Py_ssize_t end = PyList_GET_SIZE(table) * tokens + 1;
+        if (end < end_limit) end_limit = end;
+        Py_ssize_t skip_at = kv_next_skip(group, plans[i].skip);
+        if (skip_at < computed_limit) computed_limit = skip_at;
     }
-    Py_ssize_t end_limit = PyList_GET_SIZE(table) * tokens + 1;
-    if (end_limit > max_len + 1) end_limit = max_len + 1;
-    Py_ssize_t known_limit = config->cacheable && cache_at < max_len + 1 ? cache_at : max_len + 1;
-    PyObject *blocks = PyList_New(1);
-    if (blocks == NULL) goto error;
-    Py_INCREF(table);
-    PyList_SET_ITEM(blocks, 0, table);
+    PyObject *blocks = PyList_New(num_groups);
+    PyObject *per_group = blocks == NULL ? NULL : kv_new_block_ids(groups, taken);
+    if (per_group == NULL) {
+        Py_XDECREF(blocks);
+        goto error;
+    }
+    for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
+        Py_INCREF(tables[gid]);
+        PyList_SET_ITEM(blocks, gid, tables[gid]);
+    }
     PyObject *values[STATE_FIELDS] = {
         [STATE_COMPUTED] = PyLong_FromSsize_t(known),
         [STATE_END_LIMIT] = PyLong_FromSsize_t(end_limit),
         [STATE_KNOWN_LIMIT] = PyLong_FromSsize_t(known_limit),
-        [STATE_COMPUTED_LIMIT] = PyLong_FromSsize_t(PY_SSIZE_T_MAX),
+        [STATE_COMPUTED_LIMIT] = PyLong_FromSsize_t(computed_limit),
         [STATE_BLOCKS] = blocks,
-        [STATE_NUM_REAL] = one_int_list(num_hit + real),
-        [STATE_NUM_CACHED] = one_int_list(num_cached),
-        [STATE_CACHE_AT] = one_int_list(cache_at),
+        [STATE_NUM_REAL] = int_list(num_real, num_groups),
+        [STATE_NUM_CACHED] = int_list(num_cached, num_groups),
+        [STATE_CACHE_AT] = int_list(cache_at, num_groups),
         [STATE_REQUEST] = (Py_INCREF(request), request),
-        [STATE_NUM_SKIPPED] = one_int_list(0),
+        [STATE_NUM_SKIPPED] = int_list(num_skipped, num_groups),
     };
-    if ((state = new_state(values)) == NULL || PyDict_SetItem(running, rid, state) < 0)
+    if ((state = new_state(values)) == NULL || PyDict_SetItem(running, rid, state) < 0) {
+        Py_DECREF(per_group);
         goto error;
-    if ((result = new_allocated_one(taken)) == NULL) goto error;
+    }
+    if ((result = new_allocated(per_group)) == NULL) goto error;
     goto done;
 status:
     if (status > 0) goto fallback;
@@ -232,11 +344,14 @@ error:
 fallback:
     result = NULL;
 done:
+    for (int i = 0; i < KV_STEP_GROUPS; i++) {
+        Py_XDECREF(tables[i]);
+        Py_XDECREF(taken[i]);
+        Py_XDECREF(pool_dicts[i]);
+    }
     Py_XDECREF(state);
     Py_XDECREF(hashes);
-    Py_XDECREF(taken);
-    Py_XDECREF(table);
-    Py_XDECREF(pool_dict);
+    Py_XDECREF(zero);
     Py_DECREF(token_ids);
     Py_DECREF(rid);
     return result;

@@ -13,8 +13,6 @@
 #include "kernels.h"
 #include "records.h"
 
-enum { SHAPE_FULL, SHAPE_WINDOW, SHAPE_STATE, SHAPES };
-
 int kv_groups_config(PyObject *config, GroupsConfig *out) {
     /* (hasher, max_model_len, hash_block_size, cacheable, num_groups,
      *  ((gid, shape, block_tokens, admission_cap, retained_tokens, is_state, pool), ...)) */
@@ -84,14 +82,7 @@ int kv_groups_config(PyObject *config, GroupsConfig *out) {
     return 0;
 }
 
-/* What one group's step does (FamilyRules.skipped_tokens, blocks_needed of its shape). */
-typedef struct {
-    PyObject *table; /* held */
-    Py_ssize_t done, skip, nulls, real, dropped;
-    int planned;
-} GroupPlan;
-
-static void plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t known,
+void kv_plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t known,
                        Py_ssize_t total, Py_ssize_t length, GroupPlan *plan) {
     const Py_ssize_t tokens = group->block_tokens;
     Py_ssize_t skipped = 0;
@@ -119,8 +110,7 @@ static void plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t 
     plan->planned = plan->nulls || plan->real || skip > plan->done;
 }
 
-/* FamilyRules.cache_range of the group's shape. */
-static void cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t upto,
+void kv_cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t upto,
                         Py_ssize_t *start, Py_ssize_t *stop) {
     const Py_ssize_t tokens = group->block_tokens, boundary = upto / tokens;
     if (group->shape != SHAPE_STATE) {
@@ -134,17 +124,14 @@ static void cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize
     }
 }
 
-/* FamilyRules.next_skip_position of the group's shape. */
-static Py_ssize_t next_skip(const GroupShape *group, Py_ssize_t num_skipped) {
+Py_ssize_t kv_next_skip(const GroupShape *group, Py_ssize_t num_skipped) {
     if (group->shape == SHAPE_WINDOW)
         return (num_skipped + 1) * group->block_tokens + group->retained;
     if (group->shape == SHAPE_STATE) return (num_skipped + 1) * group->block_tokens + 1;
     return PY_SSIZE_T_MAX;
 }
 
-/* The __dict__ of ``group``'s pool, fetched once per step per pool (borrowed from
- * ``pool_dicts``, which holds it); NULL with an exception. */
-static PyObject *pool_dict_of(PyObject **pool_dicts, const GroupShape *group) {
+PyObject *kv_pool_dict_of(PyObject **pool_dicts, const GroupShape *group) {
     PyObject **slot = &pool_dicts[group->pool_slot];
     if (*slot == NULL) *slot = kv_pool_dict(group->pool);
     return *slot;
@@ -170,6 +157,23 @@ static int drop_skipped(PyObject *pool_dict, PyObject *table, GroupPlan *plan,
 fail:
     Py_DECREF(dropped);
     return -1;
+}
+
+PyObject *kv_new_block_ids(const GroupsConfig *config, PyObject *const *taken) {
+    PyObject *per_group = PyTuple_New(config->num_groups);
+    if (per_group == NULL) return NULL;
+    for (Py_ssize_t gid = 0; gid < config->num_groups; gid++) {
+        PyObject *ids = NULL;
+        for (int i = 0; i < config->count; i++)
+            if (config->groups[i].gid == gid && taken[i] != NULL) ids = PyList_AsTuple(taken[i]);
+        if (ids == NULL && !PyErr_Occurred()) ids = PyTuple_New(0);
+        if (ids == NULL) {
+            Py_DECREF(per_group);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(per_group, gid, ids);
+    }
+    return per_group;
 }
 
 PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *request,
@@ -215,11 +219,11 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         if ((status = list_ssize(lists[NUM_SKIPPED], group->gid, &plan->done)) != 0)
             goto status;
         Py_ssize_t length = PyList_GET_SIZE(table);
-        plan_group(group, computed, known, total, length, plan);
+        kv_plan_group(group, computed, known, total, length, plan);
         plan->dropped = 0;
         if (!plan->planned) continue;
         any_planned = 1;
-        if (pool_dict_of(pool_dicts, group) == NULL) goto error;
+        if (kv_pool_dict_of(pool_dicts, group) == NULL) goto error;
         if (plan->skip > plan->done) {
             PyObject *refs = kv_pool_get(pool_dicts[group->pool_slot], POOL_REF_COUNTS);
             if (refs == NULL) goto error;
@@ -303,10 +307,10 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
                      * it saves is not the state of a known prefix, so nothing is cached. */
                     start = stop = known / tokens;
                 } else {
-                    cache_range(group, num_cached, upto, &start, &stop);
+                    kv_cache_range(group, num_cached, upto, &start, &stop);
                 }
                 if (stop > start) {
-                    PyObject *pool_dict = pool_dict_of(pool_dicts, group);
+                    PyObject *pool_dict = kv_pool_dict_of(pool_dicts, group);
                     if (pool_dict == NULL) goto error;
                     if (kv_pool_cache_range(group->pool, pool_dict, gid, hashes, table, start,
                                             stop) < 0)
@@ -325,7 +329,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         Py_ssize_t end = PyList_GET_SIZE(table) * tokens + 1;
         if (end < end_limit) end_limit = end;
         /* plans[i].skip is the group's num_skipped now, changed by this step or not. */
-        Py_ssize_t skip_at = next_skip(group, plans[i].skip);
+        Py_ssize_t skip_at = kv_next_skip(group, plans[i].skip);
         if (skip_at < computed_limit) computed_limit = skip_at;
     }
     if (record_set_ssize(state, fields[STATE_END_LIMIT], end_limit) < 0
@@ -337,21 +341,8 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         result = no_new_blocks;
         goto done;
     }
-    /* Allocated(new_block_ids=...), one tuple per group (empty where nothing was taken). */
-    PyObject *per_group = PyTuple_New(num_groups);
-    if (per_group == NULL) goto error;
-    for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
-        PyObject *ids = NULL;
-        for (int i = 0; i < num_holding; i++)
-            if (config->groups[i].gid == gid && taken[i] != NULL) ids = PyList_AsTuple(taken[i]);
-        if (ids == NULL && !PyErr_Occurred()) ids = PyTuple_New(0);
-        if (ids == NULL) {
-            Py_DECREF(per_group);
-            goto error;
-        }
-        PyTuple_SET_ITEM(per_group, gid, ids);
-    }
-    if ((result = new_allocated(per_group)) == NULL) goto error;
+    PyObject *per_group = kv_new_block_ids(config, taken);
+    if (per_group == NULL || (result = new_allocated(per_group)) == NULL) goto error;
     goto done;
 fallback_or_status:
     if (status == 0) goto fallback;

@@ -15,12 +15,11 @@
 
 int kv_dense_config(PyObject *config, DenseConfig *out) {
     /* (pool, hasher, block_tokens, admission_cap, max_model_len, hash_block_size,
-     *  cacheable, freed, prefix_class); freed None: admissions are the method's. */
-    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 9) {
+     *  cacheable) */
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 7) {
         PyErr_SetString(PyExc_TypeError,
                         "dense must be (pool, hasher, block_tokens, admission_cap, "
-                        "max_model_len, hash_block_size, cacheable, freed, prefix_class) or "
-                        "None");
+                        "max_model_len, hash_block_size, cacheable) or None");
         return -1;
     }
     Py_ssize_t numbers[4];
@@ -37,19 +36,12 @@ int kv_dense_config(PyObject *config, DenseConfig *out) {
                         "dense: block_tokens must equal hash_block_size (>= 1), caps >= 0");
         return -1;
     }
-    PyObject *freed = PyTuple_GET_ITEM(config, 7), *prefix_type = PyTuple_GET_ITEM(config, 8);
-    if (freed != Py_None && (!PyDict_Check(freed) || !PyType_Check(prefix_type))) {
-        PyErr_SetString(PyExc_TypeError, "dense: freed must be a dict, prefix_class a class");
-        return -1;
-    }
     out->pool = PyTuple_GET_ITEM(config, 0);
     out->hasher = PyTuple_GET_ITEM(config, 1);
     out->block_tokens = numbers[0];
     out->cap = numbers[1];
     out->max_len = numbers[2];
     out->cacheable = cacheable;
-    out->freed = freed == Py_None ? NULL : freed;
-    out->prefix_type = prefix_type;
     return 0;
 }
 

@@ -56,9 +56,6 @@ typedef struct {
     PyObject *pool, *hasher; /* borrowed from the config tuple */
     Py_ssize_t block_tokens, cap, max_len;
     int cacheable;
-    /* Admissions (admit.c): the allocator's freed request ids and the CachedPrefix class,
-     * borrowed from the config tuple; freed is NULL where admissions are the method's. */
-    PyObject *freed, *prefix_type;
 } DenseConfig;
 /* Parse SlotsFastPath's ``dense`` tuple; -1 with an exception. */
 int kv_dense_config(PyObject *config, DenseConfig *out);
@@ -72,10 +69,6 @@ int kv_hash_known(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize
 PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks);
 
-/* admit.c: the admission of a request to such an allocator (``running``: its running
- * states; ``prefix``: the CachedPrefix passed, or None). As kv_dense_grow. */
-PyObject *kv_dense_admit(const DenseConfig *config, PyObject *running, PyObject *request,
-                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *prefix);
 
 /* group_step.c: the block-boundary step of an allocator whose groups all have one of the
  * core's parametric rule shapes (full attention, trailing window, state checkpoints). */
@@ -93,11 +86,46 @@ typedef struct {
     int cacheable;
     GroupShape groups[KV_STEP_GROUPS];
 } GroupsConfig;
+enum { SHAPE_FULL, SHAPE_WINDOW, SHAPE_STATE, SHAPES };
 /* Parse SlotsFastPath's ``groups`` tuple; -1 with an exception. */
 int kv_groups_config(PyObject *config, GroupsConfig *out);
+/* What one group's step does (FamilyRules.skipped_tokens, blocks_needed of its shape). */
+typedef struct {
+    PyObject *table; /* held */
+    Py_ssize_t done, skip, nulls, real, dropped;
+    int planned;
+} GroupPlan;
+/* The plan of a step of ``group`` from ``computed`` to ``known`` tokens (``total`` with the
+ * lookahead) over a table of ``length`` entries, ``plan->done`` of them skipped already. */
+void kv_plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t known,
+                   Py_ssize_t total, Py_ssize_t length, GroupPlan *plan);
+/* FamilyRules.cache_range of the group's shape. */
+void kv_cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t upto,
+                    Py_ssize_t *start, Py_ssize_t *stop);
+/* FamilyRules.next_skip_position of the group's shape. */
+Py_ssize_t kv_next_skip(const GroupShape *group, Py_ssize_t num_skipped);
+/* The __dict__ of ``group``'s pool, fetched once per step per pool (borrowed from
+ * ``pool_dicts``, which holds it); NULL with an exception. */
+PyObject *kv_pool_dict_of(PyObject **pool_dicts, const GroupShape *group);
+/* An Allocated's new_block_ids: per group, tuple(taken[i]) of the holding group i that is
+ * it, () where nothing was taken (taken[i] NULL). NULL with an exception. */
+PyObject *kv_new_block_ids(const GroupsConfig *config, PyObject *const *taken);
 /* As kv_dense_grow. */
 PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *request,
                          Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks);
+
+/* admit.c: the admission of a request to an allocator whose holding groups all have one
+ * of those shapes. */
+typedef struct {
+    PyObject *freed, *prefix_type, *pools; /* borrowed from the config tuple */
+    GroupsConfig groups;
+} AdmitConfig;
+/* Parse SlotsFastPath's ``admit`` tuple; -1 with an exception. */
+int kv_admit_config(PyObject *config, AdmitConfig *out);
+/* The admission (``running``: the allocator's running states; ``prefix``: the CachedPrefix
+ * passed, or None). As kv_dense_grow. */
+PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *request,
+                   Py_ssize_t count, Py_ssize_t lookahead, PyObject *prefix);
 
 /* step.c */
 extern PyTypeObject kv_SlotsFastPath_Type;

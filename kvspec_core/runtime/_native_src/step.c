@@ -250,15 +250,16 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(-1);
 }
 
-/* SlotsFastPath(running, no_new_blocks, general, dense=None, groups=None): a callable taking
+/* SlotsFastPath(running, no_new_blocks, general, dense=None, groups=None, admit=None): a
+ * callable taking
  * allocate_slots' arguments. A call (request, n[, lookahead]) with exact ints n, lookahead
  * >= 0, for a running request whose step needs no new block, caches nothing and frees
  * nothing (as allocate_slots' first test) counts the tokens as computed and returns
  * no_new_blocks, with no Python frame. With ``dense`` (an allocator of one full-attention
  * group, see grow.c), such a call that crosses a block boundary is done by kv_dense_grow
- * when it can, and so is the admission of a request (kv_dense_admit, admit.c); with
- * ``groups`` (groups of the core's parametric rule shapes, see group_step.c), by
- * kv_groups_grow. Every other call is general(*args, **kwargs). An allocator built with the
+ * when it can; with ``groups`` (groups of the core's parametric rule shapes, see
+ * group_step.c), by kv_groups_grow. With ``admit`` (such groups, the allocator's freed ids
+ * and pools, see admit.c), the admission of a request is done by kv_admit when it can. Every other call is general(*args, **kwargs). An allocator built with the
  * kernels holds one as its allocate_slots. */
 
 typedef struct {
@@ -270,6 +271,8 @@ typedef struct {
     DenseConfig dense_config;
     PyObject *groups; /* the config tuple, or None */
     GroupsConfig groups_config;
+    PyObject *admit; /* the config tuple, or None */
+    AdmitConfig admit_config;
     vectorcallfunc vectorcall;
 } SlotsFastPath;
 
@@ -329,7 +332,7 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
     if (self->running != NULL && slots_arguments(args, nargs, kwnames, &lookahead, &prefix)) {
         int dense = self->dense != NULL && self->dense != Py_None;
         int compiled = dense || (self->groups != NULL && self->groups != Py_None);
-        int admit = dense && self->dense_config.freed != NULL;
+        int admit = self->admit != NULL && self->admit != Py_None;
         PyObject *result = NULL;
         if (prefix == Py_None) {
             PyObject *state = NULL;
@@ -349,12 +352,12 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
                 Py_DECREF(state);
             } else if (fast == 2 && admit
                        && admissible(self->running, args[0], args[1], &count)) {
-                result = kv_dense_admit(&self->dense_config, self->running, args[0], count,
-                                        lookahead, Py_None);
+                result = kv_admit(&self->admit_config, self->running, args[0], count,
+                                  lookahead, Py_None);
             }
         } else if (admit && admissible(self->running, args[0], args[1], &count)) {
-            result = kv_dense_admit(&self->dense_config, self->running, args[0], count,
-                                    lookahead, prefix);
+            result = kv_admit(&self->admit_config, self->running, args[0], count, lookahead,
+                              prefix);
         }
         if (result != NULL || PyErr_Occurred()) return result;
     }
@@ -366,10 +369,12 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
 }
 
 static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *running, *no_new_blocks, *general, *dense = Py_None, *groups = Py_None;
-    static char *names[] = {"running", "no_new_blocks", "general", "dense", "groups", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO|OO", names, &PyDict_Type, &running,
-                                     &no_new_blocks, &general, &dense, &groups))
+    PyObject *running, *no_new_blocks, *general, *dense = Py_None, *groups = Py_None,
+             *admit = Py_None;
+    static char *names[] = {"running", "no_new_blocks", "general", "dense", "groups", "admit",
+                            NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OO|OOO", names, &PyDict_Type, &running,
+                                     &no_new_blocks, &general, &dense, &groups, &admit))
         return NULL;
     if (dense != Py_None && groups != Py_None) {
         PyErr_SetString(PyExc_TypeError, "SlotsFastPath: dense or groups, not both");
@@ -383,6 +388,8 @@ static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject 
     if (dense != Py_None && kv_dense_config(dense, &config) < 0) return NULL;
     GroupsConfig groups_config = {0};
     if (groups != Py_None && kv_groups_config(groups, &groups_config) < 0) return NULL;
+    AdmitConfig admit_config = {0};
+    if (admit != Py_None && kv_admit_config(admit, &admit_config) < 0) return NULL;
     SlotsFastPath *self = (SlotsFastPath *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     Py_INCREF(running);
@@ -397,6 +404,9 @@ static PyObject *SlotsFastPath_new(PyTypeObject *type, PyObject *args, PyObject 
     Py_INCREF(groups);
     self->groups = groups; /* as dense */
     self->groups_config = groups_config;
+    Py_INCREF(admit);
+    self->admit = admit; /* as dense */
+    self->admit_config = admit_config;
     self->vectorcall = SlotsFastPath_vectorcall;
     return (PyObject *)self;
 }
@@ -407,6 +417,7 @@ static int SlotsFastPath_traverse(SlotsFastPath *self, visitproc visit, void *ar
     Py_VISIT(self->general);
     Py_VISIT(self->dense);
     Py_VISIT(self->groups);
+    Py_VISIT(self->admit);
     return 0;
 }
 
@@ -417,6 +428,7 @@ static int SlotsFastPath_clear(SlotsFastPath *self) {
     /* The config's borrowed references die with the tuple: no dense steps after a clear. */
     Py_CLEAR(self->dense);
     Py_CLEAR(self->groups);
+    Py_CLEAR(self->admit);
     return 0;
 }
 
@@ -438,10 +450,11 @@ static PyObject *SlotsFastPath_get_wrapped(SlotsFastPath *self, void *closure) {
 /* Copies and pickles rebuild it from what it refers to (a deep copy of an allocator gets a
  * fast path over the copy's own running requests). */
 static PyObject *SlotsFastPath_reduce(SlotsFastPath *self, PyObject *unused) {
-    return Py_BuildValue("O(OOOOO)", (PyObject *)Py_TYPE(self), self->running,
+    return Py_BuildValue("O(OOOOOO)", (PyObject *)Py_TYPE(self), self->running,
                          self->no_new_blocks, self->general,
                          self->dense != NULL ? self->dense : Py_None,
-                         self->groups != NULL ? self->groups : Py_None);
+                         self->groups != NULL ? self->groups : Py_None,
+                         self->admit != NULL ? self->admit : Py_None);
 }
 
 static PyMethodDef SlotsFastPath_methods[] = {
