@@ -21,6 +21,7 @@ comparisons; only steps that cross a threshold consult the family rules.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -96,8 +97,8 @@ class _Running:
 
 if native is not None:
     # The compiled steps read and write these records' slots in place (and know bare
-    # requests); they build Allocated results without a Python call.
-    native.register_types(_Running, Request, Allocated)
+    # requests); they build Allocated and CachedPrefix results without a Python call.
+    native.register_types(_Running, Request, Allocated, CachedPrefix)
 
 
 class KVCacheAllocator:
@@ -241,6 +242,14 @@ class KVCacheAllocator:
                 self._running, self._no_new_blocks, self._allocate_slots, dense,
                 None if dense is not None else groups, self._compiled_admission(groups),
             )
+            if (dense is not None and len(self.pools) == 1 and self._cacheable
+                    and type(self).find_cached_prefix is KVCacheAllocator.find_cached_prefix):
+                # Prefix lookups too (every one the kernel does not answer reaches the method).
+                self.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
+                    native.find_prefix,
+                    (self._running, dense[0], self._hasher, self._caches[0], dense[2]),
+                    self._find_cached_prefix,
+                )
 
     def _compiled_dense_step(self) -> tuple[Any, ...] | None:
         """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` itself, or None
@@ -442,6 +451,11 @@ class KVCacheAllocator:
         # Admitting with this very object at the same epochs needs no per-block check.
         self._last_prefix = prefix
         return prefix
+
+    #: The method itself, also under this name: what an instance's compiled lookup
+    #: (``native.find_prefix``, its ``find_cached_prefix`` when the kernels are built) calls
+    #: for every request it does not answer itself.
+    _find_cached_prefix = find_cached_prefix
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(

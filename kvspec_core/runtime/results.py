@@ -27,6 +27,9 @@ class CachedPrefix:
             and later requests sharing the prefix resume from it. ``None`` otherwise.
     """
 
+    # The compiled lookup builds instances by filling these slots (no __init__ call): keep
+    # them plain fields, with no converter or validator.
+
     request_id: str | int
     num_tokens: int
     block_ids: tuple[tuple[int, ...], ...]

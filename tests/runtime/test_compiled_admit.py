@@ -10,6 +10,7 @@ error, hit, block table, running state and pool field must stay equal.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import hypothesis.strategies as st
@@ -20,6 +21,7 @@ from test_allocate_step import assert_alike
 from test_dense_path import grow_on_each, outcome
 from test_native_kernels import OnPurePython, pure_python
 
+from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.pool import EVICTION_POLICIES
@@ -191,3 +193,47 @@ def test_a_hit_on_cached_free_blocks_counts_them_against_the_free_blocks() -> No
         assert side.allocate_slots(second, 0, prefix=hit)
     assert answers[0] == answers[1]
     assert_alike(sides[0], sides[1]._allocator)
+
+
+def test_prefix_lookups_of_one_full_attention_group_run_compiled() -> None:
+    allocator = make_allocator([full(2)], 24)
+    looked_up: list[Any] = []
+    method = allocator._find_cached_prefix
+
+    def spy(request: Request) -> Any:
+        looked_up.append(request.request_id)
+        return method(request)
+
+    # The compiled lookup calls the method it was built with for what it leaves to Python.
+    assert allocator.find_cached_prefix.args[1] == allocator._find_cached_prefix  # type: ignore[attr-defined]
+    allocator.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
+        native.find_prefix, allocator.find_cached_prefix.args[0], spy)  # type: ignore[attr-defined]
+    first = Request("a", [1, 2, 3, 4, 5], cache_salt="tenant")
+    assert allocator.allocate_slots(first, 5, prefix=allocator.find_cached_prefix(first))
+    second = Request("b", [1, 2, 3, 4, 9], cache_salt="tenant")
+    with pure_python():
+        reference = make_allocator([full(2)], 24)
+        reference.allocate_slots(Request("a", [1, 2, 3, 4, 5], cache_salt="tenant"), 5)
+        expected = reference.find_cached_prefix(Request("b", [1, 2, 3, 4, 9],
+                                                        cache_salt="tenant"))
+    assert allocator.find_cached_prefix(second) == expected
+    assert expected.num_tokens == 4 and expected.block_ids == (allocator.block_ids("a")[0][:2],)
+    assert looked_up == []
+    # Left to the method: a running request (refused), a prompt too short to look up, a
+    # token that cannot be hashed.
+    with pytest.raises(AllocatorError, match="already running"):
+        allocator.find_cached_prefix(first)
+    assert allocator.find_cached_prefix(Request("c", [1, 2])).num_tokens == 0
+    with pytest.raises(AllocatorError, match="token"):
+        allocator.find_cached_prefix(Request("d", [1, -2, 3, 4]))
+    assert looked_up == ["a", "c", "d"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: make_allocator([full(2)], 24, enable_prefix_caching=False),
+    lambda: make_allocator([full(2), sliding(2, 5)], 40),
+    lambda: make_allocator([full(4)], 24, hash_block_size=2),
+])
+def test_prefix_lookups_run_as_python_where_the_kernel_does_not_apply(make: Any) -> None:
+    allocator = make()
+    assert not isinstance(allocator.find_cached_prefix, functools.partial)

@@ -117,19 +117,6 @@ static PyObject *int_list(const Py_ssize_t *values, Py_ssize_t count) {
     return list;
 }
 
-/* A new _Running, every field set (new references stolen); NULL with an exception. */
-static PyObject *new_state(PyObject *values[STATE_FIELDS]) {
-    PyObject *state = NULL;
-    for (int i = 0; i < STATE_FIELDS; i++)
-        if (values[i] == NULL) goto fail;
-    if ((state = kv_state_type->tp_alloc(kv_state_type, 0)) == NULL) goto fail;
-    for (int i = 0; i < STATE_FIELDS; i++) record_set(state, kv_state_offsets[i], values[i]);
-    return state;
-fail:
-    for (int i = 0; i < STATE_FIELDS; i++) Py_XDECREF(values[i]);
-    return NULL;
-}
-
 /* Checks a group's hit table against its pool before anything changes: every entry an int
  * block id of the pool, each real block in use or a cached free block (what touch
  * requires). Counts its real blocks and those no request holds. 0, 1: leave it to the
@@ -252,17 +239,10 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
     if (groups->cacheable) {
         /* Hash before anything changes: bad token ids refuse the admission here (the
          * method raises the hasher's error). */
-        status = kv_hash_known(groups->hasher, request, upto, groups->hash_tokens, &hashes);
-        if (status < 0) goto error;
-        if (status == 0) {
-            Py_INCREF(hashes);
-        } else if ((hashes = PyObject_CallMethod(groups->hasher, "hashes", "On", request,
-                                                 upto)) == NULL) {
-            PyErr_Clear();
-            goto fallback;
-        } else if (!PyList_CheckExact(hashes)) {
-            goto fallback;
-        }
+        if ((status = kv_hash_request(groups->hasher, request, upto, groups->hash_tokens,
+                                      &hashes)) != 0)
+            goto status;
+        Py_INCREF(hashes);
     }
     /* From here on the admission happens. Revive every group's hit before any group takes
      * new blocks: groups sharing a pool would otherwise take each other's hit blocks. */
@@ -331,7 +311,8 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         [STATE_REQUEST] = (Py_INCREF(request), request),
         [STATE_NUM_SKIPPED] = int_list(num_skipped, num_groups),
     };
-    if ((state = new_state(values)) == NULL || PyDict_SetItem(running, rid, state) < 0) {
+    state = new_record(kv_state_type, kv_state_offsets, values, STATE_FIELDS);
+    if (state == NULL || PyDict_SetItem(running, rid, state) < 0) {
         Py_DECREF(per_group);
         goto error;
     }

@@ -257,7 +257,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
     const Py_ssize_t upto = known < available ? known : available;
     if (config->cacheable) {
         /* The step's preflight: hash every hash block it knows. */
-        if ((status = kv_hash_known(config->hasher, request, upto, config->hash_tokens,
+        if ((status = kv_hash_request(config->hasher, request, upto, config->hash_tokens,
                                     &hashes)) != 0)
             goto status;
         Py_INCREF(hashes);

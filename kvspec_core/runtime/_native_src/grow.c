@@ -45,42 +45,6 @@ int kv_dense_config(PyObject *config, DenseConfig *out) {
     return 0;
 }
 
-int kv_hash_known(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize_t tokens,
-                  PyObject **hashes_out) {
-    /* PrefixHasher.hashes(request, upto), for a request this hasher hashed before. */
-    const Py_ssize_t *fields = kv_request_offsets;
-    PyObject *mm_inputs = record_get(request, fields[REQUEST_MM_INPUTS]);
-    PyObject *hashes = record_get(request, fields[REQUEST_BLOCK_HASHES]);
-    PyObject *token_ids = record_get(request, fields[REQUEST_TOKEN_IDS]);
-    if (record_get(request, fields[REQUEST_HASH_OWNER]) != hasher || mm_inputs == NULL
-        || !PyTuple_CheckExact(mm_inputs) || PyTuple_GET_SIZE(mm_inputs) != 0
-        || hashes == NULL || !PyList_CheckExact(hashes) || token_ids == NULL
-        || !PyList_CheckExact(token_ids) || PyList_GET_SIZE(token_ids) < upto)
-        return 1;
-    Py_ssize_t done = PyList_GET_SIZE(hashes), target = upto / tokens;
-    if (target > done) {
-        if (done == 0) return 1; /* the first block's parent is the request's root */
-        PyObject *parent = PyList_GET_ITEM(hashes, done - 1);
-        Py_INCREF(parent);
-        Py_INCREF(token_ids);
-        int chained = kv_chain_hashes(parent, token_ids, done * tokens, target * tokens, tokens,
-                                      hashes);
-        Py_DECREF(token_ids);
-        Py_DECREF(parent);
-        if (chained < 0) {
-            /* A token that cannot be hashed: nothing was appended; the method refuses the
-             * step with its own message. */
-            if (PyErr_ExceptionMatches(PyExc_ValueError)) {
-                PyErr_Clear();
-                return 1;
-            }
-            return -1;
-        }
-    }
-    *hashes_out = hashes;
-    return 0;
-}
-
 PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
                         Py_ssize_t count, Py_ssize_t lookahead, PyObject *no_new_blocks) {
     if (Py_TYPE(state) != kv_state_type || Py_TYPE(request) != kv_request_type
@@ -137,7 +101,7 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
         if (cached_upto >= cache_from && !hash) goto fallback; /* thresholds out of step */
     }
     if (hash) {
-        if ((status = kv_hash_known(config->hasher, request, cached_upto, tokens, &hashes)) != 0)
+        if ((status = kv_hash_request(config->hasher, request, cached_upto, tokens, &hashes)) != 0)
             goto status;
         HOLD(hashes);
     }

@@ -7,6 +7,7 @@
 
 #include "blake2b.h"
 #include "kernels.h"
+#include "records.h"
 
 /* A non-negative int that fits one digit of CPython's int representation (every token id
  * of a real vocabulary): its value without a call. 0 for any other int. */
@@ -184,4 +185,51 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (PyErr_Occurred()) return NULL;
     if (kv_chain_hashes(args[0], args[1], start, stop, size, args[5]) < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+int kv_hash_request(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize_t tokens,
+                    PyObject **hashes_out) {
+    const Py_ssize_t *fields = kv_request_offsets;
+    if (Py_TYPE(request) != kv_request_type) return 1;
+    PyObject *mm_inputs = record_get(request, fields[REQUEST_MM_INPUTS]);
+    PyObject *hashes = record_get(request, fields[REQUEST_BLOCK_HASHES]);
+    PyObject *token_ids = record_get(request, fields[REQUEST_TOKEN_IDS]);
+    if (mm_inputs == NULL || !PyTuple_CheckExact(mm_inputs) || PyTuple_GET_SIZE(mm_inputs) != 0
+        || hashes == NULL || !PyList_CheckExact(hashes) || token_ids == NULL
+        || !PyList_CheckExact(token_ids) || tokens < 1)
+        return 1;
+    if (record_get(request, fields[REQUEST_HASH_OWNER]) != hasher) {
+        /* Hashes made by another hasher (another salt) are meaningless here. */
+        if (PyList_SetSlice(hashes, 0, PyList_GET_SIZE(hashes), NULL) < 0) return -1;
+        Py_INCREF(hasher);
+        record_set(request, fields[REQUEST_HASH_OWNER], hasher);
+    }
+    Py_ssize_t available = PyList_GET_SIZE(token_ids);
+    Py_ssize_t done = PyList_GET_SIZE(hashes);
+    Py_ssize_t target = (upto < available ? upto : available) / tokens;
+    if (target > done) {
+        PyObject *parent = done ? PyList_GET_ITEM(hashes, done - 1) : NULL;
+        if (parent != NULL) {
+            Py_INCREF(parent);
+        } else if ((parent = PyObject_CallMethod(hasher, "root", "O", request)) == NULL) {
+            PyErr_Clear(); /* the method raises it again, as its own error */
+            return 1;
+        }
+        Py_INCREF(token_ids);
+        int chained = kv_chain_hashes(parent, token_ids, done * tokens, target * tokens, tokens,
+                                      hashes);
+        Py_DECREF(token_ids);
+        Py_DECREF(parent);
+        if (chained < 0) {
+            /* A token that cannot be hashed: nothing was appended; the method refuses the
+             * step with its own message. */
+            if (PyErr_ExceptionMatches(PyExc_ValueError)) {
+                PyErr_Clear();
+                return 1;
+            }
+            return -1;
+        }
+    }
+    *hashes_out = hashes;
+    return 0;
 }

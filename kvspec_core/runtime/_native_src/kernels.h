@@ -17,6 +17,12 @@ PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* chain_hashes with C arguments: 0, or -1 with an exception. */
 int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssize_t stop,
                     Py_ssize_t size, PyObject *out);
+/* PrefixHasher.hashes(request, upto) for a registered Request without multimodal inputs,
+ * hash blocks of ``tokens`` tokens: 0 (``*hashes_out`` borrows its block_hashes), 1: leave
+ * it to the Python method (a token it cannot hash, another kind of request: no hash was
+ * added), -1: an error. */
+int kv_hash_request(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize_t tokens,
+                    PyObject **hashes_out);
 
 /* pool.c */
 PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -59,11 +65,6 @@ typedef struct {
 } DenseConfig;
 /* Parse SlotsFastPath's ``dense`` tuple; -1 with an exception. */
 int kv_dense_config(PyObject *config, DenseConfig *out);
-/* PrefixHasher.hashes(request, upto) for a registered Request this hasher hashed before,
- * hash blocks of ``tokens``: 0 (``*hashes_out`` borrows its block_hashes), 1: leave it to
- * the Python method (nothing changed), -1: an error. */
-int kv_hash_known(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize_t tokens,
-                  PyObject **hashes_out);
 /* The step's result (new reference); NULL without an exception: leave the step to the
  * Python method (nothing changed); NULL with one: an error. */
 PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *request,
@@ -126,6 +127,10 @@ int kv_admit_config(PyObject *config, AdmitConfig *out);
  * passed, or None). As kv_dense_grow. */
 PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *request,
                    Py_ssize_t count, Py_ssize_t lookahead, PyObject *prefix);
+
+/* find.c: find_prefix(config, method, request), find_cached_prefix of a one-group
+ * full-attention allocator. */
+PyObject *kv_py_find_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* step.c */
 extern PyTypeObject kv_SlotsFastPath_Type;

@@ -13,7 +13,8 @@
  *   records.c      register_types: the Python records read and written in place
  *   step.c         step, decode_step, SlotsFastPath: the per-step fast paths
  *   grow.c         the block-boundary step of one-group full-attention allocators
- *   admit.c        the admission of a request to such an allocator
+ *   admit.c        the admission of a request (groups of the core's rule shapes)
+ *   find.c         find_prefix: the prefix lookup of one-group full-attention allocators
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -46,7 +47,11 @@ static PyMethodDef native_methods[] = {
     {"count_unreferenced", (PyCFunction)(void (*)(void))kv_py_count_unreferenced,
      METH_FASTCALL, "count_unreferenced(blocks, refs) -> non-null blocks with ref count 0"},
     {"register_types", (PyCFunction)(void (*)(void))kv_py_register_types, METH_FASTCALL,
-     "register_types(state_class, request_class, allocated_class): the records read in place"},
+     "register_types(state_class, request_class, allocated_class, prefix_class): the records "
+     "read and written in place"},
+    {"find_prefix", (PyCFunction)(void (*)(void))kv_py_find_prefix, METH_FASTCALL,
+     "find_prefix(config, method, request) -> CachedPrefix: find_cached_prefix of a one-group "
+     "full-attention allocator"},
     {"decode_step", (PyCFunction)(void (*)(void))kv_py_decode_step, METH_FASTCALL,
      "decode_step(request_ids, tokens, running, lookahead, no_new_blocks, allocate_slots, "
      "results) -> int"},

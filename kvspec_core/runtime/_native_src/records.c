@@ -6,9 +6,9 @@
 
 #include "records.h"
 
-PyTypeObject *kv_state_type, *kv_request_type, *kv_allocated_type;
+PyTypeObject *kv_state_type, *kv_request_type, *kv_allocated_type, *kv_prefix_type;
 Py_ssize_t kv_state_offsets[STATE_FIELDS], kv_request_offsets[REQUEST_FIELDS],
-    kv_allocated_offset;
+    kv_allocated_offset, kv_prefix_offsets[PREFIX_FIELDS];
 PyObject *kv_state_names[STATE_FIELDS];
 
 static const char *state_fields[STATE_FIELDS] = {
@@ -17,6 +17,9 @@ static const char *state_fields[STATE_FIELDS] = {
 };
 static const char *request_fields[REQUEST_FIELDS] = {
     "request_id", "token_ids", "block_hashes", "_hash_owner", "mm_inputs",
+};
+static const char *prefix_fields[PREFIX_FIELDS] = {
+    "request_id", "num_tokens", "block_ids", "epochs", "checkpoint_at",
 };
 
 /* The offsets of ``count`` __slots__ fields of ``type``; -1 with TypeError if one is not. */
@@ -38,30 +41,34 @@ static int slot_offsets(PyObject *type, const char *const *names, int count,
 }
 
 PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1])
-        || !PyType_Check(args[2])) {
+    if (nargs != 4 || !PyType_Check(args[0]) || !PyType_Check(args[1])
+        || !PyType_Check(args[2]) || !PyType_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,
-                        "register_types(state_class, request_class, allocated_class)");
+                        "register_types(state_class, request_class, allocated_class, "
+                        "prefix_class)");
         return NULL;
     }
-    Py_ssize_t state[STATE_FIELDS], request[REQUEST_FIELDS], allocated;
+    Py_ssize_t state[STATE_FIELDS], request[REQUEST_FIELDS], allocated, prefix[PREFIX_FIELDS];
     static const char *allocated_fields[1] = {"new_block_ids"};
     if (slot_offsets(args[0], state_fields, STATE_FIELDS, state) < 0
         || slot_offsets(args[1], request_fields, REQUEST_FIELDS, request) < 0
-        || slot_offsets(args[2], allocated_fields, 1, &allocated) < 0)
+        || slot_offsets(args[2], allocated_fields, 1, &allocated) < 0
+        || slot_offsets(args[3], prefix_fields, PREFIX_FIELDS, prefix) < 0)
         return NULL;
     for (int i = 0; i < STATE_FIELDS; i++) {
         if (kv_state_names[i] == NULL
             && (kv_state_names[i] = PyUnicode_InternFromString(state_fields[i])) == NULL)
             return NULL;
     }
-    PyTypeObject **types[3] = {&kv_state_type, &kv_request_type, &kv_allocated_type};
-    for (int i = 0; i < 3; i++) {
+    PyTypeObject **types[4] = {&kv_state_type, &kv_request_type, &kv_allocated_type,
+                               &kv_prefix_type};
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(args[i]);
         Py_XSETREF(*types[i], (PyTypeObject *)args[i]);
     }
     memcpy(kv_state_offsets, state, sizeof state);
     memcpy(kv_request_offsets, request, sizeof request);
     kv_allocated_offset = allocated;
+    memcpy(kv_prefix_offsets, prefix, sizeof prefix);
     Py_RETURN_NONE;
 }

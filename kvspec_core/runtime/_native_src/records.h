@@ -1,5 +1,5 @@
 /* The Python records the kernels read and write in place: the allocator's per-request
- * state (``_Running``), ``Request`` and ``Allocated``, all __slots__ classes. Their slot
+ * state (``_Running``), ``Request``, ``Allocated`` and ``CachedPrefix``, all __slots__ classes. Their slot
  * offsets come from the classes' member descriptors (register_types), so a field is one
  * load instead of an attribute lookup. An object of another class is not read this way:
  * the kernels then take the general path. */
@@ -33,10 +33,20 @@ enum {
     REQUEST_FIELDS
 };
 
+/* CachedPrefix's. */
+enum {
+    PREFIX_REQUEST_ID,
+    PREFIX_NUM_TOKENS,
+    PREFIX_BLOCK_IDS,
+    PREFIX_EPOCHS,
+    PREFIX_CHECKPOINT_AT,
+    PREFIX_FIELDS
+};
+
 /* NULL until register_types ran. */
-extern PyTypeObject *kv_state_type, *kv_request_type, *kv_allocated_type;
+extern PyTypeObject *kv_state_type, *kv_request_type, *kv_allocated_type, *kv_prefix_type;
 extern Py_ssize_t kv_state_offsets[STATE_FIELDS], kv_request_offsets[REQUEST_FIELDS],
-    kv_allocated_offset;
+    kv_allocated_offset, kv_prefix_offsets[PREFIX_FIELDS];
 /* The field names, by index (interned). */
 extern PyObject *kv_state_names[STATE_FIELDS];
 
@@ -51,6 +61,22 @@ static inline void record_set(PyObject *record, Py_ssize_t offset, PyObject *val
     PyObject *old = *slot;
     *slot = value;
     Py_XDECREF(old);
+}
+
+/* A new instance of registered record class ``type`` without an __init__ call, field i at
+ * ``offsets[i]`` set to ``values[i]`` (``count`` new references, stolen; released on
+ * failure, and a NULL among them is a failure); NULL with an exception. */
+static inline PyObject *new_record(PyTypeObject *type, const Py_ssize_t *offsets,
+                                   PyObject **values, int count) {
+    PyObject *record = NULL;
+    int complete = 1;
+    for (int i = 0; i < count; i++) complete &= values[i] != NULL;
+    if (complete) record = type->tp_alloc(type, 0);
+    for (int i = 0; i < count; i++) {
+        if (record != NULL) record_set(record, offsets[i], values[i]);
+        else Py_XDECREF(values[i]);
+    }
+    return record;
 }
 
 /* Allocated(new_block_ids=per_group), its one slot filled directly (steals ``per_group``,
@@ -106,7 +132,7 @@ static inline int list_set_ssize(PyObject *list, Py_ssize_t index, Py_ssize_t va
     return PyList_SetItem(list, index, item); /* steals item */
 }
 
-/* register_types(state_class, request_class, allocated_class). */
+/* register_types(state_class, request_class, allocated_class, prefix_class). */
 PyObject *kv_py_register_types(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif
