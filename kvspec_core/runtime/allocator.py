@@ -245,6 +245,8 @@ class KVCacheAllocator:
             if (dense is not None and len(self.pools) == 1 and self._cacheable
                     and type(self).find_cached_prefix is KVCacheAllocator.find_cached_prefix):
                 # Prefix lookups too (every one the kernel does not answer reaches the method).
+                # They do not record _last_prefix: admissions then check the hit's blocks
+                # (as the compiled admission always does), with the same answers.
                 self.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
                     native.find_prefix,
                     (self._running, dense[0], self._hasher, self._caches[0], dense[2]),

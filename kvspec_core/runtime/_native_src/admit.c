@@ -268,13 +268,7 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         PyObject *table = tables[gid];
         if (groups->cacheable) {
             Py_ssize_t start, stop;
-            if (group->is_state && known > available) {
-                /* The step ends past the tokens the engine appended (drafts): the state it
-                 * saves is not the state of a known prefix, so nothing is cached. */
-                start = stop = known / tokens;
-            } else {
-                kv_cache_range(group, num_cached[gid], upto, &start, &stop);
-            }
+            kv_cache_range(group, num_cached[gid], known, available, &start, &stop);
             if (stop > start
                 && kv_pool_cache_range(group->pool, pool_dicts[group->pool_slot], gid, hashes,
                                        table, start, stop) < 0)

@@ -83,7 +83,7 @@ int kv_groups_config(PyObject *config, GroupsConfig *out) {
 }
 
 void kv_plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t known,
-                       Py_ssize_t total, Py_ssize_t length, GroupPlan *plan) {
+                   Py_ssize_t total, Py_ssize_t length, GroupPlan *plan) {
     const Py_ssize_t tokens = group->block_tokens;
     Py_ssize_t skipped = 0;
     if (group->shape == SHAPE_WINDOW)
@@ -110,10 +110,15 @@ void kv_plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t know
     plan->planned = plan->nulls || plan->real || skip > plan->done;
 }
 
-void kv_cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t upto,
-                        Py_ssize_t *start, Py_ssize_t *stop) {
-    const Py_ssize_t tokens = group->block_tokens, boundary = upto / tokens;
-    if (group->shape != SHAPE_STATE) {
+void kv_cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t known,
+                    Py_ssize_t available, Py_ssize_t *start, Py_ssize_t *stop) {
+    const Py_ssize_t tokens = group->block_tokens;
+    const Py_ssize_t upto = known < available ? known : available, boundary = upto / tokens;
+    if (group->is_state && known > available) {
+        /* The step ends past the tokens the engine appended (drafts): the state it saves is
+         * not the state of a known prefix, so nothing is cached. */
+        *start = *stop = known / tokens;
+    } else if (group->shape != SHAPE_STATE) {
         *start = num_cached;
         *stop = boundary > num_cached ? boundary : num_cached;
     } else if (upto % tokens) {
@@ -258,7 +263,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
     if (config->cacheable) {
         /* The step's preflight: hash every hash block it knows. */
         if ((status = kv_hash_request(config->hasher, request, upto, config->hash_tokens,
-                                    &hashes)) != 0)
+                                      &hashes)) != 0)
             goto status;
         Py_INCREF(hashes);
     }
@@ -302,13 +307,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
                 goto error_type;
             if (upto >= cache_from) {
                 Py_ssize_t start, stop;
-                if (group->is_state && known > available) {
-                    /* The step ends past the tokens the engine appended (drafts): the state
-                     * it saves is not the state of a known prefix, so nothing is cached. */
-                    start = stop = known / tokens;
-                } else {
-                    kv_cache_range(group, num_cached, upto, &start, &stop);
-                }
+                kv_cache_range(group, num_cached, known, available, &start, &stop);
                 if (stop > start) {
                     PyObject *pool_dict = kv_pool_dict_of(pool_dicts, group);
                     if (pool_dict == NULL) goto error;

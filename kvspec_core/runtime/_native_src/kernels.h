@@ -100,9 +100,11 @@ typedef struct {
  * lookahead) over a table of ``length`` entries, ``plan->done`` of them skipped already. */
 void kv_plan_group(const GroupShape *group, Py_ssize_t computed, Py_ssize_t known,
                    Py_ssize_t total, Py_ssize_t length, GroupPlan *plan);
-/* FamilyRules.cache_range of the group's shape. */
-void kv_cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t upto,
-                    Py_ssize_t *start, Py_ssize_t *stop);
+/* The blocks ``[start, stop)`` a step to ``known`` tokens caches, ``available`` tokens
+ * appended (FamilyRules.cache_range of the group's shape up to the known tokens; a state
+ * group's step past the appended tokens caches none). */
+void kv_cache_range(const GroupShape *group, Py_ssize_t num_cached, Py_ssize_t known,
+                    Py_ssize_t available, Py_ssize_t *start, Py_ssize_t *stop);
 /* FamilyRules.next_skip_position of the group's shape. */
 Py_ssize_t kv_next_skip(const GroupShape *group, Py_ssize_t num_skipped);
 /* The __dict__ of ``group``'s pool, fetched once per step per pool (borrowed from

@@ -251,16 +251,16 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 /* SlotsFastPath(running, no_new_blocks, general, dense=None, groups=None, admit=None): a
- * callable taking
- * allocate_slots' arguments. A call (request, n[, lookahead]) with exact ints n, lookahead
- * >= 0, for a running request whose step needs no new block, caches nothing and frees
- * nothing (as allocate_slots' first test) counts the tokens as computed and returns
+ * callable taking allocate_slots' arguments. A call (request, n[, lookahead]) with exact ints
+ * n, lookahead >= 0, for a running request whose step needs no new block, caches nothing and
+ * frees nothing (as allocate_slots' first test) counts the tokens as computed and returns
  * no_new_blocks, with no Python frame. With ``dense`` (an allocator of one full-attention
  * group, see grow.c), such a call that crosses a block boundary is done by kv_dense_grow
  * when it can; with ``groups`` (groups of the core's parametric rule shapes, see
  * group_step.c), by kv_groups_grow. With ``admit`` (such groups, the allocator's freed ids
- * and pools, see admit.c), the admission of a request is done by kv_admit when it can. Every other call is general(*args, **kwargs). An allocator built with the
- * kernels holds one as its allocate_slots. */
+ * and pools, see admit.c), the admission of a request (prefix= given or not) is done by
+ * kv_admit when it can. Every other call is general(*args, **kwargs). An allocator built
+ * with the kernels holds one as its allocate_slots. */
 
 typedef struct {
     PyObject_HEAD
