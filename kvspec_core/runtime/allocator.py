@@ -563,7 +563,10 @@ class KVCacheAllocator:
         for each, in order (results, block tables, hits and pool state alike), in one call:
         the engine's own loop over the step's requests is not needed. Refuses, with
         :class:`AllocatorError`, lists of different lengths (before anything is done) and
-        an id that names no running request (the requests before it were stepped).
+        an id that names no running request (the requests before it were stepped). When
+        ``allocate_slots`` refuses a request's step (a sampled token that cannot be hashed),
+        that token is taken back off its list and the error raised: the requests before it
+        were stepped, it and those after it are as they were.
         """
         if lookahead.__class__ is not int or lookahead < 0:
             raise AllocatorError(f"decode_step: lookahead={lookahead!r} must be an int >= 0")
@@ -606,8 +609,15 @@ class KVCacheAllocator:
             if state is None:
                 return position
             request = state.request
-            request.token_ids.append(tokens[position])
-            append(self.allocate_slots(request, 1, lookahead))
+            token = tokens[position]
+            token_list = request.token_ids
+            token_list.append(token)
+            try:
+                append(self.allocate_slots(request, 1, lookahead))
+            except BaseException:
+                if token_list and token_list[-1] is token:  # refused: nothing changes
+                    token_list.pop()
+                raise
         return -1
 
     def _step_pair(self, pair: Any, position: int, lookahead: int) -> Allocated | NotNow:

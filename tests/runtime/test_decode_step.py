@@ -1,5 +1,6 @@
 """``decode_step(ids, tokens)`` is exactly ``request.token_ids.append(token);
-allocate_slots(request, 1)`` for each running request, in order.
+allocate_slots(request, 1)`` for each running request, in order (a refused step's token is
+taken back off its list).
 
 Random traces drive two identical allocators side by side, one through that loop, the other
 through ``decode_step`` (several requests per step, repeated ones, lookahead, blocks running
@@ -52,6 +53,7 @@ def loop_of_slots(allocator, requests, tokens, lookahead):  # type: ignore[no-un
         try:
             results.append(allocator.allocate_slots(request, 1, lookahead))
         except AllocatorError as error:
+            request.token_ids.pop()  # decode_step takes a refused step's token back
             return results, str(error)
     return results, None
 
@@ -89,7 +91,8 @@ def test_decode_step_equals_appending_and_allocating_in_order(config: str, evict
                     assert str(raised) == error
             for pair in pairs:
                 if pair and pair[0].token_ids[-1:] == [-5]:
-                    # Refused (nothing changed but the token); take it back on both sides.
+                    # A token that cannot be hashed, accepted while its block was not full:
+                    # drop it on both sides, or every later step of the request is refused.
                     for request in pair:
                         request.token_ids.pop()
             assert [pair[0].token_ids for pair in running] == [
@@ -135,3 +138,20 @@ def test_decode_step_appends_to_a_request_subclass_through_its_own_list() -> Non
     assert allocator.decode_step([1], [5])[0].new_block_ids == ((3,),)
     assert request.token_ids == [1, 2, 3, 4, 5]
     assert allocator.num_computed_tokens(1) == 5
+
+
+def test_a_refused_step_takes_its_token_back_and_changes_nothing() -> None:
+    sides = (make_allocator([full(2)], 16), make_allocator([full(2)], 16))
+    pairs = [(Request(1, [1, 2, 3]), Request(1, [1, 2, 3])),
+             (Request(2, [4, 5, 6]), Request(2, [4, 5, 6]))]
+    for pair in pairs:
+        for side, request in zip(sides, pair):
+            assert side.allocate_slots(request, 3, prefix=side.find_cached_prefix(request))
+    # Request 2's token completes its second block, which cannot be hashed with it.
+    with pytest.raises(AllocatorError, match="token 3 is -5"):
+        sides[0].decode_step([1, 2, 1], [7, -5, 8])
+    sides[1].decode_step([1], [7])  # what happened: request 1 stepped, nothing else
+    assert [pair[0].token_ids for pair in pairs] == [pair[1].token_ids for pair in pairs] == [
+        [1, 2, 3, 7], [4, 5, 6]]
+    assert_alike(*sides)
+    sides[0].check_invariants()

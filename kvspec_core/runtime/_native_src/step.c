@@ -169,11 +169,25 @@ fail_pair:
     return NULL;
 }
 
+/* Remove ``token`` from the end of ``list`` where it still is, keeping the exception being
+ * raised: the step that appended it was refused. */
+static void take_back(PyObject *list, PyObject *token) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    Py_ssize_t length = PySequence_Size(list);
+    PyObject *last = length > 0 ? PySequence_GetItem(list, length - 1) : NULL;
+    if (last == token) PySequence_DelItem(list, length - 1);
+    Py_XDECREF(last);
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+}
+
 /* decode_step(request_ids, tokens, running, lookahead, no_new_blocks, allocate_slots,
  * results) -> int: for each position i of the two lists (or tuples) of one length, append
  * tokens[i] to the token_ids of running request request_ids[i] and append to ``results``
  * what allocate_slots(request, 1, lookahead) answers (no_new_blocks without a call when the
- * step needs no block, as allocate_slots' first test). Returns -1 when every request was
+ * step needs no block, as allocate_slots' first test); when allocate_slots raises, the
+ * token is taken back off the list and the error propagates. Returns -1 when every request was
  * stepped, else the position of the first id that names no running request (nothing was
  * done for it and those after it). KVCacheAllocator.decode_step's loop. */
 PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -221,14 +235,17 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
             ? record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]) : NULL;
         PyObject *token = PySequence_Fast_GET_ITEM(tokens, i);
         int fast;
+        PyObject *list; /* held: the list the token went to */
+        Py_INCREF(token);
         if (token_ids != NULL && PyList_CheckExact(token_ids)) {
             /* Appending to a list runs no Python code: the state stays this request's. */
+            Py_INCREF(token_ids);
+            list = token_ids;
             fast = PyList_Append(token_ids, token) < 0 ? -1 : fast_state(state, 1, lookahead);
         } else {
             /* A Request subclass: append as Python does, then the method's first test. */
-            PyObject *list = PyObject_GetAttrString(request, "token_ids");
+            list = PyObject_GetAttrString(request, "token_ids");
             PyObject *done = list == NULL ? NULL : PyObject_CallMethod(list, "append", "O", token);
-            Py_XDECREF(list);
             Py_XDECREF(done);
             fast = done == NULL ? -1 : 2;
         }
@@ -240,7 +257,10 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
         } else if (fast == 2) {
             PyObject *call[3] = {request, kv_one, args[3]};
             result = PyObject_Vectorcall(allocate_slots, call, 3, NULL);
+            if (result == NULL) take_back(list, token); /* refused: nothing changes */
         }
+        Py_XDECREF(list);
+        Py_DECREF(token);
         Py_DECREF(request);
         if (result == NULL) return NULL;
         int failed = PyList_Append(results, result);
