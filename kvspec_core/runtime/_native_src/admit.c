@@ -11,7 +11,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "block_queue.h"
 #include "kernels.h"
 #include "records.h"
 
@@ -117,10 +116,9 @@ static PyObject *int_list(const Py_ssize_t *values, Py_ssize_t count) {
     return list;
 }
 
-/* Checks a group's hit table against its pool before anything changes: every entry an int
- * block id of the pool, each real block in use or a cached free block (what touch
- * requires). Counts its real blocks and those no request holds. 0, 1: leave it to the
- * method, -1: an error. */
+/* Checks a group's hit table against its pool before anything changes (what touch
+ * requires) and counts its real blocks and those no request holds. 0, 1: leave it to the
+ * method (it refuses or names the bad entry), -1: an error. */
 static int check_hit(PyObject *pool_dict, PyObject *table, Py_ssize_t *num_real,
                      Py_ssize_t *num_unreferenced) {
     PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
@@ -128,29 +126,10 @@ static int check_hit(PyObject *pool_dict, PyObject *table, Py_ssize_t *num_real,
     PyObject *protected_ = evictable == NULL ? NULL : kv_pool_get(pool_dict, POOL_PROTECTED);
     if (protected_ == NULL) return -1;
     if (!PyList_CheckExact(refs)) return 1;
-    Py_ssize_t size = PyList_GET_SIZE(refs);
-    const BlockQueue *queues[2] = {as_queue(evictable, size), as_queue(protected_, size)};
-    if (queues[0] == NULL || queues[1] == NULL) return 1;
-    *num_real = *num_unreferenced = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(table); i++) {
-        PyObject *item = PyList_GET_ITEM(table, i);
-        if (!PyLong_CheckExact(item)) return 1;
-        Py_ssize_t block = PyLong_AsSsize_t(item);
-        if (block == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 1;
-        }
-        if (block == 0) continue;
-        if (block < 0 || block >= size) return 1; /* the method names the bad block */
-        PyObject *ref = PyList_GET_ITEM(refs, block);
-        if (!PyLong_CheckExact(ref)) return 1;
-        (*num_real)++;
-        if (PyLong_AsSsize_t(ref) == 0) {
-            if (!queue_has(queues[0], block) && !queue_has(queues[1], block)) return 1;
-            (*num_unreferenced)++;
-        }
-    }
-    return 0;
+    Py_ssize_t bad = kv_first_unrevivable(table, refs, evictable, protected_, num_real,
+                                          num_unreferenced);
+    if (bad == -2) PyErr_Clear(); /* an entry that is no block id */
+    return bad != -1;
 }
 
 /* BlockPool.touch(table) once check_hit passed: -1 with an exception, else 0. */
@@ -256,9 +235,9 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         for (Py_ssize_t j = 0; j < plans[i].nulls; j++)
             if (PyList_Append(table, zero) < 0) goto error;
         if (plans[i].real == 0) continue;
-        taken[i] = kv_pool_take(group->pool, pool_dicts[group->pool_slot], plans[i].real);
-        Py_ssize_t end = PyList_GET_SIZE(table);
-        if (taken[i] == NULL || PyList_SetSlice(table, end, end, taken[i]) < 0) goto error;
+        taken[i] = kv_pool_take_onto(group->pool, pool_dicts[group->pool_slot], plans[i].real,
+                                     table);
+        if (taken[i] == NULL) goto error;
     }
     Py_ssize_t end_limit = max_len + 1, known_limit = max_len + 1,
                computed_limit = PY_SSIZE_T_MAX;

@@ -285,10 +285,9 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
         for (Py_ssize_t j = 0; j < plan->nulls; j++)
             if (PyList_Append(plan->table, zero) < 0) goto error;
         if (plan->real == 0) continue;
-        taken[i] = kv_pool_take(group->pool, pool_dicts[group->pool_slot], plan->real);
+        taken[i] = kv_pool_take_onto(group->pool, pool_dicts[group->pool_slot], plan->real,
+                                     plan->table);
         if (taken[i] == NULL) goto error;
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(taken[i]); j++)
-            if (PyList_Append(plan->table, PyList_GET_ITEM(taken[i], j)) < 0) goto error;
         if (list_ssize(lists[NUM_REAL], group->gid, &value) != 0
             || list_set_ssize(lists[NUM_REAL], group->gid, value + plan->real) < 0)
             goto error;

@@ -107,9 +107,8 @@ PyObject *kv_dense_grow(const DenseConfig *config, PyObject *state, PyObject *re
     }
     /* From here on the step happens. */
     if (real > 0) {
-        if ((taken = kv_pool_take(config->pool, pool_dict, real)) == NULL) goto error;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(taken); i++)
-            if (PyList_Append(table, PyList_GET_ITEM(taken, i)) < 0) goto error;
+        if ((taken = kv_pool_take_onto(config->pool, pool_dict, real, table)) == NULL)
+            goto error;
         if (list_set_ssize(num_real, 0, real_held + real) < 0) goto error;
     }
     if (record_set_ssize(state, fields[STATE_COMPUTED], known) < 0) goto error;

@@ -31,6 +31,13 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* The position in ``blocks`` (a list) of the first non-null block a prefix hit cannot revive
+ * (out of the pool's range, or neither in use nor in one of its eviction orders), -1 if none,
+ * -2 with an exception. ``refs``: the pool's ref counts (a list); ``num_real`` and
+ * ``num_unreferenced`` (may be NULL) get the non-null blocks and those with ref count 0. */
+Py_ssize_t kv_first_unrevivable(PyObject *blocks, PyObject *refs, PyObject *evictable,
+                                PyObject *protected_, Py_ssize_t *num_real,
+                                Py_ssize_t *num_unreferenced);
 
 /* pool_access.c: a BlockPool's containers and operations for the block-boundary kernels. */
 enum {
@@ -47,6 +54,9 @@ int kv_pool_num_free(PyObject *pool_dict, Py_ssize_t *num_free);
 /* BlockPool.take(count) for a pool recording no events (a new list), or NULL with an
  * exception. The caller checked that ``count`` blocks are free. */
 PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count);
+/* kv_pool_take, the blocks also appended to the block table ``table`` (a list). */
+PyObject *kv_pool_take_onto(PyObject *pool, PyObject *pool_dict, Py_ssize_t count,
+                            PyObject *table);
 /* BlockPool._release_unchecked(blocks) for a list; -1 with an exception. */
 int kv_pool_release(PyObject *pool_dict, PyObject *blocks);
 /* BlockPool.cache_blocks(gid, digests, blocks) for lists; -1 with an exception. */

@@ -137,6 +137,29 @@ fail:
     return NULL;
 }
 
+Py_ssize_t kv_first_unrevivable(PyObject *blocks, PyObject *refs, PyObject *evictable,
+                                PyObject *protected_, Py_ssize_t *num_real,
+                                Py_ssize_t *num_unreferenced) {
+    Py_ssize_t size = PyList_GET_SIZE(refs), real = 0, unreferenced = 0;
+    BlockQueue *queues[2];
+    if (pool_queues(evictable, protected_, size, &queues[0], &queues[1]) < 0) return -2;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        if (block == -1 && PyErr_Occurred()) return -2;
+        if (!block) continue;
+        if (block < 0 || block >= size) return i;
+        Py_ssize_t refs_now = ref_of(refs, block);
+        if (refs_now == -1 && PyErr_Occurred()) return -2;
+        real++;
+        if (refs_now) continue;
+        if (!queue_has(queues[0], block) && !queue_has(queues[1], block)) return i;
+        unreferenced++;
+    }
+    if (num_real != NULL) *num_real = real;
+    if (num_unreferenced != NULL) *num_unreferenced = unreferenced;
+    return -1;
+}
+
 /* touch(blocks, refs, reused, evictable, protected, segmented, check) -> int: add a
  * reference to each non-null block; a free one leaves its eviction order; ``segmented``
  * marks each reused. With ``check``, first finds a block that is neither in use nor a cached
@@ -161,16 +184,9 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     BlockQueue *queues[2]; /* evictable, protected: by the reused flag */
     if (pool_queues(evictable, protected_, size, &queues[0], &queues[1]) < 0) return NULL;
     if (check) {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *key = PyList_GET_ITEM(blocks, i);
-            Py_ssize_t block = PyLong_AsSsize_t(key);
-            if (block == -1 && PyErr_Occurred()) return NULL;
-            if (!block) continue;
-            if (block < 0 || block >= size) return PyLong_FromSsize_t(i);
-            if (ref_of(refs, block)) continue;
-            if (!queue_has(queues[0], block) && !queue_has(queues[1], block))
-                return PyLong_FromSsize_t(i);
-        }
+        Py_ssize_t bad = kv_first_unrevivable(blocks, refs, evictable, protected_, NULL, NULL);
+        if (bad == -2) return NULL;
+        if (bad >= 0) return PyLong_FromSsize_t(bad);
     }
     char *flags = PyByteArray_AS_STRING(reused);
     for (Py_ssize_t i = 0; i < count; i++) {

@@ -140,6 +140,14 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
     return taken;
 }
 
+PyObject *kv_pool_take_onto(PyObject *pool, PyObject *pool_dict, Py_ssize_t count,
+                            PyObject *table) {
+    PyObject *taken = kv_pool_take(pool, pool_dict, count);
+    Py_ssize_t end = taken == NULL ? 0 : PyList_GET_SIZE(table);
+    if (taken != NULL && PyList_SetSlice(table, end, end, taken) < 0) Py_CLEAR(taken);
+    return taken;
+}
+
 int kv_pool_release(PyObject *pool_dict, PyObject *blocks) {
     PyObject *args[8] = {blocks, Py_False};
     static const int fields[6] = {POOL_REF_COUNTS, POOL_BLOCK_HASH, POOL_REUSED, POOL_FRESH,
