@@ -8,7 +8,10 @@ Mamba state fields...). Sources, in priority order:
    values the core does not know pass through unchanged for third-party plugins.
 2. Hybrid patterns deciding attention vs. state layers:
    ``hybrid_override_pattern`` (Nemotron-H: ``M`` Mamba, ``*`` attention, ``-``/``E``
-   MLP or MoE only: no cache, no layer), ``attn_type_list`` (MiniMax: 0 linear, 1 full),
+   MLP or MoE only: no cache, no layer) or its list form ``layers_block_type`` (``mamba``,
+   ``attention``, ``mlp``, ``moe``; transformers 5 writes ``linear_attention`` for the Mamba
+   blocks and ``full_attention`` for attention), both forms refused when they disagree,
+   ``attn_type_list`` (MiniMax: 0 linear, 1 full),
    ``attn_layer_indices`` (Bamba: the rest are Mamba),
    ``attn_layer_period`` + ``attn_layer_offset`` (Jamba: the rest are Mamba),
    ``full_attention_interval`` (Qwen3-Next: the rest are linear attention).
@@ -87,6 +90,19 @@ PARALLEL_STATE_MIXERS: Mapping[str, str] = {"falcon_h1": MAMBA}
 # Intermediate marker for "an attention layer whose variant the pattern fields decide".
 _ATTENTION = "attention"
 
+#: ``layers_block_type`` entries (the list form of ``hybrid_override_pattern`` vLLM and
+#: transformers 5 accept); ``None`` = no cache (no layer). transformers 5 renames the Mamba
+#: blocks ``linear_attention`` in this field: its Nemotron-H / Zamba models build a Mamba-2
+#: mixer for them, not a linear-attention one.
+BLOCK_TYPE_ENTRIES: Mapping[str, str | None] = {
+    "mamba": MAMBA, "linear_attention": MAMBA, "attention": _ATTENTION,
+    "full_attention": _ATTENTION, "mlp": None, "moe": None,
+}
+
+
+#: Per-layer fields whose length gives the layer count when the config states none.
+_PER_LAYER_FIELDS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
+
 
 @attrs.frozen(kw_only=True)
 class LayerSlot:
@@ -101,16 +117,18 @@ class LayerSlot:
 
 def num_layers(config: Mapping[str, Any]) -> int:
     """Decoder layer count: ``num_hidden_layers`` (or ``n_layer``/``num_layers``), else the
-    length of ``layer_types``; bounded by :data:`MAX_LAYERS`."""
+    length of ``layer_types`` (or ``layers_block_type`` / ``hybrid_override_pattern``, which
+    transformers 5 counts Nemotron-H's layers from); bounded by :data:`MAX_LAYERS`."""
     declared = optional_int(
         config, "num_hidden_layers", "n_layer", "num_layers",
         needed_for="the number of layers", maximum=MAX_LAYERS,
     )
     if declared is not None:
         return declared
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        return int_field(config, "layer_types", len(layer_types), maximum=MAX_LAYERS)
+    for field in _PER_LAYER_FIELDS:
+        per_layer = config.get(field)
+        if isinstance(per_layer, (list, str)) and per_layer:
+            return int_field(config, field, len(per_layer), maximum=MAX_LAYERS)
     raise missing_field("num_hidden_layers", needed_for="the number of layers")
 
 
@@ -148,6 +166,44 @@ def _from_hybrid_pattern(config: Mapping[str, Any], count: int) -> list[str | No
             )
         types.append(HYBRID_PATTERN_CHARS[char])
     return types
+
+
+def _from_block_type_list(config: Mapping[str, Any], count: int) -> list[str | None]:
+    types: list[str | None] = []
+    for index, entry in enumerate(_per_layer_list(config, "layers_block_type", count)):
+        if not isinstance(entry, str) or entry not in BLOCK_TYPE_ENTRIES:
+            raise ConfigError(
+                f"config field 'layers_block_type'[{index}] is {entry!r}, which kvspec does not "
+                f"know; known entries: {', '.join(repr(e) for e in BLOCK_TYPE_ENTRIES)}. Fix "
+                "the entry, or install a plugin and give 'layer_types' for this model"
+            )
+        types.append(BLOCK_TYPE_ENTRIES[entry])
+    return types
+
+
+def _describe_block(kind: str | None) -> str:
+    return "no cache (MLP / MoE)" if kind is None else kind
+
+
+def _from_hybrid_forms(config: Mapping[str, Any], count: int) -> list[str | None]:
+    """Nemotron-H's pattern string, its list form, or both when they agree layer by layer."""
+    has_pattern = config.get("hybrid_override_pattern") is not None
+    has_list = config.get("layers_block_type") is not None
+    if not has_list:
+        return _from_hybrid_pattern(config, count)
+    listed = _from_block_type_list(config, count)
+    if not has_pattern:
+        return listed
+    pattern = _from_hybrid_pattern(config, count)
+    for index, (from_pattern, from_list) in enumerate(zip(pattern, listed)):
+        if from_pattern != from_list:
+            raise ConfigError(
+                f"config fields 'hybrid_override_pattern' and 'layers_block_type' disagree at "
+                f"layer {index}: the pattern has {config['hybrid_override_pattern'][index]!r} "
+                f"({_describe_block(from_pattern)}), the list {config['layers_block_type'][index]!r} "
+                f"({_describe_block(from_list)}); keep one of the two fields"
+            )
+    return listed
 
 
 def _from_attn_type_list(config: Mapping[str, Any], count: int) -> list[str | None]:
@@ -204,8 +260,9 @@ def _mixers(config: Mapping[str, Any], count: int) -> list[str | None]:
     """Per layer: a final type, ``_ATTENTION`` (variant still open) or ``None`` (no cache)."""
     if config.get("layer_types") is not None:
         return _from_layer_types(config, count)
-    if config.get("hybrid_override_pattern") is not None:
-        return _from_hybrid_pattern(config, count)
+    if (config.get("hybrid_override_pattern") is not None
+            or config.get("layers_block_type") is not None):
+        return _from_hybrid_forms(config, count)
     if config.get("attn_type_list") is not None:
         return _from_attn_type_list(config, count)
     if config.get("attn_layer_indices") is not None:

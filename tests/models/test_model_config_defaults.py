@@ -51,12 +51,6 @@ def plan(config: dict[str, Any], manager: PluginManager, **options: Any) -> Mode
     return plan_model(config, BUDGET, PlanOptions(**options), manager, name="test")
 
 
-@pytest.fixture
-def without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``import transformers`` fail as it does where the extra is not installed."""
-    monkeypatch.setitem(sys.modules, "transformers", None)
-
-
 def mamba2_state_bytes(*, heads: int, head_dim: int, d_state: int, groups: int,
                        d_conv: int, itemsize: int = BF16) -> int:
     """Conv window ``(d_conv - 1, heads * head_dim + 2 * groups * d_state)`` plus SSM state
