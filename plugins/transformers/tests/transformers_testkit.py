@@ -58,11 +58,12 @@ def config_of(name: str, **overrides: Any) -> dict[str, Any]:
     return {**config, "initializer_range": INITIALIZER_RANGE, **overrides}
 
 
-def reference_generate(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[int, ...]:
+def reference_generate(model: torch.nn.Module, prompt: Sequence[int],
+                       new_tokens: int = NEW_TOKENS) -> tuple[int, ...]:
     """transformers' own greedy ``generate`` (default DynamicCache, default attention)."""
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     return tuple(out[0, len(prompt):].tolist())
 
 
@@ -89,3 +90,10 @@ def model_case(name: str) -> ModelCase:
     if name == "mistral":
         reference["long"] = reference_generate(model, LONG_PROMPT)
     return ModelCase(name=name, config=config, model=model, reference=reference)
+
+
+def fresh_model(name: str, **overrides: Any) -> tuple[dict[str, Any], torch.nn.Module]:
+    """A new model of test model ``name`` (same weights as :func:`model_case`'s) that no
+    engine has switched to the paged attention yet, so transformers' ``generate`` runs."""
+    config = config_of(name, **overrides)
+    return config, build_model(config, seed=0)

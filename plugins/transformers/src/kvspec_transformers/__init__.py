@@ -9,7 +9,8 @@ Every layer's cache lives in kvspec ``materialize()`` views, blocks are placed b
 """
 
 from kvspec_transformers.cache import KVSpecCache
-from kvspec_transformers.engine import EngineError, Generation, TransformersEngine
+from kvspec_transformers.engine import Generation, TransformersEngine
+from kvspec_transformers.errors import EngineError
 from kvspec_transformers.layer_adapters import (
     LayerAdapter,
     LayerBinding,

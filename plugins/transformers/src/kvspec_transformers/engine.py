@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -29,7 +30,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DummyLayer
 
 from kvspec_core import load_plugins
-from kvspec_core.errors import ConfigError, KVSpecError
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.planner import materialize
 from kvspec_core.planner.plan import KVCachePlan
@@ -39,20 +39,18 @@ from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_transformers.cache import KVSpecCache
+from kvspec_transformers.errors import EngineError
 from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding, adapter_for
 from kvspec_transformers.paged_attention import (
     ATTENTION_NAME,
     CACHE_KWARG,
     register_paged_attention,
 )
+from kvspec_transformers.prompts import prompt_token_ids_of, token_id_of
 from kvspec_transformers.step import StepContext
 
 #: Default cache budget: a few hundred-token requests of the shrunk test models.
 DEFAULT_BUDGET_BYTES = 16 << 20
-
-
-class EngineError(KVSpecError, RuntimeError):
-    """The engine could not run a request (no blocks, a bad prompt, a model it cannot bind)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +63,10 @@ class Generation:
         token_ids: the generated tokens (greedy).
         cached_tokens: prompt tokens found in the prefix cache (not recomputed).
         prefill_tokens: prompt tokens the prefill step computed (``len(prompt) - cached``).
+        finish_reason: why generation stopped, as vLLM reports it: ``"stop"`` (a stop
+            token, the last of ``token_ids``), ``"length"`` (``max_new_tokens`` reached, or
+            the sequence reached ``max_model_len``: then fewer tokens than asked), or
+            ``"error"`` (only in :attr:`EngineError.partial`).
     """
 
     request_id: str
@@ -72,6 +74,7 @@ class Generation:
     token_ids: tuple[int, ...]
     cached_tokens: int
     prefill_tokens: int
+    finish_reason: str
 
 
 class TransformersEngine:
@@ -118,6 +121,9 @@ class TransformersEngine:
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._ids = itertools.count()
+        # One request at a time: the cache's current step, the layer adapters' bound state
+        # and the allocator are shared by every call.
+        self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- binding
     def _bind(self, layers: Sequence[Any], specs: Mapping[str, Any]) -> dict[int, LayerBinding]:
@@ -157,44 +163,78 @@ class TransformersEngine:
     # ----------------------------------------------------------------- requests
     def generate(
         self,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: Iterable[Any],
         max_new_tokens: int,
         *,
         request_id: str | None = None,
         stop_token_ids: Sequence[int] = (),
     ) -> Generation:
         """Greedy decoding of ``prompt_token_ids`` for up to ``max_new_tokens`` tokens,
-        reusing any cached prefix; the request's blocks are freed (and stay cached) after."""
+        reusing any cached prefix; the request's blocks are freed (and stay cached) after.
+
+        ``prompt_token_ids``: Python ints, numpy integers or a 1-d integer array / tensor
+        (see :mod:`kvspec_transformers.prompts`). Generation stops at ``max_new_tokens``,
+        at a stop token, or where the sequence (prompt and generated tokens) reaches
+        ``max_model_len`` (``finish_reason`` ``"length"``, as vLLM). Calls from several
+        threads run one after the other (the engine computes one request at a time). If
+        the model's forward raises (or is interrupted), the error propagates and the blocks
+        whose K/V it had not written leave the prefix cache
+        (:meth:`KVCacheAllocator.discard_uncomputed`), so no later request hits them."""
         prompt = self._check_prompt(prompt_token_ids, max_new_tokens)
-        rid = request_id if request_id is not None else f"request-{next(self._ids)}"
+        stops = frozenset(self._check_stop_tokens(stop_token_ids))
+        with self._lock:
+            rid = request_id if request_id is not None else f"request-{next(self._ids)}"
+            return self._generate(rid, prompt, max_new_tokens, stops)
+
+    def _generate(self, rid: str, prompt: list[int], max_new_tokens: int,
+                  stops: frozenset[int]) -> Generation:
         request = Request(rid, list(prompt))
         prefix = self.allocator.find_cached_prefix(request)
         step_ends = self._prefill_step_ends(prefix, len(prompt))
         self._allocate(request, step_ends[0] - prefix.num_tokens, prefix)
         generated: list[int] = []
+        # Tokens whose K/V (or state) the model has written: what a failure may keep cached.
+        written = prefix.num_tokens
+        finish_reason = "length"
         try:
-            computed = prefix.num_tokens
             for end in step_ends:
-                if computed > prefix.num_tokens:
-                    self._allocate(request, end - computed, None)
-                logits = self._forward(rid, prompt[computed:end], computed)
-                computed = end
+                if written > prefix.num_tokens:
+                    self._allocate(request, end - written, None)
+                logits = self._forward(rid, prompt[written:end], written)
+                written = end
             while True:
                 token = int(torch.argmax(logits))
                 generated.append(token)
-                if len(generated) >= max_new_tokens or token in stop_token_ids:
+                # vLLM's order: the length caps first, then stop tokens.
+                if (len(generated) >= max_new_tokens
+                        or len(prompt) + len(generated) >= self.allocator.max_model_len):
+                    break
+                if token in stops:
+                    finish_reason = "stop"
                     break
                 request.append_token(token)
                 self._allocate(request, 1, None)
-                logits = self._forward(rid, [token], len(request.token_ids) - 1)
-        finally:
-            self.allocator.free(rid)
+                logits = self._forward(rid, [token], written)
+                written += 1
+        except BaseException as error:
+            if self.allocator.is_running(rid):
+                self.allocator.discard_uncomputed(rid, written)
+            if isinstance(error, EngineError) and generated:
+                error.partial = self._generation(rid, prompt, generated, prefix, "error")
+            raise
+        self.allocator.free(rid)
+        return self._generation(rid, prompt, generated, prefix, finish_reason)
+
+    @staticmethod
+    def _generation(rid: str, prompt: list[int], generated: list[int], prefix: CachedPrefix,
+                    finish_reason: str) -> Generation:
         return Generation(
             request_id=rid,
             prompt_token_ids=tuple(prompt),
             token_ids=tuple(generated),
             cached_tokens=prefix.num_tokens,
             prefill_tokens=len(prompt) - prefix.num_tokens,
+            finish_reason=finish_reason,
         )
 
     def _prefill_step_ends(self, prefix: CachedPrefix, num_tokens: int) -> list[int]:
@@ -209,27 +249,33 @@ class TransformersEngine:
                     ends.update(ask(prefix.num_tokens, num_tokens, prefix.checkpoint_at))
         return sorted(end for end in ends if end > prefix.num_tokens)
 
-    def _check_prompt(self, prompt_token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    def _check_prompt(self, prompt_token_ids: Iterable[Any], max_new_tokens: int) -> list[int]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
             max_new_tokens < 1
         ):
             raise EngineError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        prompt = list(prompt_token_ids)
-        vocab = int(getattr(self.model.config, "vocab_size"))
-        if not prompt:
-            raise EngineError("prompt_token_ids is empty; give at least one token")
-        for index, token in enumerate(prompt):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise EngineError(
-                    f"prompt_token_ids[{index}]={token!r} must be a token id in [0, {vocab})"
-                )
+        prompt = prompt_token_ids_of(prompt_token_ids, self._vocab_size())
+        limit = self.allocator.max_model_len
+        if len(prompt) > limit:
+            raise EngineError(
+                f"the prompt has {len(prompt)} tokens, more than max_model_len={limit}; "
+                "shorten it or build the engine with a larger max_model_len"
+            )
         return prompt
+
+    def _check_stop_tokens(self, stop_token_ids: Sequence[int]) -> list[int]:
+        vocab = self._vocab_size()
+        return [
+            token_id_of(token, index, vocab, field="stop_token_ids")
+            for index, token in enumerate(stop_token_ids)
+        ]
+
+    def _vocab_size(self) -> int:
+        return int(getattr(self.model.config, "vocab_size"))
 
     def _allocate(self, request: Request, num_tokens: int, prefix: CachedPrefix | None) -> None:
         result = self.allocator.allocate_slots(request, num_tokens, prefix=prefix)
         if not result:
-            if self.allocator.is_running(request.request_id):
-                self.allocator.free(request.request_id)
             raise EngineError(
                 f"request {request.request_id!r}: no slots for {num_tokens} tokens "
                 f"({getattr(result, 'reason', '?')}): {getattr(result, 'message', '')}"

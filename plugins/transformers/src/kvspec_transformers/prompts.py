@@ -1,0 +1,77 @@
+"""Prompt token ids as the engine accepts them: Python, numpy or torch integers.
+
+A tokenizer hands back lists, numpy arrays or torch tensors; all are accepted as long as each
+id is an integer (``operator.index``) in ``[0, vocab)``. Bools (``True`` would pass as 1),
+floats, strings and bytes (``list(b"ab")`` is a list of ints, but not token ids), batches
+(a 2-d ``input_ids``) and negative or out-of-vocabulary ids are refused, naming the item.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import numpy
+import torch
+
+from kvspec_transformers.errors import EngineError
+
+
+def _is_bool(token: Any) -> bool:
+    if isinstance(token, (bool, numpy.bool_)):
+        return True
+    return isinstance(token, (torch.Tensor, numpy.ndarray)) and token.dtype in (
+        torch.bool, numpy.dtype(bool)
+    )
+
+
+def token_id_of(token: Any, index: int, vocab: int, field: str = "prompt_token_ids") -> int:
+    """``token`` (item ``index`` of ``field``) as a Python int in ``[0, vocab)``."""
+    value: int | None = None
+    if not _is_bool(token):
+        try:
+            value = operator.index(token)
+        except (TypeError, ValueError, RuntimeError):
+            value = None
+    if value is None:
+        raise EngineError(
+            f"{field}[{index}]={token!r} ({type(token).__name__}{_dtype_of(token)}) must be "
+            f"a token id in [0, {vocab}): an integer (Python, numpy or a one-element torch "
+            "integer tensor), not a bool or float"
+        )
+    if not 0 <= value < vocab:
+        raise EngineError(
+            f"{field}[{index}]={token!r} must be a token id in [0, {vocab}) (the model's "
+            "vocab_size)"
+        )
+    return value
+
+
+def _dtype_of(token: Any) -> str:
+    dtype = getattr(token, "dtype", None)
+    return f", dtype {dtype}" if dtype is not None else ""
+
+
+def prompt_token_ids_of(prompt: Iterable[Any], vocab: int) -> list[int]:
+    """The prompt's ids as Python ints; refuses what is not one prompt of token ids."""
+    if isinstance(prompt, (str, bytes, bytearray)):
+        raise EngineError(
+            f"prompt_token_ids is a {type(prompt).__name__}; pass token ids (tokenize the text "
+            "first)"
+        )
+    shape = getattr(prompt, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise EngineError(
+            f"prompt_token_ids has shape {tuple(shape)}; pass one prompt's 1-d token ids "
+            "(e.g. input_ids[0] of a batch of one)"
+        )
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise EngineError(
+            f"prompt_token_ids={prompt!r} is not a sequence of token ids"
+        ) from None
+    if not items:
+        raise EngineError("prompt_token_ids is empty; give at least one token")
+    return [token_id_of(token, index, vocab) for index, token in enumerate(items)]

@@ -1,0 +1,243 @@
+"""The bridge never answers wrong silently (issue 18, item 6): threads, failed forwards,
+``max_model_len``, and prompts of numpy / torch integers.
+
+Every output is compared with transformers' own greedy ``generate`` on the same weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+import pytest
+import torch
+
+from kvspec_core.runtime import Request
+from kvspec_transformers import EngineError, Generation, TransformersEngine
+from transformers_testkit import (
+    NEW_TOKENS,
+    PREFIX,
+    PROMPT,
+    fresh_model,
+    model_case,
+    reference_generate,
+    token_ids,
+)
+
+
+def engine_for(name: str, **options: Any) -> TransformersEngine:
+    case = model_case(name)
+    return TransformersEngine(case.model, kvspec_config=case.config, **options)
+
+
+# --------------------------------------------------------------------------- threads
+def test_concurrent_generate_calls_answer_as_sequential_ones() -> None:
+    """Threads calling ``generate`` at once run one after the other: each gets
+    transformers' tokens, and the prefix cache they leave holds no mixed-up blocks (the
+    second round hits it)."""
+    config, model = fresh_model("llama")
+    prompts = [PREFIX + token_ids(5 + index, seed=20 + index) for index in range(3)]
+    prompts += [token_ids(40 + 7 * index, seed=30 + index) for index in range(3)]
+    expected = [reference_generate(model, prompt) for prompt in prompts]
+    engine = TransformersEngine(model, kvspec_config=config)
+    active = [0]
+    peak = [0]
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        active[0] -= 1
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    try:
+        for round_ in range(2):
+            results: list[Generation | None] = [None] * len(prompts)
+            errors: list[BaseException] = []
+            barrier = threading.Barrier(len(prompts))
+
+            def run(index: int) -> None:
+                barrier.wait()
+                try:
+                    results[index] = engine.generate(prompts[index], NEW_TOKENS)
+                except BaseException as error:  # reported below
+                    errors.append(error)
+
+            threads = [threading.Thread(target=run, args=(index,)) for index in range(len(prompts))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors
+            assert [result.token_ids for result in results if result] == expected
+            if round_:
+                assert all(result and result.cached_tokens >= 32 for result in results)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert peak[0] == 1  # no two forwards ever overlapped
+    assert engine.allocator.num_running == 0
+    engine.allocator.check_invariants()
+
+
+# --------------------------------------------------------------------------- failed forwards
+def fail_on_call(model: torch.nn.Module, call: int, error: type[BaseException]) -> Any:
+    """Make the second decoder layer raise ``error`` on its ``call``-th forward (1-based),
+    after the first layer has written its K/V for the step."""
+    calls = [0]
+
+    def explode(module: torch.nn.Module, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == call:
+            raise error("injected failure")
+
+    return model.model.layers[1].register_forward_pre_hook(explode)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_prefill_that_raises_leaves_no_block_cached(error: type[BaseException]) -> None:
+    """The prefill's allocation cached the prompt's four full blocks before the forward;
+    the forward raised half way: none of them may be hit afterwards."""
+    config, model = fresh_model("llama")
+    prompt = token_ids(70, seed=40)
+    expected = reference_generate(model, prompt)
+    engine = TransformersEngine(model, kvspec_config=config)
+    handle = fail_on_call(model, 1, error)
+    with pytest.raises(error, match="injected failure"):
+        engine.generate(prompt, NEW_TOKENS)
+    handle.remove()
+    assert engine.allocator.num_running == 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.find_cached_prefix(Request("peek", prompt)).num_tokens == 0
+    again = engine.generate(prompt, NEW_TOKENS)
+    assert again.cached_tokens == 0
+    assert again.token_ids == expected
+
+
+def test_a_decode_step_that_raises_keeps_only_the_written_blocks() -> None:
+    """Prompt of 61: the third decode step computes position 63, the last of block 3, whose
+    allocation cached the block; its forward raises. A follow-up turn (prompt + the three
+    tokens + one) resumes from block 2 (48 tokens, all written), not from block 3."""
+    config, model = fresh_model("llama")
+    prompt = token_ids(61, seed=41)
+    first = reference_generate(model, prompt)
+    follow_up = prompt + list(first[:3]) + token_ids(1, seed=42)
+    expected = reference_generate(model, follow_up)
+    engine = TransformersEngine(model, kvspec_config=config)
+    handle = fail_on_call(model, 4, RuntimeError)  # prefill, decode 1, 2, then 3 raises
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.generate(prompt, NEW_TOKENS)
+    handle.remove()
+    engine.allocator.check_invariants()
+    result = engine.generate(follow_up, NEW_TOKENS)
+    assert result.cached_tokens == 48
+    assert result.token_ids == expected
+
+
+# --------------------------------------------------------------------------- max_model_len
+def test_generation_stops_at_max_model_len_with_finish_reason_length() -> None:
+    """vLLM's rule: a sequence (prompt + generated) never grows past max_model_len; the
+    request finishes with what it generated and ``finish_reason`` "length"."""
+    config, model = fresh_model("llama")
+    prompt = token_ids(60, seed=43)
+    expected = reference_generate(model, prompt, 12)
+    engine = TransformersEngine(model, kvspec_config=config, max_model_len=64)
+    result = engine.generate(prompt, 12)
+    assert result.token_ids == expected[:4]
+    assert result.finish_reason == "length"
+    assert engine.allocator.num_running == 0
+    engine.allocator.check_invariants()
+    assert len(engine.generate(token_ids(64, seed=44), 12).token_ids) == 1
+    with pytest.raises(EngineError, match="65 tokens, more than max_model_len=64"):
+        engine.generate(token_ids(65, seed=44), 1)
+    short = engine.generate(prompt, 2)
+    assert short.token_ids == expected[:2] and short.finish_reason == "length"
+    stop = expected[2]
+    stopped = engine.generate(prompt, 12, stop_token_ids=[stop])
+    assert stopped.token_ids == expected[: expected.index(stop) + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def hog_all_blocks_but(engine: TransformersEngine, keep: int) -> None:
+    """Admit requests straight on the allocator until only ``keep`` blocks are free."""
+    allocator = engine.allocator
+    block = allocator.specs[0].block_size
+    index = 0
+    while allocator.usage.free_blocks > keep:
+        count = min(allocator.usage.free_blocks - keep, allocator.admission_caps[0])
+        request = Request(f"hog-{index}", token_ids(count * block, seed=100 + index))
+        assert allocator.allocate_slots(request, count * block)
+        index += 1
+
+
+def test_running_out_of_blocks_mid_decode_raises_the_engine_error_with_the_partial_output(
+) -> None:
+    config, model = fresh_model("llama")
+    prompt = token_ids(30, seed=45)
+    expected = reference_generate(model, prompt)
+    engine = TransformersEngine(model, kvspec_config=config)
+    hog_all_blocks_but(engine, 2)  # the prompt's two blocks; the 33rd token needs a third
+    with pytest.raises(EngineError, match="no slots for 1 tokens") as raised:
+        engine.generate(prompt, NEW_TOKENS, request_id="r")
+    partial = raised.value.partial
+    assert partial is not None and partial.finish_reason == "error"
+    assert partial.token_ids == expected[:3]
+    assert not engine.allocator.is_running("r")
+    engine.allocator.check_invariants()
+
+
+# --------------------------------------------------------------------------- prompt types
+CONVERSIONS: dict[str, Callable[[list[int]], Any]] = {
+    "tuple": tuple,
+    "numpy int64 array": lambda ids: numpy.array(ids, dtype=numpy.int64),
+    "numpy int32 scalars": lambda ids: [numpy.int32(token) for token in ids],
+    "numpy uint16 array": lambda ids: numpy.array(ids, dtype=numpy.uint16),
+    "torch 1-d tensor": lambda ids: torch.tensor(ids),
+    "torch int32 tensor": lambda ids: torch.tensor(ids, dtype=torch.int32),
+    "0-d torch tensors": lambda ids: [torch.tensor(token) for token in ids],
+}
+
+
+@pytest.mark.parametrize("kind", list(CONVERSIONS))
+def test_prompts_of_numpy_and_torch_integers_are_accepted(kind: str) -> None:
+    engine = engine_for("llama")
+    result = engine.generate(CONVERSIONS[kind](PROMPT), NEW_TOKENS,
+                             stop_token_ids=numpy.array([511]))
+    assert result.token_ids == model_case("llama").reference["prompt"]
+    assert result.prompt_token_ids == tuple(PROMPT)
+    assert all(type(token) is int for token in result.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([1, True], r"prompt_token_ids\[1\]=True \(bool\) must be a token id in \[0, 512\)"),
+        ([numpy.bool_(True)], r"prompt_token_ids\[0\]=.*\(bool.*\) must be a token id"),
+        (torch.tensor([True, False]), r"prompt_token_ids\[0\]=tensor\(True\).*dtype torch.bool"),
+        ([1, 2.0], r"prompt_token_ids\[1\]=2.0 \(float\) must be a token id"),
+        ([numpy.float32(3)], r"prompt_token_ids\[0\]=.*float32.*must be a token id"),
+        (torch.tensor([1.0, 2.0]), r"prompt_token_ids\[0\]=tensor\(1.\).*dtype torch.float32"),
+        ([1, -1], r"prompt_token_ids\[1\]=-1 must be a token id in \[0, 512\)"),
+        (numpy.array([3, 512]), r"prompt_token_ids\[1\]=.*512\) must be a token id in \[0, 512\) \(the model's"),
+        (torch.tensor([[1, 2]]), r"shape \(1, 2\); pass one prompt's 1-d token ids"),
+        ("hello", r"is a str; pass token ids \(tokenize the text first\)"),
+        (b"hi", r"is a bytes; pass token ids"),
+        (torch.tensor(5), r"shape \(\); pass one prompt's 1-d token ids"),
+        (5, r"prompt_token_ids=5 is not a sequence of token ids"),
+        ([], "prompt_token_ids is empty"),
+    ],
+)
+def test_bad_prompts_are_refused_naming_the_item(prompt: Any, match: str) -> None:
+    engine = engine_for("llama")
+    with pytest.raises(EngineError, match=match):
+        engine.generate(prompt, 4)
+    assert engine.allocator.num_running == 0
+
+
+def test_bad_stop_tokens_are_refused() -> None:
+    engine = engine_for("llama")
+    with pytest.raises(EngineError, match=r"stop_token_ids\[0\]=-2 must be a token id"):
+        engine.generate(PROMPT, 4, stop_token_ids=[-2])
