@@ -40,12 +40,14 @@ from kvspec_core.errors import ConfigError
 from kvspec_core.models.defaults import DEFAULT_NO_ROPE_LAYER_INTERVAL
 from kvspec_core.models.fields import (
     MAX_LAYERS,
+    first_present,
     int_field,
     missing_field,
     optional_int,
     require_int,
 )
 from kvspec_core.models.head_fields import DECODER_ONLY_FIELDS, HeadFields
+from kvspec_core.validation import MAX_FIELD_VALUE
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -99,6 +101,21 @@ BLOCK_TYPE_ENTRIES: Mapping[str, str | None] = {
     "full_attention": _ATTENTION, "mlp": None, "moe": None,
 }
 
+
+#: Scalar pattern fields -> (minimum, maximum, what they decide). transformers' config classes
+#: derive ``layer_types`` from them (Qwen3-Next's ``full_attention_interval``, Gemma's
+#: ``sliding_window_pattern``...), and a derived ``layer_types`` takes priority here, so
+#: :func:`check_pattern_fields` applies these bounds to the file's values *before* transformers
+#: reads them: a value kvspec refuses must not become a plausible derived typing.
+PATTERN_INT_FIELDS: Mapping[str, tuple[int, int, str]] = {
+    "full_attention_interval": (1, MAX_FIELD_VALUE, "Qwen3-Next-style layer typing"),
+    "attn_layer_period": (1, MAX_FIELD_VALUE, "Jamba-style layer typing"),
+    "attn_layer_offset": (0, MAX_FIELD_VALUE, "Jamba-style layer typing"),
+    "sliding_window_pattern": (1, MAX_FIELD_VALUE, "which layers slide"),
+    "_sliding_window_pattern": (1, MAX_FIELD_VALUE, "which layers slide"),
+    "max_window_layers": (0, MAX_LAYERS, "which layers slide"),
+    "no_rope_layer_interval": (1, MAX_FIELD_VALUE, "the global layers of chunked attention"),
+}
 
 #: Per-layer fields whose length gives the layer count when the config states none.
 _PER_LAYER_FIELDS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
@@ -240,19 +257,46 @@ def _from_attn_layer_indices(config: Mapping[str, Any], count: int) -> list[str 
     return [_ATTENTION if i in attention else MAMBA for i in range(count)]
 
 
-def _from_period(config: Mapping[str, Any], count: int) -> list[str | None]:
-    period = require_int(config, "attn_layer_period", needed_for="Jamba-style layer typing")
-    offset = require_int(
-        config, "attn_layer_offset", needed_for="Jamba-style layer typing", minimum=0,
-        maximum=period - 1,
+def _pattern_int(config: Mapping[str, Any], *fields: str, maximum: int | None = None) -> int:
+    """The first of ``fields`` (pattern fields of :data:`PATTERN_INT_FIELDS`) present, within
+    its bounds (``maximum`` narrowing the table's); missing ones are refused by name."""
+    found = first_present(config, *fields)
+    minimum, table_maximum, needed_for = PATTERN_INT_FIELDS[found[0] if found else fields[0]]
+    return require_int(
+        config, *fields, needed_for=needed_for, minimum=minimum,
+        maximum=table_maximum if maximum is None else maximum,
     )
+
+
+def _sliding_switch(config: Mapping[str, Any]) -> bool | None:
+    switch = config.get("use_sliding_window")
+    if switch is not None and not isinstance(switch, bool):
+        raise ConfigError(
+            f"config field 'use_sliding_window' is {switch!r}; it must be true or false (JSON "
+            "booleans). Fix 'use_sliding_window' in the model config"
+        )
+    return switch
+
+
+def check_pattern_fields(config: Mapping[str, Any]) -> None:
+    """Refuse a present pattern field (:data:`PATTERN_INT_FIELDS`, ``use_sliding_window``)
+    whose value kvspec's typing would refuse, naming the field and the fix. Run on the file's
+    own values before transformers derives ``layer_types`` from them (where ``True``, 1.5,
+    -1 or NaN would yield a plausible but wrong typing)."""
+    for field in PATTERN_INT_FIELDS:
+        if config.get(field) is not None:
+            _pattern_int(config, field)
+    _sliding_switch(config)
+
+
+def _from_period(config: Mapping[str, Any], count: int) -> list[str | None]:
+    period = _pattern_int(config, "attn_layer_period")
+    offset = _pattern_int(config, "attn_layer_offset", maximum=period - 1)
     return [_ATTENTION if i % period == offset else MAMBA for i in range(count)]
 
 
 def _from_full_interval(config: Mapping[str, Any], count: int) -> list[str | None]:
-    interval = require_int(
-        config, "full_attention_interval", needed_for="Qwen3-Next-style layer typing"
-    )
+    interval = _pattern_int(config, "full_attention_interval")
     return [_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(count)]
 
 
@@ -284,34 +328,22 @@ def _global_chunk_layers(config: Mapping[str, Any], count: int) -> set[int]:
                 "RoPE layer) per layer"
             )
         return {i for i, flag in enumerate(flags) if flag == 0}
-    interval = optional_int(
-        config, "no_rope_layer_interval", needed_for="the global layers of chunked attention"
-    )
-    interval = interval or DEFAULT_NO_ROPE_LAYER_INTERVAL
+    interval = DEFAULT_NO_ROPE_LAYER_INTERVAL
+    if config.get("no_rope_layer_interval") is not None:
+        interval = _pattern_int(config, "no_rope_layer_interval")
     return {i for i in range(count) if (i + 1) % interval == 0}
 
 
 def _sliding_layers(config: Mapping[str, Any], count: int) -> set[int]:
     """Layers that slide, from the pattern fields (no ``layer_types``)."""
-    switch = config.get("use_sliding_window")
-    if switch is not None and not isinstance(switch, bool):
-        raise ConfigError(
-            f"config field 'use_sliding_window' is {switch!r}; it must be true or false (JSON "
-            "booleans). Fix 'use_sliding_window' in the model config"
-        )
+    switch = _sliding_switch(config)
     if config.get("sliding_window") is None or switch is False:
         return set()
-    pattern = optional_int(
-        config, "sliding_window_pattern", "_sliding_window_pattern",
-        needed_for="which layers slide",
-    )
-    if pattern is not None:
+    if first_present(config, "sliding_window_pattern", "_sliding_window_pattern") is not None:
+        pattern = _pattern_int(config, "sliding_window_pattern", "_sliding_window_pattern")
         return {i for i in range(count) if (i + 1) % pattern}
     if switch is True and config.get("max_window_layers") is not None:
-        first = require_int(
-            config, "max_window_layers", needed_for="which layers slide", minimum=0,
-            maximum=MAX_LAYERS,
-        )
+        first = _pattern_int(config, "max_window_layers")
         return set(range(first, count))
     return set(range(count))
 

@@ -30,6 +30,7 @@ import torch
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.defaults import with_published_defaults
+from kvspec_core.models.layer_typing import check_pattern_fields
 from kvspec_core.models.fields import (
     DTYPE_FIELDS,
     MAX_LAYERS,
@@ -207,6 +208,8 @@ def normalize_config(config: Mapping[str, Any] | ModelConfig) -> ModelConfig:
         )
     raw = dict(config)
     stated, nested = _language_fields(raw)
+    # Before transformers derives ``layer_types`` from them (see check_pattern_fields).
+    check_pattern_fields(stated)
     note: str | None = None
     try:
         fields = _fill(stated, _transformers_fields(raw, nested))
