@@ -69,7 +69,16 @@ SHRINK_RULES: Mapping[str, Mapping[str, Any]] = {
               "num_attention_heads": 4, "num_key_value_heads": 2, "attn_rotary_emb": 8,
               "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
               "mamba_chunk_size": 16},
+    # GPT-OSS-20B: 4 layers alternating sliding / full (layer_types cut to the first 4),
+    # window 128 -> 24, attention sinks (one logit per query head) kept, 4 experts (top 2);
+    # the checkpoint's mxfp4 quantization_config is dropped (random float32 weights).
+    "gpt_oss": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2},
 }
+
+#: Fields of a real checkpoint's config that a randomly initialised model must not carry.
+DROPPED_FIELDS = ("quantization_config",)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -104,6 +113,12 @@ def shrink_config(config: Mapping[str, Any]) -> dict[str, Any]:
             f"no shrink rules for model_type={model_type!r}; known: {', '.join(sorted(SHRINK_RULES))}"
         )
     shrunk = {**text, **COMMON_SHRINK, **rules}
+    for field in DROPPED_FIELDS:
+        shrunk.pop(field, None)
+    layer_types = shrunk.get("layer_types")
+    if isinstance(layer_types, list):
+        # An explicit per-layer list keeps its pattern, cut to the shrunk depth.
+        shrunk["layer_types"] = layer_types[: shrunk["num_hidden_layers"]]
     # Token ids of the real tokenizer do not exist in a 512-token vocabulary.
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
         shrunk[field] = None

@@ -4,7 +4,8 @@
 ``AttentionInterface``. It ignores the K/V tensors the model passes in and reads every key a
 query needs from the layer's kvspec view through the request's block table (the layer
 adapter's ``read``): positions ``[spec.first_attended_position(first query), step end)``,
-masked per query to ``[spec.first_attended_position(q), q]``. No mask function is
+masked per query to ``[spec.first_attended_position(q), q]``; attention sinks (``s_aux``,
+GPT-OSS) join the softmax's denominator. No mask function is
 registered for the name, so transformers builds no mask and the family rules come only
 from the spec.
 """
@@ -74,18 +75,40 @@ def paged_attention_forward(
     values = values.to(query.dtype)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if softcap is None:
+    sinks = kwargs.get("s_aux")
+    if softcap is None and sinks is None:
         output = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=allowed, scale=scaling
         )
     else:
-        # Logit softcapping (Gemma 2) has no fused kernel: the eager formula.
+        # Logit softcapping (Gemma 2) and attention sinks (GPT-OSS) have no fused kernel:
+        # the eager formulas of transformers.
         scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        else:
+            weights = _softmax_with_sinks(scores, sinks)
         output = torch.matmul(weights, values)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``scores`` ``[1, heads, q, k]`` with one sink logit per head: the sink
+    joins each row's denominator but has no value (its column is dropped), so a head can
+    attend to "nothing". GPT-OSS's ``eager_attention_forward``, step for step."""
+    heads = scores.shape[1]
+    if sinks.numel() != heads:
+        raise ConfigError(
+            f"the attention passed s_aux (sinks) of {sinks.numel()} values for {heads} query "
+            "heads; one sink logit per head is expected"
+        )
+    column = sinks.reshape(1, heads, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, column], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
 
 
 def register_paged_attention() -> None:
