@@ -241,3 +241,43 @@ def test_bad_stop_tokens_are_refused() -> None:
     engine = engine_for("llama")
     with pytest.raises(EngineError, match=r"stop_token_ids\[0\]=-2 must be a token id"):
         engine.generate(PROMPT, 4, stop_token_ids=[-2])
+
+
+# --------------------------------------------------------------------------- plan vs model
+@pytest.mark.parametrize(
+    ("name", "override", "match"),
+    [
+        ("mistral", {"sliding_window": 4096},
+         r"layer model.layers.0: the model computes sliding_attention "
+         r"\(model.config.sliding_window=24\) but the kvspec plan has a sliding_window spec "
+         r"with sliding_window=4096 .*: set kvspec_config's sliding_window to 24"),
+        ("gemma2", {"sliding_window": 100_000},
+         r"layer model.layers.0: .*sliding_window=24\) .*sliding_window=100000 .*to 24"),
+        ("llama4", {"attention_chunk_size": 8192},
+         r"layer model.layers.0: the model computes chunked_attention "
+         r"\(model.config.attention_chunk_size=32\) .*attention_chunk_size=8192 .*to 32"),
+        ("llama", {"sliding_window": 24},
+         r"layer model.layers.0: the model computes full_attention but the kvspec plan has a "
+         r"sliding_window spec with sliding_window=24 .*\(layer_types\)"),
+    ],
+)
+def test_a_plan_that_disagrees_with_the_model_is_refused_at_start(
+    name: str, override: dict[str, Any], match: str
+) -> None:
+    """The paged attention reads what the spec says; a kvspec_config whose window or chunk
+    is not the model's would answer with wrong tokens, so the engine refuses to start."""
+    case = model_case(name)
+    with pytest.raises(EngineError, match=match):
+        TransformersEngine(case.model, kvspec_config={**case.config, **override})
+
+
+def test_a_state_layer_planned_as_attention_is_refused_at_start() -> None:
+    pytest.importorskip("kvspec_mamba", reason="kvspec-mamba (the state family) is not installed")
+    from kvspec_core.models.catalog import load_preset
+    from kvspec_transformers import build_model, shrink_config
+
+    config = shrink_config(load_preset("qwen3-next-80b"))  # layers 0-2 linear, 3 full
+    model = build_model(config, seed=0)
+    with pytest.raises(EngineError, match=r"layer model.layers.1: the model computes "
+                       r"linear_attention but the kvspec plan has a full_attention spec"):
+        TransformersEngine(model, kvspec_config={**config, "full_attention_interval": 2})

@@ -41,6 +41,7 @@ from kvspec_core.runtime.results import CachedPrefix
 from kvspec_transformers.cache import KVSpecCache
 from kvspec_transformers.errors import EngineError
 from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding, adapter_for
+from kvspec_transformers.model_layout import check_plan_against_model
 from kvspec_transformers.paged_attention import (
     ATTENTION_NAME,
     CACHE_KWARG,
@@ -109,6 +110,13 @@ class TransformersEngine:
             max_model_len=max_model_len,
         )
         self.plan: KVCachePlan = prepared.plan(budget_bytes, self.manager).plan
+        planned_layers = {name for group in self.plan.groups for name in group.layers}
+        check_plan_against_model(
+            model.config.get_text_config(),
+            {layer.index: (layer.name, prepared.specs[layer.name])
+             for layer in prepared.model.layers if layer.name in planned_layers},
+            max_model_len,
+        )
         self.buffers: KVCacheBuffers = materialize(self.plan, device="cpu")
         self.allocator = KVCacheAllocator.from_plan(
             self.plan, self.manager, enable_prefix_caching=enable_prefix_caching

@@ -1,0 +1,152 @@
+"""What each decoder layer of a transformers model computes, and the check that a kvspec plan
+agrees with it before the engine runs anything.
+
+The paged attention takes every family rule from the kvspec spec (which keys a query reads),
+never from transformers' masks. A plan made from a config that disagrees with the model (a
+``kvspec_config`` with window 4096 for a model whose layers attend over 24 tokens, a layer
+planned as attention where the model keeps a recurrent state) would answer with wrong tokens.
+:func:`check_plan_against_model` refuses it at engine start, naming the layer, both readings
+and the fix.
+
+The model's reading follows what transformers builds its masks from: ``config.layer_types``
+(``full_attention``, ``sliding_attention`` over ``config.sliding_window`` tokens,
+``chunked_attention`` over ``config.attention_chunk_size``, ``linear_attention`` / ``mamba``
+state layers); a config without ``layer_types`` slides every layer when it sets
+``sliding_window`` (Mistral), else attends fully.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvspec_core.specs.attention import AttentionSpec
+from kvspec_core.specs.base import KVSpec
+from kvspec_transformers.errors import EngineError
+
+#: ``layer_types`` values of layers that attend over cached keys.
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: ``layer_types`` values of layers that keep a conv window and a recurrent state.
+STATE_TYPES = ("linear_attention", "mamba")
+#: The config field that sets each attention type's span.
+SPAN_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
+
+
+@attrs.frozen(kw_only=True)
+class ModelLayer:
+    """What layer ``index`` of the model computes.
+
+    Attributes:
+        index: the decoder layer's index.
+        layer_type: a ``config.layer_types`` value (see :data:`ATTENTION_TYPES`,
+            :data:`STATE_TYPES`).
+        span: the sliding window or attention chunk in tokens; ``None`` for other types.
+    """
+
+    index: int
+    layer_type: str
+    span: int | None = None
+
+    def first_attended_position(self, position: int) -> int:
+        """The first key the query at ``position`` reads, as transformers' masks say."""
+        if self.layer_type == "sliding_attention" and self.span is not None:
+            return max(0, position - self.span + 1)
+        if self.layer_type == "chunked_attention" and self.span is not None:
+            return position - position % self.span
+        return 0
+
+    def describe(self) -> str:
+        if self.span is not None:
+            return f"{self.layer_type} (model.config.{SPAN_FIELDS[self.layer_type]}={self.span})"
+        return self.layer_type
+
+
+def model_layers(config: Any) -> list[ModelLayer]:
+    """Every decoder layer of the model ``config`` (a transformers config) describes."""
+    count = int(getattr(config, "num_hidden_layers"))
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        window = getattr(config, "sliding_window", None)
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * count
+    if len(layer_types) != count:
+        raise EngineError(
+            f"model.config.layer_types has {len(layer_types)} entries for "
+            f"num_hidden_layers={count}; fix the model's config"
+        )
+    layers = []
+    for index, layer_type in enumerate(layer_types):
+        field = SPAN_FIELDS.get(layer_type)
+        span = getattr(config, field, None) if field is not None else None
+        if field is not None and not (isinstance(span, int) and span > 0):
+            raise EngineError(
+                f"model layer {index} is {layer_type} but model.config.{field}={span!r} is not "
+                "a positive int; fix the model's config"
+            )
+        layers.append(ModelLayer(index=index, layer_type=str(layer_type), span=span))
+    return layers
+
+
+def describe_spec(spec: KVSpec) -> str:
+    """A spec as the error messages name it: its kind and its span, if any."""
+    for field in SPAN_FIELDS.values():
+        span = getattr(spec, field, None)
+        if span is not None:
+            return f"a {spec.kind} spec with {field}={span}"
+    return f"a {spec.kind} spec"
+
+
+def _positions(max_model_len: int, layer: ModelLayer, spec: KVSpec) -> range:
+    """Query positions where two read ranges would differ if their rules differ: up to a
+    few spans past the larger span (the rules are periodic or monotone after that)."""
+    spans = [layer.span or 0] + [getattr(spec, field, None) or 0 for field in SPAN_FIELDS.values()]
+    return range(min(max_model_len, 3 * max(spans) + 64))
+
+
+def check_plan_against_model(
+    config: Any, planned: Mapping[int, tuple[str, KVSpec]], max_model_len: int
+) -> None:
+    """Refuse a plan whose layers do not compute what the model's layers compute.
+
+    ``planned``: per model layer index, the kvspec layer name and spec of every layer the
+    plan keeps a cache for. Each model layer that attends must have an attention spec whose
+    ``first_attended_position`` equals the model's for every query position; each state
+    layer must be bound to a state (non-attention) spec.
+    """
+    fix = ("plan the model's own config (TransformersEngine(model) without kvspec_config), or "
+           "make kvspec_config agree with model.config")
+    for layer in model_layers(config):
+        name, spec = planned.get(layer.index, (f"model.layers.{layer.index}", None))
+        if layer.layer_type not in ATTENTION_TYPES + STATE_TYPES:
+            raise EngineError(
+                f"layer {name}: the model computes a {layer.layer_type!r} layer "
+                "(model.config.layer_types), which kvspec-transformers cannot check against "
+                f"the plan; it runs {', '.join(ATTENTION_TYPES + STATE_TYPES)} layers"
+            )
+        if spec is None:
+            raise EngineError(
+                f"layer {name}: the model computes {layer.describe()} but the kvspec plan "
+                f"keeps no cache for it: {fix}"
+            )
+        is_attention = isinstance(spec, AttentionSpec)
+        if (layer.layer_type in STATE_TYPES) == is_attention:
+            raise EngineError(
+                f"layer {name}: the model computes {layer.describe()} but the kvspec plan has "
+                f"{describe_spec(spec)}: {fix} (layer_types)"
+            )
+        if not isinstance(spec, AttentionSpec):
+            continue
+        for position in _positions(max_model_len, layer, spec):
+            if spec.first_attended_position(position) != layer.first_attended_position(position):
+                field = SPAN_FIELDS.get(layer.layer_type)
+                how = (f"set kvspec_config's {field} to {layer.span}, or {fix}"
+                       if field is not None and getattr(spec, field, None) is not None
+                       else f"{fix} (layer_types)")
+                raise EngineError(
+                    f"layer {name}: the model computes {layer.describe()} but the kvspec plan "
+                    f"has {describe_spec(spec)} (the query at position {position} would read "
+                    f"from key {spec.first_attended_position(position)}, the model's from "
+                    f"{layer.first_attended_position(position)}): {how}"
+                )
