@@ -123,6 +123,8 @@ class TransformersEngine:
         )
         self.bindings = self._bind(prepared.model.layers, prepared.specs)
         self.cache = KVSpecCache(self._layers())
+        if self.allocator.enable_prefix_caching:
+            self._check_resumable()
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         # transformers >= 5 names the forward argument ``cache``; earlier ``past_key_values``.
@@ -162,6 +164,18 @@ class TransformersEngine:
             adapter_for(self.bindings[index]) if index in self.bindings else DummyLayer()
             for index in range(count)
         ]
+
+    def _check_resumable(self) -> None:
+        """Prefix caching resumes state layers mid-sequence (after a hit, and at the step
+        ends a prefill is split at); refuse it where the model's mixer cannot."""
+        for adapter in self.cache.adapters:
+            reason = getattr(adapter, "no_resume_reason", None)
+            if reason is not None:
+                raise EngineError(
+                    f"layer {adapter.binding.layer_name}: {reason}; build the engine with "
+                    "enable_prefix_caching=False (every request then computes its whole "
+                    "prompt in one step from a zero state, as transformers does)"
+                )
 
     @property
     def views(self) -> dict[str, torch.Tensor]:

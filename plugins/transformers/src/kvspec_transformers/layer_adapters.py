@@ -16,6 +16,9 @@ Adapter interface (what the engine and the attention function call)::
     adapter.prefill_step_ends(start, num_tokens, checkpoint_at)   # optional: where a
                                          # prefill must end a step (state layers save a
                                          # reusable state only at a step's end)
+    adapter.no_resume_reason             # optional: why the model's mixer cannot resume a
+                                         # multi-token step from a saved state (the engine
+                                         # then refuses prefix caching); None if it can
 
 Adding a family (e.g. a state layer whose conv/SSM state lives in a state view): subclass
 the transformers base that the model's code expects (``CacheLayerMixin`` for attention,

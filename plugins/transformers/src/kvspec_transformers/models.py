@@ -75,10 +75,19 @@ SHRINK_RULES: Mapping[str, Mapping[str, Any]] = {
     "gpt_oss": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24,
                 "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2},
+    # Jamba-1.5-Mini: 4 layers, attention at index 2 (period 8 / offset 4 -> 4 / 2), Mamba-1
+    # elsewhere, MoE on odd layers (4 experts, top 2); d_state 16 and d_conv 4 kept, expand 2
+    # kept (128 channels), dt rank 256 -> 8.
+    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 2,
+              "expert_layer_period": 2, "expert_layer_offset": 1, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_dt_rank": 8,
+              "num_experts": 4, "num_experts_per_tok": 2},
 }
 
-#: Fields of a real checkpoint's config that a randomly initialised model must not carry.
-DROPPED_FIELDS = ("quantization_config",)
+#: Fields of a real checkpoint's config that a randomly initialised model must not carry
+#: (a quantization of weights it does not have; Jamba's ``use_mamba_kernels``, deprecated in
+#: transformers 5, where it only warns).
+DROPPED_FIELDS = ("quantization_config", "use_mamba_kernels")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -33,6 +33,16 @@ from kvspec_transformers.step import StepContext
 #: The state index transformers' single-state layers use (``number_of_states`` 1).
 _STATE = 0
 
+#: Mixers whose transformers code cannot resume a multi-token step from a saved state, by
+#: ``MambaSpec.mamba_type``, with the reason. Jamba's ``JambaMambaMixer`` (Mamba-1) prepends
+#: the conv window but runs ``mamba_selective_scan``, which starts every multi-token step
+#: from a zero SSM state (no ``initial_state``): a prefill resumed after a prefix hit, or
+#: split at a block boundary, would drop the state and answer with wrong tokens.
+NO_MULTI_TOKEN_RESUME = {
+    "mamba1": "transformers' Mamba-1 scan (mamba_selective_scan) starts every multi-token "
+              "step from a zero SSM state, so a prefill cannot resume from a cached state",
+}
+
 
 class StateLayer(StepDriven, LinearAttentionCacheLayerMixin):
     """The conv window and recurrent state of one state layer, in its kvspec blocks.
@@ -58,6 +68,9 @@ class StateLayer(StepDriven, LinearAttentionCacheLayerMixin):
         super().__init__(binding, number_of_states=1)
         self.spec: MambaSpec = spec
         self.mamba_cache_mode = binding.context.mamba_cache_mode
+        #: Why the model's mixer cannot resume a multi-token step from a saved state (the
+        #: engine then refuses prefix caching), or ``None`` when it can.
+        self.no_resume_reason: str | None = NO_MULTI_TOKEN_RESUME.get(spec.mamba_type)
         #: Block the current step writes its end state to.
         self.write_block = 0
 
