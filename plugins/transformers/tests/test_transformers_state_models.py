@@ -41,6 +41,7 @@ from transformers_testkit import (
     PROMPT_B,
     PREFIX,
     SHARED_PREFIX,
+    fail_on_call,
     reference_generate,
     token_ids,
 )
@@ -231,3 +232,28 @@ def test_a_shared_system_prompt_gets_a_checkpoint_the_next_request_resumes_from(
     assert result.cached_tokens == 64 and result.prefill_tokens == len(c_prompt) - 64
     # The engine switched the shared model's attention; the same seed rebuilds its weights.
     assert result.token_ids == reference_generate(build_model(config, seed=0), c_prompt)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_failed_prefill_step_keeps_only_the_states_it_saved(name: str) -> None:
+    """A 65-token prefill runs as steps of 64 and 1; the allocation of the first cached
+    four attention blocks and the state at 64, and its forward raises half way: none may be
+    hit. Then A's prefill (steps of 48 and 9) fails in its second step: the state saved at
+    48 is whole and stays findable, and B resumes there as transformers answers."""
+    config = case(name)[0]
+    model = build_model(config, seed=0)
+    long_prompt = PREFIX + token_ids(17, seed=12)
+    expected = {"long": reference_generate(model, long_prompt),
+                "b": reference_generate(model, PROMPT_B)}
+    engine = TransformersEngine(model, kvspec_config=config)
+    for prompt, call, kept in ((long_prompt, 1, 0), (PROMPT_A, 2, SHARED_PREFIX)):
+        handle = fail_on_call(model, 2, call)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            engine.generate(prompt, NEW_TOKENS)
+        handle.remove()
+        engine.allocator.check_invariants()
+        assert engine.allocator.find_cached_prefix(Request("peek", prompt)).num_tokens == kept
+    result = engine.generate(PROMPT_B, NEW_TOKENS)
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.token_ids == expected["b"]
+    assert engine.generate(long_prompt, NEW_TOKENS).token_ids == expected["long"]

@@ -20,6 +20,7 @@ from transformers_testkit import (
     NEW_TOKENS,
     PREFIX,
     PROMPT,
+    fail_on_call,
     fresh_model,
     model_case,
     reference_generate,
@@ -83,20 +84,29 @@ def test_concurrent_generate_calls_answer_as_sequential_ones() -> None:
     engine.allocator.check_invariants()
 
 
+def test_generate_from_inside_a_forward_is_refused_not_deadlocked() -> None:
+    config, model = fresh_model("llama")
+    expected = reference_generate(model, PROMPT)
+    engine = TransformersEngine(model, kvspec_config=config)
+    refusals: list[str] = []
+
+    def nested(module: torch.nn.Module, args: Any) -> None:
+        try:
+            engine.generate([1, 2, 3], 1)
+        except EngineError as error:
+            refusals.append(str(error))
+
+    handle = model.register_forward_pre_hook(nested)
+    try:
+        result = engine.generate(PROMPT, NEW_TOKENS)
+    finally:
+        handle.remove()
+    assert len(refusals) == NEW_TOKENS
+    assert "called from inside a running generate on the same thread" in refusals[0]
+    assert result.token_ids == expected
+
+
 # --------------------------------------------------------------------------- failed forwards
-def fail_on_call(model: torch.nn.Module, call: int, error: type[BaseException]) -> Any:
-    """Make the second decoder layer raise ``error`` on its ``call``-th forward (1-based),
-    after the first layer has written its K/V for the step."""
-    calls = [0]
-
-    def explode(module: torch.nn.Module, args: Any) -> None:
-        calls[0] += 1
-        if calls[0] == call:
-            raise error("injected failure")
-
-    return model.model.layers[1].register_forward_pre_hook(explode)
-
-
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_prefill_that_raises_leaves_no_block_cached(error: type[BaseException]) -> None:
     """The prefill's allocation cached the prompt's four full blocks before the forward;
@@ -105,7 +115,7 @@ def test_a_prefill_that_raises_leaves_no_block_cached(error: type[BaseException]
     prompt = token_ids(70, seed=40)
     expected = reference_generate(model, prompt)
     engine = TransformersEngine(model, kvspec_config=config)
-    handle = fail_on_call(model, 1, error)
+    handle = fail_on_call(model, 1, 1, error)
     with pytest.raises(error, match="injected failure"):
         engine.generate(prompt, NEW_TOKENS)
     handle.remove()
@@ -127,7 +137,7 @@ def test_a_decode_step_that_raises_keeps_only_the_written_blocks() -> None:
     follow_up = prompt + list(first[:3]) + token_ids(1, seed=42)
     expected = reference_generate(model, follow_up)
     engine = TransformersEngine(model, kvspec_config=config)
-    handle = fail_on_call(model, 4, RuntimeError)  # prefill, decode 1, 2, then 3 raises
+    handle = fail_on_call(model, 1, 4)  # prefill, decode 1, 2, then 3 raises
     with pytest.raises(RuntimeError, match="injected failure"):
         engine.generate(prompt, NEW_TOKENS)
     handle.remove()

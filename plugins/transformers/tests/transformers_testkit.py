@@ -97,3 +97,18 @@ def fresh_model(name: str, **overrides: Any) -> tuple[dict[str, Any], torch.nn.M
     engine has switched to the paged attention yet, so transformers' ``generate`` runs."""
     config = config_of(name, **overrides)
     return config, build_model(config, seed=0)
+
+
+def fail_on_call(model: torch.nn.Module, layer: int, call: int,
+                 error: type[BaseException] = RuntimeError) -> Any:
+    """Make decoder layer ``layer`` raise ``error("injected failure")`` on its ``call``-th
+    forward (1-based), after the layers before it wrote their K/V or state for the step (a
+    half-computed step). Returns the hook handle (``.remove()`` it)."""
+    calls = [0]
+
+    def explode(module: torch.nn.Module, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == call:
+            raise error("injected failure")
+
+    return model.model.layers[layer].register_forward_pre_hook(explode)

@@ -134,6 +134,7 @@ class TransformersEngine:
         # One request at a time: the cache's current step, the layer adapters' bound state
         # and the allocator are shared by every call.
         self._lock = threading.Lock()
+        self._running_thread: int | None = None
 
     # ----------------------------------------------------------------- binding
     def _bind(self, layers: Sequence[Any], specs: Mapping[str, Any]) -> dict[int, LayerBinding]:
@@ -204,9 +205,20 @@ class TransformersEngine:
         (:meth:`KVCacheAllocator.discard_uncomputed`), so no later request hits them."""
         prompt = self._check_prompt(prompt_token_ids, max_new_tokens)
         stops = frozenset(self._check_stop_tokens(stop_token_ids))
+        if self._running_thread == threading.get_ident():
+            # Waiting on the lock would hang this thread forever.
+            raise EngineError(
+                "generate was called from inside a running generate on the same thread (a "
+                "model hook?); the engine computes one request at a time: call it after the "
+                "first returns"
+            )
         with self._lock:
-            rid = request_id if request_id is not None else f"request-{next(self._ids)}"
-            return self._generate(rid, prompt, max_new_tokens, stops)
+            self._running_thread = threading.get_ident()
+            try:
+                rid = request_id if request_id is not None else f"request-{next(self._ids)}"
+                return self._generate(rid, prompt, max_new_tokens, stops)
+            finally:
+                self._running_thread = None
 
     def _generate(self, rid: str, prompt: list[int], max_new_tokens: int,
                   stops: frozenset[int]) -> Generation:
