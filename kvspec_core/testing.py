@@ -30,6 +30,11 @@ import pytest
 
 from kvspec_core.context import SizingContext
 from kvspec_core.models.ingest import model_layers
+from kvspec_core.planner.spec_answers import (
+    SpecAnswerError,
+    check_spec_answers,
+    checked_blocks_per_request,
+)
 from kvspec_core.plugins.layer_config import LayerConfig, PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.plugins.records import PluginInfo
@@ -76,11 +81,22 @@ def check_spec_protocol(
     which rule broke.
 
     * its kind is registered in ``manager`` and it survives a JSON round trip;
-    * merging it with an equal copy gives the spec back;
+    * every value the planner reads is usable: sizes and counts are positive ints (never a
+      bool, 0, a negative or a str), the admission cap a non-negative int, flags bools;
+    * merging it with an equal copy gives the spec back (that ``merge`` is a classmethod,
+      registration checks);
     * startup sizing equals admission cap × page size (one formula for both);
     * per-request memory never decreases as ``max_model_len`` grows.
     """
     entry = manager.spec_kinds.entry_of(spec)
+    try:
+        check_spec_answers(spec, "the spec under test")
+        for max_len in max_model_lens:
+            checked_blocks_per_request(spec, SizingContext(max_model_len=max_len),
+                                       "the spec under test")
+    except SpecAnswerError as error:
+        raise AssertionError(str(error)) from error
+
     if entry.spec_class is not type(spec):
         # Found only through an ancestor: serialised, it would come back as that ancestor.
         raise AssertionError(

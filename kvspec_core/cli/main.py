@@ -15,13 +15,13 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvspec_core import __version__
 from kvspec_core.errors import KVSpecError
 from kvspec_core.plugins.loading import PluginLoadWarning
-from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.plugins.manager import PluginHookWarning, PluginManager
 
 #: Subcommand modules under ``kvspec_core.cli``, in help order.
 COMMANDS = ("plugins_cmd", "models_cmd", "plan_cmd", "simulate_cmd")
@@ -85,10 +85,26 @@ def _run(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         manager = load_manager()
-        return int(args.handler(args, manager))
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", PluginHookWarning)
+            warnings.showwarning = _plugin_warnings_as_lines(warnings.showwarning)
+            return int(args.handler(args, manager))
     except KVSpecError as error:
         print(f"kvspec: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _plugin_warnings_as_lines(show: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints a :class:`PluginHookWarning` (a plugin's hook
+    failed where another plugin's answer stands) as one ``kvspec: warning:`` line and hands
+    every other warning to ``show``."""
+    def show_warning(message: Warning | str, category: type[Warning], *rest: Any,
+                     **options: Any) -> None:
+        if issubclass(category, PluginHookWarning):
+            print(f"kvspec: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, *rest, **options)
+    return show_warning
 
 
 class _OutputFailure(Exception):

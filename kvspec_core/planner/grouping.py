@@ -28,6 +28,11 @@ from kvspec_core.errors import InvalidFieldTypeError, MergeError, PlanError
 from kvspec_core.planner.geometry import SlotShape, cell_shape, slot_shape
 from kvspec_core.planner.layouts import KVCacheLayout
 from kvspec_core.planner.plan import specs_per_layer
+from kvspec_core.planner.spec_answers import (
+    check_spec_answers,
+    checked_blocks_per_request,
+    checked_merge,
+)
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
@@ -76,7 +81,8 @@ def slot_runs(draft: GroupDraft, layout: KVCacheLayout) -> tuple[tuple[SlotShape
 
 
 def validate_layer_specs(layer_specs: Mapping[str, KVSpec], manager: PluginManager) -> None:
-    """Refuse anything but a non-empty mapping of layer name -> registered spec."""
+    """Refuse anything but a non-empty mapping of layer name -> registered spec whose
+    answers the planner can use (each distinct spec object checked once)."""
     if not isinstance(layer_specs, Mapping):
         raise InvalidFieldTypeError(
             "plan_kv_cache", "layer_specs", type(layer_specs).__name__,
@@ -94,6 +100,16 @@ def validate_layer_specs(layer_specs: Mapping[str, KVSpec], manager: PluginManag
                 "plan_kv_cache", f"layer_specs[{name!r}]", spec, "expected a KVSpec"
             )
         manager.spec_kinds.entry_of(spec)
+    checked: set[int] = set()
+    for name, spec in layer_specs.items():
+        if id(spec) not in checked:
+            check_spec_answers(spec, f"layer {name}")
+            checked.add(id(spec))
+
+
+def _group_name(layers: list[str]) -> str:
+    return f"layer {layers[0]}" if len(layers) == 1 else \
+        f"the group of layers {layers[0]}..{layers[-1]} ({len(layers)} layers)"
 
 
 def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str], KVSpec]]:
@@ -108,7 +124,8 @@ def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str
             if type(members[0]) is not type(spec):
                 continue
             try:
-                merged = type(spec).merge([*members, spec], [*member_names, layers[0]])
+                merged = checked_merge(type(spec), [*members, spec], [*member_names, layers[0]],
+                                       _group_name([*member_names, layers[0]]))
             except MergeError:
                 continue
             buckets[index] = ([*members, spec], [*member_names, layers[0]],
@@ -120,7 +137,8 @@ def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str
     result = []
     for members, member_names, layers, merged in buckets:
         if len(members) == 1:
-            merged = type(members[0]).merge(members, member_names)
+            merged = checked_merge(type(members[0]), members, member_names, _group_name(layers))
+        check_spec_answers(merged, _group_name(layers))
         result.append((sorted(layers, key=order.__getitem__), merged))
     return result
 
@@ -152,10 +170,10 @@ def group_layers(
 ) -> tuple[list[GroupDraft], list[str]]:
     """The groups of ``layer_specs`` and the layers that need no memory."""
     validate_layer_specs(layer_specs, manager)
-    memoryless = [name for name, spec in layer_specs.items()
-                  if spec.max_blocks_per_request(ctx) == 0]
-    live = {name: spec for name, spec in layer_specs.items()
-            if spec.max_blocks_per_request(ctx) != 0}
+    demands = {name: checked_blocks_per_request(spec, ctx, f"layer {name}")
+               for name, spec in layer_specs.items()}
+    memoryless = [name for name, demand in demands.items() if demand == 0]
+    live = {name: spec for name, spec in layer_specs.items() if demands[name] != 0}
     if not live:
         return [], memoryless
     buckets = _merge_buckets(list(live), list(live.values()))

@@ -27,6 +27,7 @@ from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slo
 from kvspec_core.planner.layouts import DIM_B, DIM_L, KVCacheLayout, get_layout
 from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor, PlannedGroup, Pool
 from kvspec_core.planner.plugin_faults import plugin_faults_named
+from kvspec_core.planner.spec_answers import checked_blocks_per_request
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
@@ -143,7 +144,11 @@ def _skeleton(
 
 
 def _demands(skeleton: _Skeleton, ctx: SizingContext) -> tuple[list[int], list[int]]:
-    per_group = [draft.spec.max_blocks_per_request(ctx) for draft in skeleton.drafts]
+    per_group = [
+        checked_blocks_per_request(
+            draft.spec, ctx, f"the group of layers {draft.layers[0]}..{draft.layers[-1]}")
+        for draft in skeleton.drafts
+    ]
     per_pool = [sum(per_group[i] for i in pool.group_ids) for pool in skeleton.pools]
     return per_group, per_pool
 

@@ -55,6 +55,8 @@ def load_entry_points(manager: PluginManager, environ: Mapping[str, str] | None 
     env = os.environ if environ is None else environ
     allow = allowed_names(env)
     strict = is_strict(env)
+    if strict:
+        manager.strict_plugins = True
     by_name: dict[str, list[importlib_metadata.EntryPoint]] = {}
     for entry_point in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
         by_name.setdefault(entry_point.name, []).append(entry_point)

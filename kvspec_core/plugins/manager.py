@@ -6,6 +6,7 @@ attributed to the plugin that caused them and never abort another plugin's call.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,10 @@ from kvspec_core.specs.base import KVSpec
 from kvspec_core.version import __version__
 
 
+class PluginHookWarning(UserWarning):
+    """A plugin's hook failed where another plugin's answer stands; planning goes on."""
+
+
 class PluginManager:
     """Plugins, spec kinds, KV dtypes and runtime rules of one kvspec session.
 
@@ -37,7 +42,7 @@ class PluginManager:
     to add installed plugins.
     """
 
-    def __init__(self, *, include_core: bool = True) -> None:
+    def __init__(self, *, include_core: bool = True, strict_plugins: bool = False) -> None:
         self._pm = pluggy.PluginManager(PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
         self.spec_kinds = SpecRegistry()
@@ -47,6 +52,10 @@ class PluginManager:
         self.failures: list[PluginFailure] = []
         #: Kinds refused because several plugins claimed them (entry-point loading).
         self.kind_conflicts: list[KindConflictError] = []
+        #: Whether a plugin's faulty hook answer is an error even where another plugin's
+        #: answer stands (``KVSPEC_STRICT_PLUGINS=1`` at :meth:`load_entry_points` sets it).
+        self.strict_plugins = strict_plugins
+        self._warned_layer_hook_faults: set[str] = set()
         if include_core:
             from kvspec_core.plugins import builtin
 
@@ -257,31 +266,39 @@ class PluginManager:
         """Load installed plugins from the ``kvspec.plugins`` entry-point group.
 
         Honors ``KVSPEC_PLUGINS`` and ``KVSPEC_STRICT_PLUGINS`` from ``environ`` (default:
-        ``os.environ``). Idempotent: plugins already loaded are skipped.
+        ``os.environ``); strict mode also sets :attr:`strict_plugins`. Idempotent: plugins
+        already loaded are skipped.
         """
         loading.load_entry_points(self, environ)
 
     # ----------------------------------------------------------------- typed hook calls
     def layer_specs(self, layer: LayerConfig) -> list[tuple[str, KVSpec]]:
-        """Every (plugin name, spec) claim for ``layer``, in registration order."""
+        """Every (plugin name, spec) claim for ``layer``, in registration order.
+
+        A plugin whose hook raises (anything but a kvspec error, which is a deliberate
+        refusal) or returns something other than a spec or ``None`` is isolated: when another
+        plugin claims the layer, its fault is a :class:`PluginHookWarning` (once per plugin)
+        and the other claims stand; when none does, or under :attr:`strict_plugins`, it is a
+        :class:`PluginError` naming the plugin, its distribution, the layer and the fix.
+        """
         claims: list[tuple[str, KVSpec]] = []
+        faults: list[tuple[str, str, Exception | None]] = []
         for plugin_name, impl in self._impls_in_order("kvspec_layer_spec"):
             try:
                 spec = self._call_impl(impl, layer=layer)
             except KVSpecError:
                 raise
             except Exception as error:
-                raise PluginError(
-                    f"plugin {plugin_name!r} raised {type(error).__name__} in kvspec_layer_spec "
-                    f"for layer {layer.name} ({layer.layer_type}): {error}"
-                ) from error
+                faults.append((plugin_name, f"raised {type(error).__name__} in kvspec_layer_spec "
+                               f"for layer {layer.name} ({layer.layer_type}): {error}", error))
+                continue
             if spec is None:
                 continue
             if not isinstance(spec, KVSpec):
-                raise PluginError(
-                    f"plugin {plugin_name!r} returned {spec!r} for layer {layer.name}; "
-                    "kvspec_layer_spec must return a KVSpec or None"
-                )
+                faults.append((plugin_name, f"returned {spec!r} for layer {layer.name} "
+                               f"({layer.layer_type}); kvspec_layer_spec must return a KVSpec "
+                               "or None", None))
+                continue
             try:
                 self.spec_kinds.entry_of(spec)
             except (UnknownNameError, MissingFamilyError) as error:
@@ -293,7 +310,32 @@ class PluginManager:
                     f"{layer.name}: {error}"
                 ) from error
             claims.append((plugin_name, spec))
+        for plugin_name, fault, cause in faults:
+            self._layer_hook_fault(plugin_name, fault, cause, claims)
         return claims
+
+    def _layer_hook_fault(self, plugin_name: str, fault: str, cause: Exception | None,
+                          claims: list[tuple[str, KVSpec]]) -> None:
+        """Refuse or warn about one plugin's faulty ``kvspec_layer_spec`` answer (see
+        :meth:`layer_specs`)."""
+        info = self._infos[plugin_name]
+        label = f"plugin {plugin_name!r}" + (
+            f" (distribution {info.distribution})" if info.distribution else "")
+        fix = ("This is a bug of that plugin; report it to its authors, or leave it out with "
+               f"{loading.ALLOW_LIST_VAR} (the comma-separated plugin names to load)")
+        if self.strict_plugins or not claims:
+            why = (f"{loading.STRICT_VAR}=1 makes any plugin fault an error" if claims
+                   else "no other plugin claims that layer")
+            raise PluginError(f"{label} {fault}; {why}. {fix}") from cause
+        if plugin_name in self._warned_layer_hook_faults:
+            return
+        self._warned_layer_hook_faults.add(plugin_name)
+        owners = ", ".join(repr(owner) for owner, _ in claims)
+        warnings.warn(
+            f"{label} {fault}; ignored, as plugin {owners} claims the layer (further faults of "
+            f"this plugin are not repeated; {loading.STRICT_VAR}=1 makes them errors). {fix}",
+            PluginHookWarning, stacklevel=4,
+        )
 
     def runtime_rules(self, kind: str) -> Any | None:
         """Rules a plugin registered for ``kind``, or ``None`` (full attention's apply)."""

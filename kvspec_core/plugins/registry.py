@@ -39,6 +39,20 @@ def _check_merge_declarations(spec_class: type[KVSpec], owner: str) -> None:
         )
 
 
+def _check_merge_is_classmethod(spec_class: type[KVSpec], owner: str) -> None:
+    """The planner calls ``SpecClass.merge(specs, layer_names)`` on the class; an instance
+    method there would take the list of specs for ``self`` and fail far from the plugin."""
+    for klass in spec_class.__mro__:
+        if "merge" in klass.__dict__:
+            if not isinstance(klass.__dict__["merge"], classmethod):
+                raise PluginError(
+                    f"plugin {owner!r} registered {spec_class.__name__}, whose merge (defined "
+                    f"in {klass.__name__}) is not a classmethod; declare it as @classmethod "
+                    "def merge(cls, specs, layer_names=()) -> one spec for the group"
+                )
+            return
+
+
 class SpecRegistry:
     """Spec kinds known to one plugin manager; never global."""
 
@@ -61,6 +75,7 @@ class SpecRegistry:
                 "decorate it with @attrs.frozen(kw_only=True)"
             )
         _check_merge_declarations(spec_class, owner)
+        _check_merge_is_classmethod(spec_class, owner)
         kind = spec_class.__dict__.get("kind")
         if not isinstance(kind, str) or not kind:
             raise PluginError(

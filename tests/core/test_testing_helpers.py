@@ -237,6 +237,76 @@ def test_a_spec_breaking_a_rule_is_reported(spec_class: type, message: str) -> N
             check_spec_protocol(_llama_like(spec_class), manager)
 
 
+@attrs.frozen(kw_only=True)
+class _EmptyCellSpec(FullAttentionSpec):
+    """Cells of 0 bytes: the budget split used to divide by zero."""
+
+    kind = "empty_cell_test"
+
+    @property
+    def state_content_size_bytes(self):  # type: ignore[no-untyped-def]
+        return 0
+
+
+@attrs.frozen(kw_only=True)
+class _TextPageSpec(FullAttentionSpec):
+    """A page size given as text."""
+
+    kind = "text_page_test"
+
+    @property
+    def page_size_bytes(self):  # type: ignore[no-untyped-def]
+        return "4096"
+
+
+@attrs.frozen(kw_only=True)
+class _BoolHeadsSpec(FullAttentionSpec):
+    """A head count that is a bool (an int to Python)."""
+
+    kind = "bool_heads_test"
+
+    @property
+    def num_heads(self):  # type: ignore[no-untyped-def]
+        return True
+
+
+@attrs.frozen(kw_only=True)
+class _NegativeCapSpec(FullAttentionSpec):
+    """A negative admission cap, consistent with its startup sizing and never decreasing."""
+
+    kind = "negative_cap_test"
+
+    def max_blocks_per_request(self, ctx):  # type: ignore[no-untyped-def]
+        return -8
+
+
+class _AnswerKinds:
+    """Registers the kinds whose answers are unusable, as a plugin would."""
+
+    kvspec_contract_version = CONTRACT_VERSION
+
+    @staticmethod
+    @hookimpl
+    def kvspec_register_spec_kinds(register):  # type: ignore[no-untyped-def]
+        for cls in (_EmptyCellSpec, _TextPageSpec, _BoolHeadsSpec, _NegativeCapSpec):
+            register(cls)
+
+
+@pytest.mark.parametrize("spec_class, message", [
+    (_EmptyCellSpec, "_EmptyCellSpec.state_content_size_bytes .* returned 0 .* positive int"),
+    (_TextPageSpec, "_TextPageSpec.page_size_bytes .* returned '4096' .type str."),
+    (_BoolHeadsSpec, "_BoolHeadsSpec.num_heads .* returned True .type bool."),
+    (_NegativeCapSpec, "_NegativeCapSpec.max_blocks_per_request .* returned -8 .* non-negative"),
+])
+def test_a_spec_answering_an_unusable_size_is_reported(spec_class: type, message: str) -> None:
+    """Each of these passed the protocol and then broke the planner (ZeroDivisionError,
+    TypeError) or planned more requests than fit (the negative cap)."""
+    manager = PluginManager()
+    with registered(manager, _AnswerKinds(), "answer_kinds"):
+        with pytest.raises(AssertionError, match=message):
+            check_spec_protocol(_llama_like(spec_class), manager)
+
+
 def test_an_unregistered_kind_is_refused() -> None:
     with pytest.raises(Exception, match="two_formula_test"):
         check_spec_protocol(_llama_like(_TwoFormulaSpec), PluginManager())

@@ -21,29 +21,59 @@ class PluginBug(Exception):
     """What a buggy plugin raises."""
 
 
+#: method -> what it answers when ``FaultySpec.answers`` names it (a bad answer, no raise).
+BAD_ANSWERS: dict[str, object] = {
+    "state_content_size_bytes": 0,
+    "page_size_bytes": "4096",
+    "num_heads": True,
+    "max_blocks_per_request": -3,
+    "host_resident": 1,
+    "merge": "not a spec",
+}
+
+
 @attrs.frozen(kw_only=True)
 class FaultySpec(FullAttentionSpec):
-    """Full attention whose method ``broken`` raises (when ``broken`` names one)."""
+    """Full attention whose method ``broken`` raises (when ``broken`` names one) and whose
+    method ``answers`` returns its bad answer from :data:`BAD_ANSWERS`."""
 
     kind: ClassVar[str] = "faulty_attention"
     broken: str = ""
+    answers: str = ""
 
     @property
-    def page_size_bytes(self) -> int:
+    def page_size_bytes(self) -> Any:
         if self.broken == "page_size_bytes":
             raise PluginBug("page size went missing")
-        return super().page_size_bytes
+        return self._answer("page_size_bytes", super().page_size_bytes)
 
-    def max_blocks_per_request(self, ctx: SizingContext) -> int:
+    @property
+    def state_content_size_bytes(self) -> Any:
+        return self._answer("state_content_size_bytes", super().state_content_size_bytes)
+
+    @property
+    def num_heads(self) -> Any:
+        return self._answer("num_heads", super().num_heads)
+
+    @property
+    def host_resident(self) -> Any:
+        return self._answer("host_resident", super().host_resident)
+
+    def max_blocks_per_request(self, ctx: SizingContext) -> Any:
         if self.broken == "max_blocks_per_request":
             raise PluginBug("no idea how many blocks")
-        return super().max_blocks_per_request(ctx)
+        return self._answer("max_blocks_per_request", super().max_blocks_per_request(ctx))
 
     @classmethod
     def merge(cls, specs: Sequence[Any], layer_names: Sequence[str] = ()) -> Any:
         if specs and specs[0].broken == "merge":
             raise PluginBug("cannot merge")
+        if specs and specs[0].answers == "merge":
+            return BAD_ANSWERS["merge"]
         return super().merge(specs, layer_names)
+
+    def _answer(self, method: str, sound: object) -> Any:
+        return BAD_ANSWERS[method] if self.answers == method else sound
 
 
 class FaultyPlugin:
@@ -60,9 +90,9 @@ def manager_with_faulty_plugin() -> PluginManager:
     return manager
 
 
-def faulty_layers(broken: str) -> dict[str, FaultySpec]:
+def faulty_layers(broken: str = "", answers: str = "") -> dict[str, FaultySpec]:
     return {f"model.layers.{i}": FaultySpec(block_size=16, num_kv_heads=2, head_size=64,
-                                            dtype=torch.bfloat16, broken=broken)
+                                            dtype=torch.bfloat16, broken=broken, answers=answers)
             for i in range(3)}
 
 
@@ -90,3 +120,23 @@ def test_kvspec_errors_and_sound_specs_are_untouched() -> None:
     assert plan.groups[0].kind == "faulty_attention"
     with pytest.raises(CapacityError):
         plan_kv_cache(faulty_layers(""), 1 << 10, CTX, manager)
+
+
+@pytest.mark.parametrize("method", sorted(BAD_ANSWERS))
+def test_a_bad_answer_is_a_plugin_error_naming_plugin_method_value_and_layer(method: str) -> None:
+    """0 bytes used to divide by zero in the budget split, a str failed in the geometry with a
+    TypeError, and a negative admission cap planned more requests than fit."""
+    with pytest.raises(PluginError) as raised:
+        plan_kv_cache(faulty_layers(answers=method), 64 << 20, CTX, manager_with_faulty_plugin())
+    message = str(raised.value)
+    assert message.startswith("plugin 'faulty' (distribution kvspec-faulty): "
+                              f"FaultySpec.{method} of spec kind 'faulty_attention' returned "
+                              f"{BAD_ANSWERS[method]!r}")
+    assert "model.layers.0" in message and "but it must be" in message
+    assert "KVSPEC_PLUGINS" in message
+
+
+def test_a_negative_admission_cap_is_refused_in_the_length_search_too() -> None:
+    with pytest.raises(PluginError, match="FaultySpec.max_blocks_per_request .* returned -3"):
+        largest_fitting_max_model_len(faulty_layers(answers="max_blocks_per_request"),
+                                      64 << 20, CTX, manager_with_faulty_plugin())

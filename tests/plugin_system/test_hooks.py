@@ -161,14 +161,16 @@ def test_hook_kvspec_layer_spec_faults_name_the_plugin() -> None:
         def kvspec_layer_spec(self, layer):
             return "a spec, honest"
 
+    # A layer no other plugin claims: the fault is the answer (tests/plugin_system/
+    # test_layer_hook_isolation.py covers layers another plugin claims).
     manager = PluginManager()
     with registered(manager, Raising(), "raising"):
         with pytest.raises(PluginError, match="plugin 'raising' raised KeyError in kvspec_layer_spec "
                                               "for layer model.layers.0"):
-            manager.layer_specs(layer("full_attention"))
+            manager.layer_specs(layer("unclaimed_attention"))
     with registered(manager, Confused(), "confused"):
         with pytest.raises(PluginError, match="'confused' returned 'a spec, honest'"):
-            manager.layer_specs(layer("full_attention"))
+            manager.layer_specs(layer("unclaimed_attention"))
 
 
 def test_hook_kvspec_layer_spec_core_sinks() -> None:

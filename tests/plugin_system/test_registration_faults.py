@@ -184,3 +184,29 @@ def test_a_plugin_raising_on_attribute_access_is_refused_as_a_plugin_error() -> 
     with pytest.raises(PluginError, match="'hostile'.*RuntimeError.*kvspec_contract_version"):
         pm.register(module, "hostile")
     assert not pm.is_loaded("hostile") and pm._pm.get_plugin("hostile") is None
+
+
+@attrs.frozen(kw_only=True)
+class _InstanceMergeSpec(FullAttentionSpec):
+    """``merge`` written as an instance method: the planner calls it on the class, where the
+    list of specs would become ``self``."""
+
+    kind: ClassVar[str] = "instance_merge_test"
+
+    def merge(self, specs, layer_names=()):  # type: ignore[no-untyped-def, override]
+        return self
+
+
+def test_a_merge_that_is_not_a_classmethod_is_refused_at_registration() -> None:
+    """It used to register and then fail planning with a TypeError naming no plugin."""
+    pm = PluginManager()
+
+    def register_kinds(register: Any) -> None:
+        register(_InstanceMergeSpec)
+
+    with pytest.raises(PluginError, match="plugin 'merger' .distribution kvspec-merger.: .*"
+                                          "_InstanceMergeSpec, whose merge .* is not a "
+                                          "classmethod; declare it as @classmethod"):
+        pm.register(plugin("merger", kvspec_register_spec_kinds=register_kinds), "merger",
+                    distribution="kvspec-merger")
+    assert not pm.is_loaded("merger") and "instance_merge_test" not in pm.spec_kinds.kinds()
