@@ -291,3 +291,41 @@ def test_a_state_layer_planned_as_attention_is_refused_at_start() -> None:
     with pytest.raises(EngineError, match=r"layer model.layers.1: the model computes "
                        r"linear_attention but the kvspec plan has a full_attention spec"):
         TransformersEngine(model, kvspec_config={**config, "full_attention_interval": 2})
+
+
+def test_the_model_reading_follows_transformers_masks() -> None:
+    """``config.layer_types`` when present; else every layer slides when ``sliding_window``
+    is set (Mistral), unless ``use_sliding_window`` is False; MLP / MoE layers keep no
+    cache; other types and a wrong-length list are refused."""
+    from types import SimpleNamespace
+
+    from kvspec_core import FullAttentionSpec
+    from kvspec_transformers.model_layout import check_plan_against_model, model_layers
+
+    def kinds(**fields: Any) -> list[tuple[str, int | None]]:
+        config = SimpleNamespace(num_hidden_layers=2, **fields)
+        return [(layer.layer_type, layer.span) for layer in model_layers(config)]
+
+    assert kinds(sliding_window=24) == [("sliding_attention", 24)] * 2
+    assert kinds(sliding_window=24, use_sliding_window=False) == [("full_attention", None)] * 2
+    assert kinds() == [("full_attention", None)] * 2
+    assert kinds(layer_types=["chunked_attention", "mlp"], attention_chunk_size=32) == [
+        ("chunked_attention", 32), ("mlp", None)]
+    with pytest.raises(EngineError, match="layer_types has 1 entries for num_hidden_layers=2"):
+        kinds(layer_types=["full_attention"])
+    with pytest.raises(EngineError, match=r"sliding_attention but model.config.sliding_window="
+                       r"None is not a positive int"):
+        kinds(layer_types=["sliding_attention"] * 2)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    config = SimpleNamespace(num_hidden_layers=3, layer_types=["full_attention", "mlp", "moe"])
+    check_plan_against_model(config, {0: ("model.layers.0", full)}, 64)
+    with pytest.raises(EngineError, match=r"layer model.layers.1: the model computes an mlp "
+                       r"layer \(no cache\) but the kvspec plan has a full_attention spec"):
+        check_plan_against_model(config, {0: ("model.layers.0", full),
+                                          1: ("model.layers.1", full)}, 64)
+    with pytest.raises(EngineError, match=r"layer model.layers.0: the model computes "
+                       r"full_attention but the kvspec plan keeps no cache for it"):
+        check_plan_against_model(config, {}, 64)
+    odd = SimpleNamespace(num_hidden_layers=1, layer_types=["indexed_attention"])
+    with pytest.raises(EngineError, match="computes a 'indexed_attention' layer"):
+        check_plan_against_model(odd, {0: ("model.layers.0", full)}, 64)

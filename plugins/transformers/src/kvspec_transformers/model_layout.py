@@ -30,6 +30,8 @@ from kvspec_transformers.errors import EngineError
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: ``layer_types`` values of layers that keep a conv window and a recurrent state.
 STATE_TYPES = ("linear_attention", "mamba")
+#: ``layer_types`` values of layers that keep no cache (Nemotron-H's MLP and MoE layers).
+MEMORYLESS_TYPES = ("mlp", "moe")
 #: The config field that sets each attention type's span.
 SPAN_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}
 
@@ -105,6 +107,14 @@ def _positions(max_model_len: int, layer: ModelLayer, spec: KVSpec) -> range:
     return range(min(max_model_len, 3 * max(spans) + 64))
 
 
+def _is_hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def check_plan_against_model(
     config: Any, planned: Mapping[int, tuple[str, KVSpec]], max_model_len: int
 ) -> None:
@@ -117,14 +127,24 @@ def check_plan_against_model(
     """
     fix = ("plan the model's own config (TransformersEngine(model) without kvspec_config), or "
            "make kvspec_config agree with model.config")
+    known = ATTENTION_TYPES + STATE_TYPES + MEMORYLESS_TYPES
+    # Layers of one type and span with one spec read alike: each pair is checked once.
+    agreed: set[tuple[str, int | None, KVSpec]] = set()
     for layer in model_layers(config):
         name, spec = planned.get(layer.index, (f"model.layers.{layer.index}", None))
-        if layer.layer_type not in ATTENTION_TYPES + STATE_TYPES:
+        if layer.layer_type not in known:
             raise EngineError(
                 f"layer {name}: the model computes a {layer.layer_type!r} layer "
                 "(model.config.layer_types), which kvspec-transformers cannot check against "
-                f"the plan; it runs {', '.join(ATTENTION_TYPES + STATE_TYPES)} layers"
+                f"the plan; it runs {', '.join(known)} layers"
             )
+        if layer.layer_type in MEMORYLESS_TYPES:
+            if spec is not None:
+                raise EngineError(
+                    f"layer {name}: the model computes an {layer.layer_type} layer (no cache) "
+                    f"but the kvspec plan has {describe_spec(spec)}: {fix} (layer_types)"
+                )
+            continue
         if spec is None:
             raise EngineError(
                 f"layer {name}: the model computes {layer.describe()} but the kvspec plan "
@@ -138,6 +158,10 @@ def check_plan_against_model(
             )
         if not isinstance(spec, AttentionSpec):
             continue
+        key = (layer.layer_type, layer.span, spec)
+        hashable = _is_hashable(key)  # a plugin spec that is not: checked every time
+        if hashable and key in agreed:
+            continue
         for position in _positions(max_model_len, layer, spec):
             if spec.first_attended_position(position) != layer.first_attended_position(position):
                 field = SPAN_FIELDS.get(layer.layer_type)
@@ -150,3 +174,5 @@ def check_plan_against_model(
                     f"from key {spec.first_attended_position(position)}, the model's from "
                     f"{layer.first_attended_position(position)}): {how}"
                 )
+        if hashable:
+            agreed.add(key)
