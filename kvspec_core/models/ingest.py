@@ -39,7 +39,9 @@ from kvspec_core.models.layer_typing import (
     STATE_LAYER_TYPES,
     LayerSlot,
     decoder_layer_slots,
+    num_layers,
 )
+from kvspec_core.models.model_code_check import check_against_model_code
 from kvspec_core.models.normalized import ModelConfig, normalize_config, with_defaults_hint
 from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS, install_hint
 
@@ -149,7 +151,10 @@ def _typed_layers(
     # not for each of (up to MAX_LAYERS) layers.
     shapes: dict[tuple[str, HeadFields], AttentionShape | None] = {}
     layers = []
-    for slot in _layer_slots(text):
+    slots = _layer_slots(text)
+    if source.transformers_filled and not is_encoder_decoder(text):
+        check_against_model_code(source.raw, text, slots, num_layers(text), name=name)
+    for slot in slots:
         key = (slot.layer_type, slot.head_fields)
         if key not in shapes:
             shapes[key] = _attention_shape(slot, text, options, kv_dtype, source.dtype)

@@ -80,6 +80,10 @@ LAYER_TYPE_ALIASES: Mapping[str, str] = {
     "mamba2": MAMBA,
 }
 
+#: model_types whose ``layer_types`` name their Mamba layers ``linear_attention`` (transformers
+#: 5's convention, and its Granite-4.0-H default): their model code builds a Mamba-2 mixer there.
+MAMBA_NAMED_LINEAR_ATTENTION = frozenset({"granitemoehybrid"})
+
 #: Nemotron-H ``hybrid_override_pattern`` characters; ``None`` = no cache (no layer).
 HYBRID_PATTERN_CHARS: Mapping[str, str | None] = {
     "M": MAMBA, "*": "attention", "-": None, "E": None,
@@ -161,6 +165,9 @@ def _per_layer_list(config: Mapping[str, Any], field: str, count: int) -> Sequen
 
 
 def _from_layer_types(config: Mapping[str, Any], count: int) -> list[str | None]:
+    aliases = LAYER_TYPE_ALIASES
+    if config.get("model_type") in MAMBA_NAMED_LINEAR_ATTENTION:
+        aliases = {**LAYER_TYPE_ALIASES, LINEAR_ATTENTION: MAMBA}
     types: list[str | None] = []
     for index, value in enumerate(_per_layer_list(config, "layer_types", count)):
         if not isinstance(value, str) or not value:
@@ -168,7 +175,7 @@ def _from_layer_types(config: Mapping[str, Any], count: int) -> list[str | None]
                 f"config field 'layer_types'[{index}] is {value!r}; each entry must be a layer "
                 f"type name such as {FULL_ATTENTION!r}"
             )
-        types.append(LAYER_TYPE_ALIASES.get(value, value))
+        types.append(aliases.get(value, value))
     return types
 
 

@@ -109,7 +109,7 @@ def _import_transformers_configs() -> Mapping[str, Any]:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers' log lines and warnings while a config class is built: the CLI's
     output is the plan, and transformers' advice is about loading weights."""
     from transformers.utils import logging as hf_logging
@@ -153,7 +153,7 @@ def _transformers_fields(raw: Mapping[str, Any], nested: bool) -> dict[str, Any]
         raise _TransformersUnavailable("the config holds sizes beyond kvspec's limits")
     config_class = mapping[model_type]
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             built = config_class.from_dict(dict(raw))
             if nested:
                 built = getattr(built, TEXT_CONFIG_FIELD)

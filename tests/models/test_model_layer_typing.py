@@ -190,7 +190,7 @@ def test_qwen_configs_without_use_sliding_window_do_not_slide(model_type: str) -
     assert type_string(config) == "F" * 28
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_qwen_sliding_without_max_window_layers_starts_at_the_published_28(
     model_type: str,
 ) -> None:
@@ -198,6 +198,17 @@ def test_qwen_sliding_without_max_window_layers_starts_at_the_published_28(
     config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "max_window_layers"}
     config.update(model_type=model_type, use_sliding_window=True, num_hidden_layers=32)
     assert type_string(config) == "F" * 28 + "S" * 4
+
+
+def test_qwen3_moe_sliding_is_refused_where_its_model_code_slides_every_layer() -> None:
+    # Qwen3MoeConfig also defaults max_window_layers=28, but transformers' Qwen3-MoE code
+    # gives every layer the window: the two readings differ, so kvspec refuses to guess.
+    config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "max_window_layers"}
+    config.update(model_type="qwen3_moe", use_sliding_window=True, num_hidden_layers=32)
+    with pytest.raises(ConfigError, match=(
+            r"disagrees with transformers' Qwen3MoeForCausalLM at layer 0: kvspec reads "
+            r"full_attention, the model code builds sliding_attention \(window 131072\)")):
+        type_string(config)
 
 
 def test_qwen2_moe_sliding_layers_follow_transformers_own_rule() -> None:
