@@ -12,7 +12,13 @@ from typing import Any
 import attrs
 
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import ConfigError, InvalidFieldTypeError, KVSpecError
+from kvspec_core.errors import (
+    ConfigError,
+    InvalidFieldTypeError,
+    KVSpecError,
+    MissingFamilyError,
+    PluginError,
+)
 from kvspec_core.planner.plan import (
     PLAN_FORMAT_VERSION,
     input_checksums,
@@ -20,74 +26,94 @@ from kvspec_core.planner.plan import (
     KVCacheTensor,
     PlannedGroup,
     Pool,
+    specs_per_layer,
 )
+from kvspec_core.planner.plan_document import check_plan_document
+from kvspec_core.planner.plugin_faults import plugin_faults_named
+from kvspec_core.planner.spec_answers import check_spec_answers
 from kvspec_core.planner.planner import group_kind, rebuild_with_blocks
 from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.serialization import spec_from_dict
 
 
 def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePlan:
     """Rebuild a plan written by :meth:`KVCachePlan.to_dict`; spec kinds resolve through
-    ``manager``. A plan the planner would not have written (edited kinds, block counts,
-    figures, tensors) is refused with a :class:`~kvspec_core.errors.ConfigError`."""
+    ``manager``. A plan the planner would not have written (a field missing, of the wrong
+    type or out of range, edited kinds, block counts, figures, tensors) is refused with a
+    :class:`~kvspec_core.errors.ConfigError` naming the field; a spec whose plugin answers
+    an unusable value or raises, with a :class:`~kvspec_core.errors.PluginError` naming it."""
     if not isinstance(manager, PluginManager):
         raise InvalidFieldTypeError("plan_from_dict", "manager", manager,
                                     "expected a PluginManager (kvspec_core.load_plugins())")
-    try:
-        version = data["format_version"]
-        if version != PLAN_FORMAT_VERSION:
-            raise ConfigError(
-                f"plan format_version {version!r} is not supported; this kvspec-core reads "
-                f"version {PLAN_FORMAT_VERSION}"
-            )
-        groups = tuple(
-            PlannedGroup(
-                id=item["id"], kind=item["kind"], layers=item["layers"],
-                spec=spec_from_dict(item["spec"], manager.spec_kinds), pool=item["pool"],
-                blocks_per_request=item["blocks_per_request"],
-            )
-            for item in data["groups"]
-        )
-        pools = tuple(
-            Pool(
-                id=item["id"], num_blocks=item["num_blocks"], block_bytes=item["block_bytes"],
-                groups=item["groups"], host_resident=item["host_resident"],
-                blocks_per_request=item["blocks_per_request"], slot_bytes=item["slot_bytes"],
-                alignment=item["alignment"], null_block=item.get("null_block", 0),
-            )
-            for item in data["pools"]
-        )
-        tensors = tuple(
-            KVCacheTensor(
-                size=item["size"], layers=item["layers"], layer_stride=item["layer_stride"],
-                block_stride=item["block_stride"], offset=item["offset"],
-                host_resident=item["host_resident"], pool=item["pool"], group=item["group"],
-                shape=item["shape"], strides=item["strides"], raw=item["raw"],
-            )
-            for item in data["tensors"]
-        )
-        plan = KVCachePlan(
-            groups=groups, pools=pools, tensors=tensors, layout=data["layout"],
-            context=SizingContext(**data["context"]),
-            budget_bytes=data["budget_bytes"], host_budget_bytes=data["host_budget_bytes"],
-            bytes_allocated=data["bytes_allocated"],
-            host_bytes_allocated=data["host_bytes_allocated"],
-            bytes_padding=data["bytes_padding"],
-            padding_breakdown=tuple(data["padding_breakdown"].items()),
-            max_concurrency=float(data["max_concurrency"]),
-            memoryless_layers=data["memoryless_layers"],
-        )
-    except (KeyError, TypeError, AttributeError, ValueError) as error:
-        if isinstance(error, ConfigError):
-            raise
+    if isinstance(data, Mapping) and "format_version" in data \
+            and data["format_version"] != PLAN_FORMAT_VERSION:
         raise ConfigError(
-            f"not a serialised KV-cache plan: missing or malformed field ({error!r}); "
-            "pass a dict written by KVCachePlan.to_dict"
-        ) from error
+            f"plan format_version {data['format_version']!r} is not supported; this kvspec-core "
+            f"reads version {PLAN_FORMAT_VERSION}"
+        )
+    check_plan_document(data)
+    groups = tuple(
+        PlannedGroup(
+            id=item["id"], kind=item["kind"], layers=item["layers"],
+            spec=_group_spec(item["spec"], index, manager), pool=item["pool"],
+            blocks_per_request=item["blocks_per_request"],
+        )
+        for index, item in enumerate(data["groups"])
+    )
+    pools = tuple(
+        Pool(
+            id=item["id"], num_blocks=item["num_blocks"], block_bytes=item["block_bytes"],
+            groups=item["groups"], host_resident=item["host_resident"],
+            blocks_per_request=item["blocks_per_request"], slot_bytes=item["slot_bytes"],
+            alignment=item["alignment"], null_block=item["null_block"],
+        )
+        for item in data["pools"]
+    )
+    tensors = tuple(
+        KVCacheTensor(
+            size=item["size"], layers=item["layers"], layer_stride=item["layer_stride"],
+            block_stride=item["block_stride"], offset=item["offset"],
+            host_resident=item["host_resident"], pool=item["pool"], group=item["group"],
+            shape=item["shape"], strides=item["strides"], raw=item["raw"],
+        )
+        for item in data["tensors"]
+    )
+    plan = KVCachePlan(
+        groups=groups, pools=pools, tensors=tensors, layout=data["layout"],
+        context=SizingContext(**data["context"]),
+        budget_bytes=data["budget_bytes"], host_budget_bytes=data["host_budget_bytes"],
+        bytes_allocated=data["bytes_allocated"],
+        host_bytes_allocated=data["host_bytes_allocated"],
+        bytes_padding=data["bytes_padding"],
+        padding_breakdown=tuple(data["padding_breakdown"].items()),
+        max_concurrency=float(data["max_concurrency"]),
+        memoryless_layers=data["memoryless_layers"],
+    )
     _check_inputs_unedited(data)
     _check_consistent(plan, manager)
     _check_written_fields(data, plan.to_dict())
     return plan
+
+
+def _group_spec(data: Any, index: int, manager: PluginManager) -> KVSpec:
+    """The spec of group ``index``, read and its answers checked. A kind of a plugin that is
+    not loaded stays a :class:`MissingFamilyError` (the fix is an install); any other
+    refusal names the field."""
+    try:
+        spec = spec_from_dict(data, manager.spec_kinds)
+    except MissingFamilyError:
+        raise
+    except KVSpecError as error:
+        raise ConfigError(
+            f"invalid KV-cache plan: field 'groups[{index}].spec' cannot be read: {error}; "
+            "re-plan instead of editing a plan"
+        ) from error
+    with plugin_faults_named(manager, "reading a KV-cache plan"):
+        # A uniform-type group's members are plugins' specs too.
+        for member in {id(s): s for s in (spec, *specs_per_layer(spec, 1))}.values():
+            check_spec_answers(member, f"group {index} of the plan")
+    return spec
 
 
 def _edited(field: str, why: str) -> ConfigError:
@@ -144,10 +170,13 @@ def _check_consistent(plan: KVCachePlan, manager: PluginManager) -> None:
             )
 
     try:
-        expected = rebuild_with_blocks(
-            plan, [pool.num_blocks for pool in plan.pools], budget_bytes=plan.budget_bytes,
-            host_budget_bytes=plan.host_budget_bytes,
-        )
+        with plugin_faults_named(manager, "reading a KV-cache plan"):
+            expected = rebuild_with_blocks(
+                plan, [pool.num_blocks for pool in plan.pools], budget_bytes=plan.budget_bytes,
+                host_budget_bytes=plan.host_budget_bytes,
+            )
+    except PluginError:
+        raise
     except (KVSpecError, TypeError, ValueError, IndexError) as error:
         raise ConfigError(f"inconsistent KV-cache plan: {error}") from error
     # Compared as JSON too, so that 100.0 or 0 cannot stand in for 100 or False.
