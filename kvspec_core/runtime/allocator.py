@@ -31,7 +31,7 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import AllocatorError, KVSpecError
 from kvspec_core.runtime.coordinator import PrefixCoordinator
 from kvspec_core.runtime.events import AllBlocksCleared, BlockStored, KVCacheEvent
-from kvspec_core.runtime.hashing import PrefixHasher
+from kvspec_core.runtime.hashing import _INT_ONLY, PrefixHasher, _describe
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, BlockPool
 from kvspec_core.runtime.request import Request
@@ -61,8 +61,27 @@ if TYPE_CHECKING:
 _FREED_MEMORY = 4096
 
 #: What an admission runs: a subclass overriding one of them admits through its Python code.
-_ADMISSION_METHODS = ("_admit", "_admit_checked", "_check_counts", "_stale_group",
+_ADMISSION_METHODS = ("_admit", "_admit_checked", "_check_counts", "_check_prefix",
                       "_preflight", "_cache_new_blocks", "_update_limits", "_shortfall")
+
+
+def _is_id(request_id: object) -> bool:
+    """Whether ``request_id`` is an exact str or int: what the allocator keys requests by.
+    Looking another object up could run its ``__hash__`` / ``__eq__`` in the middle of a
+    step (and a NaN is not equal to itself)."""
+    kind = request_id.__class__
+    return kind is str or kind is int
+
+
+def _id_error(request_id: object, where: str = "") -> str:
+    """Why ``request_id`` (not an exact str or int) is refused."""
+    kind = request_id.__class__
+    described = repr(request_id) if kind is float or kind is bool or kind is bytes \
+        else f"<a {kind.__name__}>"
+    return (
+        f"{where + ': ' if where else ''}request_id={described} must be a str or an int, not "
+        f"{kind.__name__}; give each request a unique str (or int) id"
+    )
 
 
 class _Running:
@@ -229,7 +248,6 @@ class KVCacheAllocator:
         # it completes, before any group block is full.
         self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1
         self._running: dict[str | int, _Running] = {}
-        self._last_prefix: CachedPrefix | None = None
         self._freed: OrderedDict[str | int, None] = OrderedDict()
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
         if native is not None and type(self).allocate_slots is KVCacheAllocator.allocate_slots:
@@ -245,8 +263,6 @@ class KVCacheAllocator:
             if (dense is not None and len(self.pools) == 1 and self._cacheable
                     and type(self).find_cached_prefix is KVCacheAllocator.find_cached_prefix):
                 # Prefix lookups too (every one the kernel does not answer reaches the method).
-                # They do not record _last_prefix: admissions then check the hit's blocks
-                # (as the compiled admission always does), with the same answers.
                 self.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
                     native.find_prefix,
                     (self._running, dense[0], self._hasher, self._caches[0], dense[2]),
@@ -376,7 +392,7 @@ class KVCacheAllocator:
         return len(self._running)
 
     def is_running(self, request_id: str | int) -> bool:
-        return request_id in self._running
+        return _is_id(request_id) and request_id in self._running
 
     def block_ids(self, request_id: str | int) -> tuple[tuple[int, ...], ...]:
         """The request's block table per group (``0`` marks null entries)."""
@@ -394,12 +410,14 @@ class KVCacheAllocator:
         return events
 
     def _state(self, request_id: str | int) -> _Running:
-        state = self._running.get(request_id)
+        state = self._running.get(request_id) if _is_id(request_id) else None
         if state is None:
             raise AllocatorError(self._not_running_message(request_id))
         return state
 
     def _not_running_message(self, request_id: str | int) -> str:
+        if not _is_id(request_id):
+            return _id_error(request_id)
         if request_id in self._freed:
             return f"request {request_id!r} was already freed (double free)"
         return f"request {request_id!r} is unknown to this allocator (never allocated)"
@@ -417,6 +435,8 @@ class KVCacheAllocator:
         attention content, ``checkpoint_at`` names that position: an engine that ends a
         prefill step exactly there saves the state, and later requests resume from it.
         """
+        if not _is_id(request.request_id):
+            raise AllocatorError(_id_error(request.request_id, "find_cached_prefix"))
         if request.request_id in self._running:
             raise AllocatorError(
                 f"request {request.request_id!r} is already running; look up prefixes only "
@@ -450,8 +470,6 @@ class KVCacheAllocator:
             request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
             checkpoint_at=checkpoint_at,
         )
-        # Admitting with this very object at the same epochs needs no per-block check.
-        self._last_prefix = prefix
         return prefix
 
     #: The method itself, also under this name: what an instance's compiled lookup
@@ -475,7 +493,11 @@ class KVCacheAllocator:
         (falsy, nothing changed) when blocks are short, the request would exceed the
         admission cap or ``max_model_len``, or the prefix went stale.
         """
-        state = self._running.get(request.request_id)
+        rid = request.request_id
+        if rid.__class__ is not str and rid.__class__ is not int:
+            # Other ids could run code in a dict lookup (and NaN is not equal to itself).
+            raise AllocatorError(_id_error(rid, "allocate_slots"))
+        state = self._running.get(rid)
         if state is None:
             return self._admit(request, num_new_tokens, lookahead, prefix)
         computed = state.computed
@@ -584,14 +606,9 @@ class KVCacheAllocator:
         else:
             stopped = self._decode_loop(ids, tokens, lookahead, results)
         if stopped >= 0:
-            rid = ids[stopped]
-            try:
-                reason = self._not_running_message(rid)
-            except TypeError:
-                reason = f"request id {rid!r} is not hashable"
             raise AllocatorError(
-                f"decode_step: item {stopped}: {reason}; the {stopped} requests before it "
-                "were stepped"
+                f"decode_step: item {stopped}: {self._not_running_message(ids[stopped])}; the "
+                f"{stopped} requests before it were stepped"
             )
         return results
 
@@ -602,10 +619,7 @@ class KVCacheAllocator:
         running = self._running
         append = results.append
         for position, rid in enumerate(ids):
-            try:
-                state = running.get(rid)
-            except TypeError:
-                state = None
+            state = running.get(rid) if rid.__class__ is str or rid.__class__ is int else None
             if state is None:
                 return position
             request = state.request
@@ -633,7 +647,9 @@ class KVCacheAllocator:
                 request, num_new_tokens = pair, 1
             else:
                 request, num_new_tokens = pair
-            return request, num_new_tokens, self._running.get(request.request_id)
+            rid = request.request_id
+            # An id of another type is refused by allocate_slots, before any lookup.
+            return request, num_new_tokens, self._running.get(rid) if _is_id(rid) else None
         except (TypeError, ValueError, AttributeError):
             raise AllocatorError(
                 f"allocate_step: item {position} is {pair!r}, not a Request or a "
@@ -717,12 +733,7 @@ class KVCacheAllocator:
             computed = 0
             blocks = [[] for _ in range(group_count)]  # type: list[list[int]]
         else:
-            if prefix.request_id != rid or len(prefix.block_ids) != group_count:
-                raise AllocatorError(
-                    f"prefix found for request {prefix.request_id!r} was passed for request "
-                    f"{rid!r}; pass the CachedPrefix find_cached_prefix returned for it"
-                )
-            stale = self._stale_group(request, prefix)
+            stale = self._check_prefix(request, prefix)
             if stale is not None:
                 return NotNow(
                     reason=STALE_PREFIX,
@@ -772,11 +783,9 @@ class KVCacheAllocator:
         new_ids: list[tuple[int, ...]] = [()] * group_count
         # Revive every group's hit blocks before any group takes new ones: groups sharing
         # a pool would otherwise evict (and take) each other's not-yet-revived hit blocks.
-        # A prefix this allocator found, with no pool's epoch changed since (checked by
-        # _stale_group), still names cached blocks only.
-        known_cached = prefix is not None and prefix is self._last_prefix
+        # _check_prefix found each of them cached (in use, or a cached free block).
         for gid, _, _ in plans:
-            self._group_pools[gid].touch(blocks[gid], known_cached=known_cached)
+            self._group_pools[gid].touch(blocks[gid], known_cached=True)
         for gid, nulls, real in plans:
             table = blocks[gid]
             pool = self._group_pools[gid]
@@ -797,17 +806,80 @@ class KVCacheAllocator:
         self._update_limits(state)
         return Allocated(new_block_ids=tuple(new_ids))
 
-    def _stale_group(self, request: Request, prefix: CachedPrefix) -> int | None:
-        if tuple(pool.epoch for pool in self.pools) == prefix.epochs:
+    def _check_prefix(self, request: Request, prefix: CachedPrefix) -> int | None:
+        """Check that ``prefix`` is a hit this allocator would hand out for ``request``:
+        the first group one of whose blocks was evicted since (a stale prefix), or None.
+
+        Whatever made it (find_cached_prefix, attrs.evolve, another allocator), a prefix
+        is taken only if it reads as a hit of this request here: ``num_tokens`` an int in
+        ``[0, len(token_ids))``, each holding group's table ``num_tokens // block`` exact
+        ints (other groups': empty), real wherever the group needs its blocks to resume
+        (from ``skipped_tokens(num_tokens)`` on), and each real block cached in its group
+        under the request's own hash at its position. A block that is not refuses it with
+        :class:`AllocatorError` when no pool evicted anything since it was found (it never
+        was this request's), else it is stale (``None`` is not returned)."""
+        rid = request.request_id
+        if prefix.__class__ is not CachedPrefix:
+            raise AllocatorError(
+                f"allocate_slots(request {rid!r}): prefix= must be the CachedPrefix "
+                f"find_cached_prefix returned for it, not a {type(prefix).__name__}"
+            )
+        found_for = prefix.request_id
+        if found_for.__class__ is not rid.__class__ or found_for != rid:
+            raise AllocatorError(
+                f"prefix found for request {_describe(found_for)} was passed for request "
+                f"{rid!r}; pass the CachedPrefix find_cached_prefix returned for it"
+            )
+        num_tokens = prefix.num_tokens
+        block_ids = prefix.block_ids
+        group_count = len(self.specs)
+        if num_tokens.__class__ is not int or not (
+                num_tokens == 0 or 0 < num_tokens < len(request.token_ids)):
+            raise self._forged(request, f"num_tokens={_describe(num_tokens)} is not in "
+                               f"[0, {len(request.token_ids)}) (the prompt, its last token "
+                               "excluded)")
+        if block_ids.__class__ is not tuple or len(block_ids) != group_count:
+            raise self._forged(request, f"block_ids must be a tuple of {group_count} tables")
+        holding = set(self._holding)
+        for gid, ids in enumerate(block_ids):
+            tokens = self._block_tokens[gid]
+            expected = (num_tokens // tokens if gid in holding else 0)
+            if ids.__class__ is not tuple or len(ids) != expected or (
+                    gid in holding and num_tokens % tokens):
+                raise self._forged(request, f"group {gid}'s table must hold {expected} block "
+                                   f"ids for {num_tokens} tokens")
+            if set(map(type, ids)) - _INT_ONLY:
+                raise self._forged(request, f"group {gid}'s block ids must be ints")
+        if not num_tokens:
             return None
-        fine = self._hasher.hashes(request, prefix.num_tokens)
-        for gid, ids in enumerate(prefix.block_ids):
+        fine = self._hasher.hashes(request, num_tokens)
+        stale = None
+        current = tuple(pool.epoch for pool in self.pools)
+        evicted_since = prefix.epochs.__class__ is not tuple or current != prefix.epochs
+        for gid in self._holding:
+            ids = block_ids[gid]
+            skip = self.rules[gid].skipped_tokens(num_tokens) // self._block_tokens[gid]
+            if not all(ids[skip:]):
+                raise self._forged(request, f"group {gid} needs its blocks from {skip} on to "
+                                   "resume, the table has null entries there")
             stride = self._hash_stride[gid]
             cache = self._caches[gid]
             for index, block in enumerate(ids):
                 if block and cache.get(fine[(index + 1) * stride - 1]) != block:
-                    return gid
-        return None
+                    if not evicted_since:
+                        raise self._forged(
+                            request, f"block {block} at position {index} of group {gid} is "
+                            "not cached for this request's tokens here")
+                    if stale is None:
+                        stale = gid
+        return stale
+
+    def _forged(self, request: Request, detail: str) -> AllocatorError:
+        return AllocatorError(
+            f"allocate_slots(request {request.request_id!r}): the prefix passed is not one "
+            f"this allocator handed out for this request: {detail}; pass the CachedPrefix "
+            "find_cached_prefix returned for it (unchanged)"
+        )
 
     def _over_cap(self, request: Request, gid: int, held: int) -> NotNow:
         spec = self.specs[gid]
@@ -1102,9 +1174,7 @@ class KVCacheAllocator:
         """Release every block of a request; blocks holding cached prefixes stay findable
         until evicted (its last blocks are evicted first). Refuses unknown ids and double
         frees with :class:`AllocatorError`, changing nothing."""
-        state = self._running.get(request_id)
-        if state is None:
-            raise AllocatorError(self._not_running_message(request_id))
+        state = self._state(request_id)
         # A running request's tables hold each block once, with a reference of its own
         # (check_invariants), so the pools' release checks cannot fire here. Each table is
         # released last block first, groups in order: the order one list per pool gives.
@@ -1132,9 +1202,7 @@ class KVCacheAllocator:
         """
         from kvspec_core.runtime.events import BlockRemoved
 
-        state = self._running.get(request_id)
-        if state is None:
-            raise AllocatorError(self._not_running_message(request_id))
+        state = self._state(request_id)
         if num_valid_tokens.__class__ is not int or not 0 <= num_valid_tokens <= state.computed:
             raise AllocatorError(
                 f"discard_uncomputed(request {request_id!r}): num_valid_tokens="
@@ -1187,6 +1255,7 @@ class KVCacheAllocator:
                                 f"pool {self._pool_of[gid]} block {block} is in the tables "
                                 f"of groups {owners[block]} and {gid}"
                             )
+        self._check_shared_prefixes()
         for index, pool in enumerate(self.pools):
             for block in range(1, pool.num_blocks):
                 if pool.ref_counts[block] != expected[index].get(block, 0):
@@ -1194,3 +1263,41 @@ class KVCacheAllocator:
                         f"pool {index} block {block}: ref count {pool.ref_counts[block]} but "
                         f"{expected[index].get(block, 0)} block-table entries"
                     )
+
+    def _check_shared_prefixes(self) -> None:
+        """Each running request's block at position ``i`` of a group holds the prefix of the
+        request's first ``(i + 1) * block`` tokens: a cached block is cached under the
+        request's hash there, and a block two requests share sits at one position with one
+        hash in both (where their hashes are known). Raises :class:`AllocatorError`."""
+        seen: dict[tuple[int, int], tuple[int, bytes | None, str | int]] = {}
+        for rid, state in self._running.items():
+            if state.computed.__class__ is not int or not 0 <= state.computed <= self.max_model_len:
+                raise AllocatorError(
+                    f"request {rid!r}: {state.computed!r} computed tokens, not in "
+                    f"[0, {self.max_model_len}]"
+                )
+            request = state.request
+            fine = request.block_hashes if request._hash_owner is self._hasher else []
+            for gid in self._holding:
+                stride = self._hash_stride[gid]
+                pool_index = self._pool_of[gid]
+                block_hash = self._group_pools[gid]._block_hash
+                for index, block in enumerate(state.blocks[gid]):
+                    if not block:
+                        continue
+                    position = (index + 1) * stride - 1
+                    mine = fine[position] if position < len(fine) else None
+                    cached = block_hash[block]
+                    if cached is not None and mine is not None and cached != mine:
+                        raise AllocatorError(
+                            f"request {rid!r} group {gid}: block {block} at position {index} "
+                            "is cached under another prefix's hash than the request's"
+                        )
+                    other = seen.setdefault((pool_index, block), (index, mine, rid))
+                    if other[2] != rid and (other[0] != index or (
+                            mine is not None and other[1] is not None and other[1] != mine)):
+                        raise AllocatorError(
+                            f"pool {pool_index} block {block} is shared by requests "
+                            f"{other[2]!r} (position {other[0]}) and {rid!r} (position "
+                            f"{index}) whose prefixes (hashes) differ"
+                        )

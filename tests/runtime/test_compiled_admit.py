@@ -219,14 +219,17 @@ def test_prefix_lookups_of_one_full_attention_group_run_compiled() -> None:
     assert allocator.find_cached_prefix(second) == expected
     assert expected.num_tokens == 4 and expected.block_ids == (allocator.block_ids("a")[0][:2],)
     assert looked_up == []
-    # Left to the method: a running request (refused), a prompt too short to look up, a
-    # token that cannot be hashed.
+    # Left to the method: a running request (refused), a prompt too short to look up, an id
+    # that is no str or int (refused). A token that cannot be hashed the kernel refuses
+    # itself, with the method's error.
     with pytest.raises(AllocatorError, match="already running"):
         allocator.find_cached_prefix(first)
     assert allocator.find_cached_prefix(Request("c", [1, 2])).num_tokens == 0
-    with pytest.raises(AllocatorError, match="token"):
+    with pytest.raises(AllocatorError, match="must be a str or an int"):
+        allocator.find_cached_prefix(Request(2.5, [1, 2, 3, 4]))  # type: ignore[arg-type]
+    with pytest.raises(AllocatorError, match=r"request 'd': token ids in \[0, 2\) .* token 1 is -2"):
         allocator.find_cached_prefix(Request("d", [1, -2, 3, 4]))
-    assert looked_up == ["a", "c", "d"]
+    assert looked_up == ["a", "c", 2.5]
 
 
 @pytest.mark.parametrize("make", [

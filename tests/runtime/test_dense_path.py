@@ -92,7 +92,8 @@ def test_sliding_window_and_plugin_rules_take_the_general_path() -> None:
 
 
 def test_a_prefix_naming_blocks_this_pool_does_not_cache_is_refused() -> None:
-    # Found by another allocator (same epochs, 0): its blocks are not cached here.
+    # Found by another allocator (same epochs, 0): its blocks are not cached here (under
+    # this request's hashes), so it is not a prefix this allocator handed out.
     other = make_allocator([full(2)], 24)
     donor = Request("d", [1, 2, 3, 4, 5])
     assert other.allocate_slots(donor, 5, prefix=other.find_cached_prefix(donor))
@@ -102,7 +103,7 @@ def test_a_prefix_naming_blocks_this_pool_does_not_cache_is_refused() -> None:
     for allocator in (make_allocator([full(2)], 24),
                       make_allocator([full(2)], 24, enable_kv_events=True)):
         fresh_blocks = allocator.pools[0].num_free_blocks
-        with pytest.raises(AllocatorError, match="neither in use nor a cached free block"):
+        with pytest.raises(AllocatorError, match="not one this allocator handed out"):
             allocator.allocate_slots(Request("r", [1, 2, 3, 4, 5, 6]), 2, prefix=foreign)
         assert not allocator.is_running("r")
         assert allocator.pools[0].num_free_blocks == fresh_blocks

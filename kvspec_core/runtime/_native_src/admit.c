@@ -40,14 +40,16 @@ static int intern_prefix_names(void) {
     return 0;
 }
 
-/* 1 if every pool's epoch is the one in ``epochs`` (a tuple), 0 if not, -1 on an error. */
+/* 1 if every pool's epoch is the one in ``epochs`` (a tuple of exact ints: comparing
+ * anything else could run code), 0 if not, -1 on an error. */
 static int epochs_current(PyObject *pools, PyObject *epochs) {
     if (!PyTuple_CheckExact(epochs) || PyTuple_GET_SIZE(epochs) != PyTuple_GET_SIZE(pools))
         return 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pools); i++) {
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(epochs, i))) return 0;
         PyObject *pool_dict = kv_pool_dict(PyTuple_GET_ITEM(pools, i));
         PyObject *epoch = pool_dict == NULL ? NULL : kv_pool_get(pool_dict, POOL_EPOCH);
-        int same = epoch == NULL ? -1
+        int same = epoch == NULL ? -1 : !PyLong_CheckExact(epoch) ? 0
             : PyObject_RichCompareBool(PyTuple_GET_ITEM(epochs, i), epoch, Py_EQ);
         Py_XDECREF(pool_dict);
         if (same <= 0) return same;
@@ -55,10 +57,14 @@ static int epochs_current(PyObject *pools, PyObject *epochs) {
     return 1;
 }
 
-/* The hit of ``prefix`` for request id ``rid``: each group's block table (new lists in
- * ``tables``) and the tokens it covers. 0, 1: leave it to the method, -1: an error. */
+/* The hit of ``prefix`` for request id ``rid`` (an exact str or int) of a request of
+ * ``num_tokens`` tokens: each group's block table (new lists of exact ints in ``tables``) and
+ * the tokens it covers, as the method's _check_prefix reads them (an int in [0, num_tokens),
+ * each holding group's table ``computed / block_tokens`` entries, the others' none). 0, 1:
+ * leave it to the method (it refuses what is not such a hit, or finds it stale), -1: an
+ * error. */
 static int prefix_hit(const AdmitConfig *config, PyObject *prefix, PyObject *rid,
-                      PyObject **tables, Py_ssize_t *computed_out) {
+                      Py_ssize_t num_tokens, PyObject **tables, Py_ssize_t *computed_out) {
     if ((PyObject *)Py_TYPE(prefix) != config->prefix_type) return 1;
     if (intern_prefix_names() < 0) return -1;
     PyObject *fields[4];
@@ -70,7 +76,9 @@ static int prefix_hit(const AdmitConfig *config, PyObject *prefix, PyObject *rid
     }
     const Py_ssize_t num_groups = config->groups.num_groups;
     PyObject *ids = fields[2];
-    int status = PyObject_RichCompareBool(fields[0], rid, Py_EQ);
+    /* Compared only with an id of its own type (comparing another object runs its code). */
+    int status = Py_TYPE(fields[0]) != Py_TYPE(rid) ? 0
+        : PyObject_RichCompareBool(fields[0], rid, Py_EQ);
     if (status <= 0) {
         status = status < 0 ? -1 : 1; /* another request's prefix: the method refuses it */
         goto done;
@@ -91,7 +99,19 @@ static int prefix_hit(const AdmitConfig *config, PyObject *prefix, PyObject *rid
         PyErr_Clear();
         goto done;
     }
-    if (computed < 0) goto done;
+    if (computed < 0 || (computed > 0 && computed >= num_tokens)) goto done;
+    Py_ssize_t expected[KV_STEP_GROUPS] = {0};
+    for (int i = 0; i < config->groups.count; i++) {
+        const GroupShape *group = &config->groups.groups[i];
+        if (computed % group->block_tokens) goto done;
+        expected[group->gid] = computed / group->block_tokens;
+    }
+    for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
+        PyObject *group_ids = PyTuple_GET_ITEM(ids, gid);
+        if (PyTuple_GET_SIZE(group_ids) != expected[gid]) goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(group_ids); i++)
+            if (!PyLong_CheckExact(PyTuple_GET_ITEM(group_ids, i))) goto done;
+    }
     for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
         if ((tables[gid] = PySequence_List(PyTuple_GET_ITEM(ids, gid))) == NULL) {
             status = -1;
@@ -132,6 +152,43 @@ static int check_hit(PyObject *pool_dict, PyObject *table, Py_ssize_t *num_real,
     return bad != -1;
 }
 
+/* 0: each entry of ``table`` (a hit of group ``gid``, exact ints) from ``skip`` on is a real
+ * block, and each real block is the one the group's cache maps the request's hash at its
+ * position to (``hashes``: the request's hashes, at least one per entry); 1: not (the method
+ * tells a stale prefix from one it never handed out), -1: an error. */
+static int hit_is_cached(PyObject *pool_dict, Py_ssize_t gid, PyObject *table, Py_ssize_t skip,
+                         PyObject *hashes) {
+    PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
+    if (caches == NULL) return -1;
+    Py_ssize_t length = PyList_GET_SIZE(table);
+    if (!PyDict_CheckExact(caches) || hashes == NULL || PyList_GET_SIZE(hashes) < length)
+        return 1;
+    PyObject *key = PyLong_FromSsize_t(gid);
+    if (key == NULL) return -1;
+    PyObject *cache = PyDict_GetItemWithError(caches, key);
+    Py_DECREF(key);
+    if (cache == NULL) return PyErr_Occurred() ? -1 : 1;
+    if (!PyDict_CheckExact(cache)) return 1;
+    for (Py_ssize_t i = 0; i < length; i++) {
+        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(table, i));
+        if (block == -1 && PyErr_Occurred()) return -1;
+        if (block == 0) {
+            if (i >= skip) return 1; /* a block the group needs to resume */
+            continue;
+        }
+        /* A digest the hasher made (bytes: looking it up runs no code). */
+        PyObject *digest = PyList_GET_ITEM(hashes, i);
+        if (!PyBytes_CheckExact(digest)) return 1;
+        PyObject *cached = PyDict_GetItemWithError(cache, digest);
+        if (cached == NULL) return PyErr_Occurred() ? -1 : 1;
+        if (!PyLong_CheckExact(cached)) return 1;
+        Py_ssize_t cached_block = PyLong_AsSsize_t(cached);
+        if (cached_block == -1 && PyErr_Occurred()) return -1;
+        if (cached_block != block) return 1;
+    }
+    return 0;
+}
+
 /* BlockPool.touch(table) once check_hit passed: -1 with an exception, else 0. */
 static int revive(PyObject *pool_dict, PyObject *table) {
     PyObject *args[7] = {table};
@@ -164,7 +221,9 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
     int status;
     PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
     PyObject *token_ids = record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]);
-    if (rid == NULL || token_ids == NULL || !PyList_CheckExact(token_ids)) return NULL;
+    /* An id of another type (its lookup could run code) is the method's to refuse. */
+    if (!kv_is_request_id(rid) || token_ids == NULL || !PyList_CheckExact(token_ids))
+        return NULL;
     Py_INCREF(rid);
     Py_INCREF(token_ids);
     /* A request freed before: the method refuses it or, with a prefix, forgets the free. */
@@ -173,13 +232,24 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         for (Py_ssize_t gid = 0; gid < num_groups; gid++)
             if ((tables[gid] = PyList_New(0)) == NULL) goto error;
     } else {
-        if ((status = prefix_hit(config, prefix, rid, tables, &computed)) != 0) goto status;
+        if ((status = prefix_hit(config, prefix, rid, PyList_GET_SIZE(token_ids), tables,
+                                 &computed)) != 0)
+            goto status;
         int holding[KV_STEP_GROUPS] = {0};
         for (int i = 0; i < num_holding; i++) holding[groups->groups[i].gid] = 1;
         for (Py_ssize_t gid = 0; gid < num_groups; gid++) {
             /* A group that holds no blocks has no hit (find_cached_prefix gives ()). */
             if (!holding[gid] && PyList_GET_SIZE(tables[gid])) goto fallback;
             num_cached[gid] = PyList_GET_SIZE(tables[gid]);
+        }
+        if (computed > 0) {
+            /* The hit is checked against the request's own hashes (as the method's
+             * _check_prefix): hash the blocks it covers, as the method does first. */
+            if (!groups->cacheable) goto fallback;
+            if ((status = kv_hash_request(groups->hasher, request, computed,
+                                          groups->hash_tokens, &hashes)) != 0)
+                goto status;
+            Py_INCREF(hashes);
         }
     }
     if (count > max_len || computed > max_len - count) goto fallback; /* over max_model_len */
@@ -192,14 +262,17 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         PyObject *table = tables[group->gid];
         plan->done = 0;
         kv_plan_group(group, computed, known, total, PyList_GET_SIZE(table), plan);
+        PyObject *pool_dict = kv_pool_dict_of(pool_dicts, group);
+        if (pool_dict == NULL) goto error;
+        if (computed > 0
+            && (status = hit_is_cached(pool_dict, group->gid, table, plan->skip, hashes)) != 0)
+            goto status;
         /* Hit blocks the step skips are never touched: null entries, nothing released. */
         for (Py_ssize_t index = 0; index < plan->skip; index++) {
             Py_INCREF(zero);
             PyList_SetItem(table, index, zero);
         }
         num_skipped[group->gid] = plan->skip;
-        PyObject *pool_dict = kv_pool_dict_of(pool_dicts, group);
-        if (pool_dict == NULL) goto error;
         Py_ssize_t hit_real, unreferenced;
         if ((status = check_hit(pool_dict, table, &hit_real, &unreferenced)) != 0) goto status;
         if (hit_real + plan->real > group->cap) goto fallback; /* over the admission cap */
@@ -217,7 +290,8 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
     const Py_ssize_t upto = known < available ? known : available;
     if (groups->cacheable) {
         /* Hash before anything changes: bad token ids refuse the admission here (the
-         * method raises the hasher's error). */
+         * hasher's error, as the method's). */
+        Py_CLEAR(hashes);
         if ((status = kv_hash_request(groups->hasher, request, upto, groups->hash_tokens,
                                       &hashes)) != 0)
             goto status;

@@ -25,10 +25,12 @@ static PyObject *find_dense(PyObject *config, PyObject *request) {
     }
     PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
     PyObject *token_ids = record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]);
-    if (rid == NULL || token_ids == NULL || !PyList_CheckExact(token_ids)) return NULL;
+    /* An id of another type (its lookup could run code) is the method's to refuse. */
+    if (!kv_is_request_id(rid) || token_ids == NULL || !PyList_CheckExact(token_ids))
+        return NULL;
     int is_running = PyDict_Contains(running, rid);
     if (is_running != 0) {
-        PyErr_Clear(); /* running (refused), or an unhashable id: the method says so */
+        PyErr_Clear(); /* running: the method refuses it */
         return NULL;
     }
     /* The last prompt token is always computed (to produce logits). */

@@ -14,13 +14,22 @@ extern PyObject *kv_str_extend, *kv_str_request_id, *kv_str_computed, *kv_str_en
 /* hashing.c */
 PyObject *kv_py_blake2b(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-/* chain_hashes with C arguments: 0, or -1 with an exception. */
+/* chain_hashes with C arguments: 0, or -1 with an exception. ``*code_ran`` (may be NULL)
+ * is set when a token needed a call (its __index__ may have run Python code). */
 int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssize_t stop,
-                    Py_ssize_t size, PyObject *out);
+                    Py_ssize_t size, PyObject *out, int *code_ran);
+/* repr(value) of an exact str, bytes, bytearray, int or None, else "<a TYPE>" (a hostile
+ * object's repr could run its code): hashing.py's _describe. NULL with an exception. */
+PyObject *kv_describe(PyObject *value);
 /* PrefixHasher.hashes(request, upto) for a registered Request without multimodal inputs,
  * hash blocks of ``tokens`` tokens: 0 (``*hashes_out`` borrows its block_hashes), 1: leave
- * it to the Python method (a token it cannot hash, another kind of request: no hash was
- * added), -1: an error. */
+ * it to the Python method (another kind of request, a salt of another type, a request that
+ * changed under PrefixHasher.root: no hash was added; or a token whose __index__ was called,
+ * which may have changed anything the caller planned on: the hashes were added, so the
+ * method runs no such code again), -1: an error (a token it cannot hash:
+ * the AllocatorError the method raises, nothing added). On 0 the request still holds the
+ * token list and hash list it held before, the token list with its length and, where code
+ * ran, the very objects it held: what the caller read from it before stays true. */
 int kv_hash_request(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssize_t tokens,
                     PyObject **hashes_out);
 

@@ -21,6 +21,17 @@ static inline int block_in_range(Py_ssize_t block, Py_ssize_t size) {
     return 1;
 }
 
+/* A block id: an exact int (reading anything else could run its __index__, which could
+ * change the lists being read); -1 with TypeError (or OverflowError) if it is not one. */
+static inline Py_ssize_t block_id(PyObject *item) {
+    if (!PyLong_CheckExact(item)) {
+        PyErr_Format(PyExc_TypeError, "block ids must be ints, not %.100s",
+                     Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    return PyLong_AsSsize_t(item);
+}
+
 /* Block ids of a list, bounds-checked; NULL with an exception on a bad item. */
 static Py_ssize_t *block_ids_of(PyObject *blocks, Py_ssize_t size, Py_ssize_t *count) {
     if (!PyList_Check(blocks)) {
@@ -34,7 +45,7 @@ static Py_ssize_t *block_ids_of(PyObject *blocks, Py_ssize_t size, Py_ssize_t *c
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        Py_ssize_t block = block_id(PyList_GET_ITEM(blocks, i));
         if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) {
             PyMem_Free(ids);
             return NULL;
@@ -45,8 +56,14 @@ static Py_ssize_t *block_ids_of(PyObject *blocks, Py_ssize_t size, Py_ssize_t *c
     return ids;
 }
 
+/* The ref count of a block (an exact int: no code runs); -1 with an exception if not. */
 static inline Py_ssize_t ref_of(PyObject *refs, Py_ssize_t block) {
-    return PyLong_AsSsize_t(PyList_GET_ITEM(refs, block));
+    PyObject *count = PyList_GET_ITEM(refs, block);
+    if (!PyLong_CheckExact(count)) {
+        PyErr_SetString(PyExc_TypeError, "ref counts must be ints");
+        return -1;
+    }
+    return PyLong_AsSsize_t(count);
 }
 
 static inline int set_ref(PyObject *refs, Py_ssize_t block, Py_ssize_t count) {
@@ -111,7 +128,9 @@ PyObject *kv_py_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < count; i++) {
         Py_ssize_t block = ids[reverse ? count - 1 - i : i];
         if (!block) continue;
-        Py_ssize_t refs_left = ref_of(refs, block) - 1;
+        Py_ssize_t refs_now = ref_of(refs, block);
+        if (refs_now == -1 && PyErr_Occurred()) goto fail;
+        Py_ssize_t refs_left = refs_now - 1;
         if (set_ref(refs, block, refs_left) < 0) goto fail;
         if (refs_left) continue;
         if (PyList_GET_ITEM(block_hash, block) == Py_None) {
@@ -144,7 +163,7 @@ Py_ssize_t kv_first_unrevivable(PyObject *blocks, PyObject *refs, PyObject *evic
     BlockQueue *queues[2];
     if (pool_queues(evictable, protected_, size, &queues[0], &queues[1]) < 0) return -2;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
-        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        Py_ssize_t block = block_id(PyList_GET_ITEM(blocks, i));
         if (block == -1 && PyErr_Occurred()) return -2;
         if (!block) continue;
         if (block < 0 || block >= size) return i;
@@ -191,11 +210,12 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     char *flags = PyByteArray_AS_STRING(reused);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *key = PyList_GET_ITEM(blocks, i);
-        Py_ssize_t block = PyLong_AsSsize_t(key);
+        Py_ssize_t block = block_id(key);
         if (block == -1 && PyErr_Occurred()) return NULL;
         if (!block) continue;
         if (!block_in_range(block, size)) return NULL;
         Py_ssize_t refs_now = ref_of(refs, block);
+        if (refs_now == -1 && PyErr_Occurred()) return NULL;
         if (refs_now == 0) {
             BlockQueue *queue = queues[flags[block] ? 1 : 0];
             if (!queue_has(queue, block)) {
@@ -238,7 +258,7 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const uint16_t *group_of = (const uint16_t *)groups.buf;
     Py_ssize_t size = PyList_GET_SIZE(refs);
-    PyObject *cache = NULL, *cache_gid; /* cache: borrowed, the last group's */
+    PyObject *cache = NULL, *cache_gid; /* cache: held, the last group's */
     long last_gid = -1;
     BlockQueue *queue = as_queue(evictable, size);
     if (queue == NULL) {
@@ -263,7 +283,9 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
             last_gid = group_of[block];
             cache_gid = PyLong_FromLong(last_gid);
             if (cache_gid == NULL) goto fail;
+            Py_CLEAR(cache);
             cache = PyDict_GetItemWithError(caches, cache_gid);
+            Py_XINCREF(cache);
             Py_DECREF(cache_gid);
             if (cache == NULL) {
                 if (!PyErr_Occurred())
@@ -274,13 +296,20 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyObject *digest = PyList_GET_ITEM(block_hash, block);
         Py_INCREF(Py_None);
         PyList_SET_ITEM(block_hash, block, Py_None);
-        int failed = PyDict_DelItem(cache, digest);
+        int failed = PyDict_DelItem(cache, digest); /* the digest's code may run here */
         Py_DECREF(digest);
-        if (failed < 0 || set_ref(refs, block, 1) < 0) goto fail;
+        if (failed < 0) goto fail;
+        if (block >= PyList_GET_SIZE(refs) || block >= PyList_GET_SIZE(block_hash)) {
+            PyErr_SetString(PyExc_RuntimeError, "evict_take: the pool's lists changed");
+            goto fail;
+        }
+        if (set_ref(refs, block, 1) < 0) goto fail;
     }
+    Py_XDECREF(cache);
     PyBuffer_Release(&groups);
     Py_RETURN_NONE;
 fail:
+    Py_XDECREF(cache);
     PyBuffer_Release(&groups);
     return NULL;
 }
@@ -316,32 +345,45 @@ PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
         group_of = (uint16_t *)groups.buf;
     }
-    Py_ssize_t n = PyList_GET_SIZE(digests);
-    if (PyList_GET_SIZE(blocks) < n) n = PyList_GET_SIZE(blocks);
     Py_ssize_t stored = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    /* The lists are re-read each time: a digest's __hash__ / __eq__ and move_hash may run
+     * Python code that changes them (the pair at hand is held meanwhile). */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(digests) && i < PyList_GET_SIZE(blocks); i++) {
         PyObject *key = PyList_GET_ITEM(blocks, i);
-        Py_ssize_t block = PyLong_AsSsize_t(key);
-        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) goto fail;
+        Py_ssize_t block = block_id(key);
+        /* ``size``: the group buffer's (and the pool's) size when the call began. */
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)
+            || !block_in_range(block, PyList_GET_SIZE(block_hash)))
+            goto fail;
         if (!block || PyList_GET_ITEM(block_hash, block) != Py_None) continue;
         PyObject *digest = PyList_GET_ITEM(digests, i);
+        Py_INCREF(key);
+        Py_INCREF(digest);
         PyObject *old = PyDict_SetDefault(cache, digest, key); /* borrowed */
-        if (old == NULL) goto fail;
-        if (old != key) {
+        Py_XINCREF(old);
+        int failed = old == NULL;
+        if (!failed && old != key) {
             Py_ssize_t old_block = PyLong_AsSsize_t(old);
-            if (old_block == -1 && PyErr_Occurred()) goto fail;
-            if (old_block != block) {
-                Py_INCREF(old);
+            failed = old_block == -1 && PyErr_Occurred();
+            if (!failed && old_block != block) {
                 PyObject *call[4] = {cache, digest, old, key};
                 PyObject *done = PyObject_Vectorcall(move_hash, call, 4, NULL);
-                Py_DECREF(old);
-                if (done == NULL) goto fail;
-                Py_DECREF(done);
+                failed = done == NULL;
+                Py_XDECREF(done);
             }
         }
-        Py_INCREF(digest);
+        if (!failed && block >= PyList_GET_SIZE(block_hash)) {
+            PyErr_SetString(PyExc_RuntimeError, "cache_blocks: the pool's lists changed");
+            failed = 1;
+        }
+        Py_XDECREF(old);
+        Py_DECREF(key);
+        if (failed) {
+            Py_DECREF(digest);
+            goto fail;
+        }
         PyObject *previous = PyList_GET_ITEM(block_hash, block);
-        PyList_SET_ITEM(block_hash, block, digest);
+        PyList_SET_ITEM(block_hash, block, digest); /* steals the held reference */
         Py_DECREF(previous);
         if (group_of != NULL) group_of[block] = (uint16_t)gid;
         stored++;
@@ -363,7 +405,7 @@ PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssi
     PyObject *blocks = args[0], *refs = args[1];
     Py_ssize_t size = PyList_GET_SIZE(refs), count = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
-        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        Py_ssize_t block = block_id(PyList_GET_ITEM(blocks, i));
         if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) return NULL;
         if (!block) continue;
         Py_ssize_t refs_now = ref_of(refs, block);
@@ -397,6 +439,7 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyObject *digest = PyList_GET_ITEM(digests, i);
         Py_INCREF(digest);
         PyObject *block = PyDict_GetItemWithError(cache, digest);
+        Py_XINCREF(block); /* before the digest is released (its release could run code) */
         Py_DECREF(digest);
         if (block == NULL) {
             if (PyErr_Occurred()) {
@@ -405,7 +448,9 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
             }
             break;
         }
-        if (PyList_Append(found, block) < 0) {
+        int failed = PyList_Append(found, block);
+        Py_DECREF(block);
+        if (failed < 0) {
             Py_DECREF(found);
             return NULL;
         }

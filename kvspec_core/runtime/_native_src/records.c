@@ -16,7 +16,8 @@ static const char *state_fields[STATE_FIELDS] = {
     "blocks", "num_real", "num_cached", "cache_at", "request", "num_skipped",
 };
 static const char *request_fields[REQUEST_FIELDS] = {
-    "request_id", "token_ids", "block_hashes", "_hash_owner", "mm_inputs",
+    "request_id", "token_ids", "block_hashes", "_hash_owner", "mm_inputs", "cache_salt",
+    "lora_name",
 };
 static const char *prefix_fields[PREFIX_FIELDS] = {
     "request_id", "num_tokens", "block_ids", "epochs", "checkpoint_at",

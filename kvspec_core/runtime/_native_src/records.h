@@ -30,6 +30,8 @@ enum {
     REQUEST_BLOCK_HASHES,
     REQUEST_HASH_OWNER,
     REQUEST_MM_INPUTS,
+    REQUEST_CACHE_SALT,
+    REQUEST_LORA_NAME,
     REQUEST_FIELDS
 };
 
@@ -98,6 +100,12 @@ static inline PyObject *new_allocated_one(PyObject *taken) {
     PyObject *per_group = ids == NULL ? NULL : PyTuple_Pack(1, ids);
     Py_XDECREF(ids);
     return per_group == NULL ? NULL : new_allocated(per_group);
+}
+
+/* Whether ``id`` is an exact str or int: what the allocator keys requests by (hashing and
+ * comparing one runs no code of the caller's, and it is equal to itself). */
+static inline int kv_is_request_id(PyObject *id) {
+    return id != NULL && (PyUnicode_CheckExact(id) || PyLong_CheckExact(id));
 }
 
 /* A registered record's int field: 0, 1 when unset or not an exact int (the step is left to

@@ -80,14 +80,19 @@ static int fast_step(PyObject *running, PyObject *request, PyObject *count_objec
         PyErr_Clear();
         return 0;
     }
+    if (!kv_is_request_id(rid)) {
+        /* Another id could run code in the lookup: the general path refuses it. */
+        Py_DECREF(rid);
+        return 0;
+    }
     PyObject *state = PyDict_GetItemWithError(running, rid);
+    Py_XINCREF(state); /* before the id is released (its release could run code) */
     Py_DECREF(rid);
     if (state == NULL) {
         if (!PyErr_Occurred()) return 2; /* not running yet: an admission */
-        PyErr_Clear(); /* an unhashable id */
+        PyErr_Clear();
         return 0;
     }
-    Py_INCREF(state);
     int result = fast_state(state, count, lookahead);
     if (result == 2 && state_out != NULL) {
         *state_out = state;
@@ -215,11 +220,10 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
             return NULL;
         }
         PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
-        Py_INCREF(rid);
-        PyObject *state = PyDict_GetItemWithError(running, rid);
-        Py_DECREF(rid);
+        /* Only an exact str or int names a running request (looking one up runs no code). */
+        PyObject *state = kv_is_request_id(rid) ? PyDict_GetItemWithError(running, rid) : NULL;
         if (state == NULL) {
-            PyErr_Clear(); /* an unhashable id names no running request either */
+            PyErr_Clear();
             return PyLong_FromSsize_t(i);
         }
         Py_INCREF(state);
@@ -328,13 +332,14 @@ static int slots_arguments(PyObject *const *args, Py_ssize_t nargs, PyObject *kw
     return *lookahead >= 0;
 }
 
-/* 1: ``request`` is a registered Request with a hashable id that names no running request,
- * and ``count_object`` an exact int >= 0 (stored in ``*count``); 0 otherwise. */
+/* 1: ``request`` is a registered Request whose id (an exact str or int: looking it up runs
+ * no code) names no running request, and ``count_object`` an exact int >= 0 (stored in
+ * ``*count``); 0 otherwise. */
 static int admissible(PyObject *running, PyObject *request, PyObject *count_object,
                       Py_ssize_t *count) {
     if (Py_TYPE(request) != kv_request_type || !PyLong_CheckExact(count_object)) return 0;
     PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
-    if (rid == NULL) return 0;
+    if (!kv_is_request_id(rid)) return 0;
     *count = PyLong_AsSsize_t(count_object);
     int known = *count == -1 && PyErr_Occurred() ? -1 : PyDict_Contains(running, rid);
     if (known < 0) {
