@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvspec_core.cli.ascii_numbers import ASCII_INTEGER_FORM, parse_ascii_integer
 from kvspec_core.models.fields import MAX_LAYERS
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
 from kvspec_core.plugins.layer_config import PlanOptions
@@ -13,26 +14,46 @@ DEFAULT_KV_CACHE_DTYPE = "auto"
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an int in ``[1, MAX_FIELD_VALUE]``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    """argparse type: an int in ``[1, MAX_FIELD_VALUE]`` in ASCII digits."""
+    value = parse_ascii_integer(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {ASCII_INTEGER_FORM}")
     if not 1 <= value <= MAX_FIELD_VALUE:
         raise argparse.ArgumentTypeError(f"{text!r} must be an integer in [1, {MAX_FIELD_VALUE}]")
     return value
+
+
+def seed(text: str) -> int:
+    """argparse type: a trace seed, an int (a leading ``-`` allowed) in ASCII digits."""
+    value = parse_ascii_integer(text, signed=True)
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer written with the ASCII digits 0-9 (a leading '-' "
+            "allowed; no '_' or other digits)")
+    return value
+
+
+def plot_file(text: str) -> str:
+    """argparse type: the PNG file ``--plot`` writes; an empty name is refused (it used to
+    plot nothing and succeed)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is an empty file name; give the PNG file to write, such as plot.png")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL character; no file has one")
+    return text
 
 
 def layer_partition(text: str) -> list[int]:
     """argparse type: comma-separated positive layer counts (``27,27,26``)."""
     counts: list[int] = []
     for part in text.split(","):
-        try:
-            count = int(part)
-        except ValueError:
+        count = parse_ascii_integer(part)
+        if count is None:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a comma-separated list of layer counts such as 27,27,26"
-            ) from None
+                f"{text!r} is not a comma-separated list of layer counts such as 27,27,26 "
+                f"(each {ASCII_INTEGER_FORM})"
+            )
         if not 1 <= count <= MAX_LAYERS:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: each stage's layer count must be an integer in [1, {MAX_LAYERS}]"

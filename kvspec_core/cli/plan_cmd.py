@@ -20,6 +20,7 @@ from kvspec_core.cli.arguments import (
     DEFAULT_KV_CACHE_DTYPE,
     add_model_arguments,
     add_pipeline_arguments,
+    plot_file,
     plan_options,
 )
 from kvspec_core.cli.sizes import parse_size
@@ -55,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
         "several, the plan uses the first",
     )
     add_pipeline_arguments(parser)
-    parser.add_argument("--plot", metavar="FILE",
+    parser.add_argument("--plot", type=plot_file, metavar="FILE",
                         help="write a PNG of max concurrency against context length, one "
                         "curve per --kv-cache-dtype (needs kvspec-core[plot])")
     parser.set_defaults(handler=run)
@@ -272,7 +273,7 @@ def _write_plot(args: argparse.Namespace, name: str, config: ModelConfig, budget
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
     budget = parse_size(args.memory)
     dtypes = list(dict.fromkeys(args.kv_cache_dtype or [DEFAULT_KV_CACHE_DTYPE]))
-    if args.plot:
+    if args.plot is not None:
         if args.pp > 1 or args.pp_partition is not None:
             raise ConfigError("--plot draws single-stage plans; drop --pp / --pp-partition, "
                               "or --plot")
@@ -297,13 +298,13 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     result = pipeline.bottleneck.result
     report = plan_report(result, source=resolved.source)
     report.update(pipeline_report(pipeline, args.pp))
-    if args.plot:
+    if args.plot is not None:
         _write_plot(args, resolved.name, config, budget, result, dtypes, manager)
         report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(_human(report))
-        if args.plot:
+        if args.plot is not None:
             print(f"plot             {args.plot}")
     return 0

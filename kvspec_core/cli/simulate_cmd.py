@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
-from kvspec_core.cli.arguments import add_model_arguments, plan_options, positive_int
+from kvspec_core.cli.arguments import add_model_arguments, plan_options, positive_int, seed
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.models.catalog import resolve_model
@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> None:
         "through the runtime allocator: prefix-hit rate, peak usage, admissions that waited.",
     )
     add_model_arguments(parser, kv_dtype_help="KV-cache dtype (default auto: the model's dtype)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="trace seed (0)")
+    parser.add_argument("--seed", type=seed, default=0, metavar="S", help="trace seed (0)")
     parser.add_argument("--requests", type=positive_int, default=2000, metavar="N",
                         help="requests in the trace (default 2000)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

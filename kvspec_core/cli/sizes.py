@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 
+from kvspec_core.cli.ascii_numbers import match_ascii_decimal
 from kvspec_core.errors import KVSpecError
 
 #: Unit -> bytes. Binary units (KiB...) are powers of 1024, decimal ones (KB...) of 1000,
@@ -19,7 +19,9 @@ MAX_SIZE_BYTES = 2**60
 
 UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024)"
 
-_SIZE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+#: After the number: ASCII spaces, an ASCII unit, ASCII spaces (``\s`` would take any
+#: Unicode space, ``$`` a trailing newline).
+_UNIT = re.compile(r"[ \t]*(?P<unit>[a-zA-Z]*)[ \t]*\Z")
 
 
 class SizeError(KVSpecError, ValueError):
@@ -32,18 +34,21 @@ def parse_size(text: str, *, what: str = "--memory") -> int:
     Refuses, naming ``what`` and the accepted forms: malformed text, unknown units, zero,
     negative sizes and sizes above :data:`MAX_SIZE_BYTES`.
     """
-    forms = "a positive size such as 40GiB, 512MiB, 80GB or a number of bytes"
+    forms = ("a positive size such as 40GiB, 512MiB, 80GB or a number of bytes, written with "
+             "the ASCII digits 0-9")
     if text.strip().startswith("-"):
         raise SizeError(f"{what} {text!r} is negative; give {forms}")
-    match = _SIZE.match(text)
-    if match is None:
+    start = len(text) - len(text.lstrip(" \t"))
+    number = match_ascii_decimal(text, start)
+    match = _UNIT.match(text, number[1]) if number is not None else None
+    if number is None or match is None:
         raise SizeError(f"{what} {text!r} is not a size; give {forms}")
     unit = match["unit"].lower() or "b"
     if unit not in UNITS:
         raise SizeError(
             f"{what} {text!r} has unknown unit {match['unit']!r}; known units: {UNIT_NAMES}"
         )
-    value = int(Decimal(match["number"]) * UNITS[unit])
+    value = int(number[0] * UNITS[unit])
     if value <= 0:
         raise SizeError(f"{what} {text!r} is less than one byte; give {forms}")
     if value > MAX_SIZE_BYTES:

@@ -3,6 +3,7 @@ line (exit 2) or argparse's usage error (``SystemExit(2)``)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -13,9 +14,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvspec_core.cli.arguments import positive_int
 from kvspec_core.cli.main import EXIT_USAGE, main
+from kvspec_core.cli.sizes import MAX_SIZE_BYTES, SizeError, parse_size
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.catalog import preset_names, resolve_model
+from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: Longer than any file name (255 bytes) or path (4096 bytes) Linux accepts.
 OVER_LONG_MODEL = "m" * 5000
@@ -108,6 +112,10 @@ def plan_arguments(draw: st.DrawFn) -> list[str]:
     return argv
 
 
+def _is_ascii_number(text: str) -> bool:
+    return text.strip(" \t") != "" and all(char in ASCII_NUMBER_CHARS for char in text)
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan_arguments())
 def test_fuzzed_plan_arguments_never_raise(argv: list[str]) -> None:
@@ -117,6 +125,88 @@ def test_fuzzed_plan_arguments_never_raise(argv: list[str]) -> None:
     if status == EXIT_USAGE:
         assert stderr.startswith(("kvspec: error: ", "usage: kvspec")), stderr
         assert "Traceback" not in stderr
+    else:
+        # A plan was made: every number it was given was written in ASCII digits.
+        numbers = [value for option, value in zip(argv, argv[1:]) if option in NUMBER_OPTIONS]
+        assert all(_is_ascii_number(value) for value in numbers), argv
+
+
+#: What an integer option may hold: ASCII digits and the spaces around them.
+ASCII_NUMBER_CHARS = frozenset("0123456789 \t")
+
+#: Integers Python's int() reads but a user does not mean (Arabic-Indic, fullwidth,
+#: Devanagari digits; underscores; signs).
+NOT_ASCII_INTEGERS = ["٢", "２", "२", "2_0", "1_000", "+2", "٢0", "2\u2003", "\u20072"]
+
+
+@pytest.mark.parametrize("option", NUMBER_OPTIONS + ("--pp",))
+@pytest.mark.parametrize("value", NOT_ASCII_INTEGERS)
+def test_integer_options_take_ascii_digits_only(option: str, value: str) -> None:
+    """``--tp ٢`` planned TP 2 and ``--tp 2_0`` TP 20 (int() reads both)."""
+    status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", "40GiB", option, value])
+    assert status == EXIT_USAGE
+    assert f"argument {option}: {value!r} is not an integer written with the ASCII digits 0-9" \
+        in stderr, stderr
+
+
+@pytest.mark.parametrize("partition", ["٢٧,5", "16,1_6", "+16,16"])
+def test_a_pipeline_partition_takes_ascii_digits_only(partition: str) -> None:
+    status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", "40GiB", "--pp", "2",
+                              "--pp-partition", partition])
+    assert status == EXIT_USAGE and "ASCII digits 0-9" in stderr, stderr
+
+
+@pytest.mark.parametrize("seed", ["٣", "1_0", "+1"])
+def test_a_simulate_seed_takes_ascii_digits_only(seed: str) -> None:
+    status, stderr = run_cli(["simulate", "llama-3.1-8b", "--memory", "40GiB", "--seed", seed,
+                              "--requests", "3", "--no-progress"])
+    assert status == EXIT_USAGE and "ASCII digits 0-9" in stderr, stderr
+
+
+@pytest.mark.parametrize("memory", ["٤٠GiB", "４0GiB", "4_0GiB", "40\u2003GiB", "\u200340GiB",
+                                    "40ＧiB"])
+def test_sizes_take_ascii_digits_and_spaces_only(memory: str) -> None:
+    status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", memory])
+    assert status == EXIT_USAGE
+    assert stderr.startswith(f"kvspec: error: --memory {memory!r} is not a size"), stderr
+
+
+#: Characters numbers are made of, in ASCII and in other scripts, and what sits around them.
+NUMBER_LIKE = st.text(st.sampled_from("0123456789٠١٢٣٤５６७_ .\t\u2003\u00a0+-GiBkM"),
+                      max_size=8)
+
+
+@given(st.one_of(NUMBER_LIKE, st.text(st.characters(blacklist_categories=()), max_size=8)))
+def test_one_reading_of_numbers_for_integers_and_sizes(text: str) -> None:
+    """Whatever the text, an integer option and a size read numbers alike: only ASCII
+    digits (ASCII spaces around), and a plain integer as the same number."""
+    try:
+        as_integer: int | None = positive_int(text)
+    except argparse.ArgumentTypeError:
+        as_integer = None
+    try:
+        as_size: int | None = parse_size(text)
+    except SizeError:
+        as_size = None
+    stripped = text.strip(" \t")
+    integer = int(stripped) if _is_ascii_number(text) and stripped.isdigit() else None
+    if integer is not None and 1 <= integer <= MAX_FIELD_VALUE:
+        assert as_integer == integer
+    else:
+        assert as_integer is None
+    if integer is not None and 1 <= integer <= MAX_SIZE_BYTES:
+        assert as_size == integer
+    if as_size is not None:  # a fraction or a unit, but ASCII through and through
+        assert all(char.isascii() and (char.isalnum() or char in " \t.") for char in text)
+
+
+@pytest.mark.parametrize("plot", ["", "   "])
+def test_an_empty_plot_file_name_is_refused(plot: str) -> None:
+    """``--plot ''`` used to exit 0 having written nothing."""
+    status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", "40GiB", "--plot", plot])
+    assert status == EXIT_USAGE
+    assert f"argument --plot: {plot!r} is an empty file name" in stderr, stderr
+    assert os.listdir(".") == []
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
