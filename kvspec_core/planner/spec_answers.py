@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from fractions import Fraction
 
+import torch
+
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import PluginError
 from kvspec_core.specs.base import KVSpec
@@ -88,6 +90,8 @@ _VIEW_ANSWERS: tuple[_Answer, ...] = (
     ("num_states", _positive, f"{_POSITIVE} of states per page"),
     ("state_content_size_bytes", _positive, f"{_POSITIVE} of bytes per (head, state) cell"),
     ("unpadded_page_size_bytes", _positive, f"{_POSITIVE} of bytes of content per page"),
+    ("view_dtype", lambda value: value is None or isinstance(value, torch.dtype),
+     "None (raw bytes) or a torch.dtype"),
 )
 
 

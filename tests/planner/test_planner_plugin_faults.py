@@ -28,6 +28,7 @@ BAD_ANSWERS: dict[str, object] = {
     "num_heads": True,
     "max_blocks_per_request": -3,
     "host_resident": 1,
+    "view_dtype": "bfloat16",
     "merge": "not a spec",
 }
 
@@ -54,6 +55,10 @@ class FaultySpec(FullAttentionSpec):
     @property
     def num_heads(self) -> Any:
         return self._answer("num_heads", super().num_heads)
+
+    @property
+    def view_dtype(self) -> Any:
+        return self._answer("view_dtype", super().view_dtype)
 
     @property
     def host_resident(self) -> Any:
