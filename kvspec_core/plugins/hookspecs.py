@@ -76,7 +76,10 @@ def kvspec_layer_spec(layer: LayerConfig) -> KVSpec | None:
     Called once per plugin per layer. Exactly one plugin must claim each layer: none is
     refused naming the layer, its type and the distribution that provides it; two are
     refused naming both plugins. Raise :class:`kvspec_core.errors.ConfigError` naming the
-    config field when the layer is yours but its fields are invalid. Not firstresult.
+    config field when the layer is yours but its fields are invalid. Any other exception (or
+    an answer that is neither a spec nor ``None``) is a bug the core isolates: a warning where
+    another plugin claims the layer, a :class:`~kvspec_core.errors.PluginError` naming your
+    distribution where none does (or under ``KVSPEC_STRICT_PLUGINS=1``). Not firstresult.
     """
 
 
