@@ -261,8 +261,8 @@ def base_key(key: str) -> str:
 def shrink(setup: dict[str, Any], ops: list[Op], outcome: Outcome, stop: float,
            sides: SideFactory = make_sides) -> tuple[list[Op], Outcome]:
     """The shortest program found before ``stop`` that still ends with the same kind of
-    finding (operations dropped one at a time, then the last one's hostile inputs made
-    plain one at a time), and its outcome (its key names the inputs still needed)."""
+    finding (operations dropped one at a time, then each one's hostile inputs made plain
+    and prompts halved), and its outcome (its key names the inputs still needed)."""
     assert outcome.index is not None
     best, best_outcome = ops[: outcome.index + 1], outcome
 
@@ -282,10 +282,14 @@ def shrink(setup: dict[str, Any], ops: list[Op], outcome: Outcome, stop: float,
         while position < len(best) - 1 and time.monotonic() < stop:
             if not reproduces(best[:position] + best[position + 1:], "key"):
                 position += 1
-    progress = True
-    while progress and time.monotonic() < stop:
-        progress = any(reproduces(best[:-1] + [plainer], "base")
-                       for plainer in simplified(best[-1]))
+    # Then each operation's inputs, the last (failing) one first.
+    position = len(best) - 1
+    while position >= 0 and time.monotonic() < stop:
+        if not any(reproduces(best[:position] + [plainer] + best[position + 1:],
+                              "key" if position < len(best) - 1 else "base")
+                   for plainer in simplified(best[position])):
+            position -= 1
+        position = min(position, len(best) - 1)
     return best, best_outcome
 
 

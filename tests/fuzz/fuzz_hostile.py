@@ -251,8 +251,8 @@ def features(op: dict[str, Any]) -> list[str]:
 
 
 def simplified(op: dict[str, Any]) -> list[dict[str, Any]]:
-    """``op`` with one hostile input made plain, for each hostile input it has (a shrunk
-    finding keeps only the inputs it needs)."""
+    """``op`` with one hostile input made plain, for each hostile input it has, and with
+    half its prompt (a shrunk finding keeps only the inputs it needs)."""
     import copy
 
     variants: list[dict[str, Any]] = []
@@ -274,6 +274,9 @@ def simplified(op: dict[str, Any]) -> list[dict[str, Any]]:
         for position, entry in enumerate(request["tokens"]):
             if not isinstance(entry, int):
                 variant(lambda o, p=position: o["request"]["tokens"].__setitem__(p, 1))
+        if len(request["tokens"]) > 8:  # a shorter prompt (it may be all the finding needs)
+            variant(lambda o: o["request"].update(tokens=o["request"]["tokens"][
+                : len(o["request"]["tokens"]) // 2]))
     for field in ("append", "tokens"):
         for position, entry in enumerate(op.get(field, [])):
             if not isinstance(entry, int):
