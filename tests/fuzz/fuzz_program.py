@@ -400,14 +400,18 @@ class Side:
         return build_request(spec, self.collide_with())
 
     def op_find(self, op: Op) -> list[str]:
-        request = self.new_request(op["request"])
+        request = self.attempt(lambda: self.new_request(op["request"]))
+        if isinstance(request, BaseException):  # Request itself refused the inputs
+            return [show(request)]
         found = self.attempt(lambda: self.allocator.find_cached_prefix(request))
         self.check_hit(request, found)
         return [show(found)]
 
     def op_admit(self, op: Op) -> list[str]:
         allocator = self.allocator
-        request = self.new_request(op["request"])
+        request = self.attempt(lambda: self.new_request(op["request"]))
+        if isinstance(request, BaseException):  # Request itself refused the inputs
+            return [show(request)]
         answers: list[str] = []
         prefix: Any = None
         forged = False
@@ -419,7 +423,9 @@ class Side:
             self.check_hit(request, found)
             prefix = found
             if isinstance(op["prefix"], list):
-                prefix = self.forge(op["prefix"][1], found, request)
+                prefix = self.attempt(lambda: self.forge(op["prefix"][1], found, request))
+                if isinstance(prefix, BaseException):  # e.g. a block table of a lost id
+                    return [*answers, "forging: " + show(prefix)]
                 # Epochs are a staleness hint: an edited one may only make the allocator
                 # look again. Every other edit claims blocks or tokens it was not given.
                 forged = not _same_prefix(prefix, found) and op["prefix"][1] != "epochs"
