@@ -157,6 +157,25 @@ def test_code_run_by_a_hash_is_refused_cleanly_not_crashed(case: str,
         assert output.split("computed ")[-1].strip() == "2"  # the refused step changed nothing
 
 
+def test_a_hash_owner_whose_release_replaces_the_tokens_does_not_crash(
+        runtime_kernels: str) -> None:
+    # A request last hashed by another hasher drops its old owner when this one hashes it:
+    # the old owner's __del__ runs then, and here replaces the token list being read.
+    output = run_case("""
+        class Owner:
+            def __del__(self):
+                request.token_ids = [7]
+
+        allocator = make_allocator([full(4)], 64)
+        request = Request("r", list(range(100_000)))
+        request._hash_owner = Owner()
+        outcome(lambda: allocator.find_cached_prefix(request).num_tokens)
+        print("hashes", len(request.block_hashes))
+    """, runtime_kernels)
+    # The request holds one token now: nothing to look up, nothing hashed (both paths).
+    assert output.split() == ["answer", "0", "hashes", "0"], output
+
+
 def test_hostile_objects_in_the_pool_kernels_are_refused_not_crashed(
         runtime_kernels: str) -> None:
     # The pool kernels are public functions of the compiled module: a block id that is no

@@ -273,10 +273,22 @@ int kv_hash_request(PyObject *hasher, PyObject *request, Py_ssize_t upto, Py_ssi
         || !PyList_CheckExact(token_ids) || tokens < 1 || !plain_salts(request))
         return 1;
     if (record_get(request, fields[REQUEST_HASH_OWNER]) != hasher) {
-        /* Hashes made by another hasher (another salt) are meaningless here. */
-        if (PyList_SetSlice(hashes, 0, PyList_GET_SIZE(hashes), NULL) < 0) return -1;
-        Py_INCREF(hasher);
-        record_set(request, fields[REQUEST_HASH_OWNER], hasher);
+        /* Hashes made by another hasher (another salt) are meaningless here. Releasing
+         * them and the old owner may run code (a __del__): the lists are held meanwhile and
+         * must still be the request's afterwards. */
+        Py_INCREF(hashes);
+        Py_INCREF(token_ids);
+        int failed = PyList_SetSlice(hashes, 0, PyList_GET_SIZE(hashes), NULL) < 0;
+        if (!failed) {
+            Py_INCREF(hasher);
+            record_set(request, fields[REQUEST_HASH_OWNER], hasher);
+        }
+        int changed = record_get(request, fields[REQUEST_BLOCK_HASHES]) != hashes
+            || record_get(request, fields[REQUEST_TOKEN_IDS]) != token_ids;
+        Py_DECREF(token_ids);
+        Py_DECREF(hashes);
+        if (failed) return -1;
+        if (changed) return 1;
     }
     Py_ssize_t available = PyList_GET_SIZE(token_ids);
     Py_ssize_t done = PyList_GET_SIZE(hashes);

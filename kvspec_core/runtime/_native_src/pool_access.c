@@ -181,8 +181,11 @@ int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *
     }
     PyObject *move_hash = PyObject_GetAttr(pool, names[POOL_MOVE_HASH]);
     if (move_hash == NULL) return -1;
+    /* Borrowed from the pool's dicts: held across move_hash (Python code). */
     PyObject *args[7] = {gid, digests, blocks, cache, block_hash, group_block, move_hash};
+    for (int i = 3; i < 6; i++) Py_INCREF(args[i]);
     PyObject *stored = kv_py_cache_blocks(NULL, args, 7);
+    for (int i = 3; i < 6; i++) Py_DECREF(args[i]);
     Py_DECREF(move_hash);
     Py_XDECREF(stored);
     return stored == NULL ? -1 : 0;
