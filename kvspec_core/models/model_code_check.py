@@ -31,7 +31,9 @@ When it refuses: a disagreement; and a model it cannot read (building it fails, 
 layer list of the config's length). A mixer class it does not recognise reads as "no cache",
 so a layer kvspec plans a cache for is refused naming the layer's module classes rather than
 passed: an unreadable model is an error that says how to skip the check, never a silent pass.
-Readings are cached per config, so planning a config again costs no second build.
+Readings are cached per config in memory and on disk
+(:mod:`kvspec_core.models.model_code_cache`), so planning a config again costs no second
+build, nor, in a new process, the import of transformers' modeling code.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from kvspec_core.models.layer_typing import (
     SLIDING_MLA_ATTENTION,
     LayerSlot,
 )
+from kvspec_core.models.model_code_cache import entry_key, load_entry, store_entry
 
 #: Environment variable that turns the check off (``off``) when a model cannot be read.
 CHECK_SWITCH_VARIABLE = "KVSPEC_MODEL_CODE_CHECK"
@@ -228,8 +231,40 @@ def _decoder_layers(model: Any, count: int) -> Sequence[Any]:
     )
 
 
+def _labels(value: object, count: int) -> tuple[tuple[str, ...], ...] | None:
+    """``value`` (a stored entry's field) as ``count`` tuples of strings, else ``None``."""
+    if not isinstance(value, list) or len(value) != count:
+        return None
+    if not all(isinstance(layer, list) and all(isinstance(x, str) for x in layer)
+               for layer in value):
+        return None
+    return tuple(tuple(layer) for layer in value)
+
+
+def _stored_reading(entry: Mapping[str, Any] | None, count: int) -> ModelCodeReading | None:
+    """The reading an on-disk entry holds, or ``None`` when it has not the expected shape."""
+    if entry is None or not isinstance(entry.get("model_class"), str):
+        return None
+    layers = _labels(entry.get("layers"), count)
+    modules = _labels(entry.get("modules"), count)
+    if layers is None or modules is None:
+        return None
+    return ModelCodeReading(model_class=entry["model_class"], layers=layers, modules=modules)
+
+
 @functools.lru_cache(maxsize=_CACHED_READINGS)
 def _read_model_code(config_json: str, count: int) -> ModelCodeReading:
+    """The reading of ``config_json``: from memory, else from disk, else built."""
+    key = entry_key(config_json, count)
+    stored = _stored_reading(load_entry(key), count)
+    if stored is not None:
+        return stored
+    reading = _build_reading(config_json, count)
+    store_entry(key, attrs.asdict(reading))
+    return reading
+
+
+def _build_reading(config_json: str, count: int) -> ModelCodeReading:
     import torch
     from transformers import CONFIG_MAPPING
 

@@ -14,10 +14,16 @@ from typing import Any
 import pytest
 
 from kvspec_core.errors import ConfigError
-from kvspec_core.models import layer_typing
+from kvspec_core.models import layer_typing, model_code_cache, model_code_check
 from kvspec_core.models.catalog import load_preset, preset_names
 from kvspec_core.models.encoder_decoder import is_encoder_decoder
 from kvspec_core.models.layer_typing import decoder_layer_slots, num_layers
+from kvspec_core.models.model_code_cache import (
+    CACHE_DIR_VARIABLE,
+    READINGS_FOLDER,
+    cache_folder,
+    entry_key,
+)
 from kvspec_core.models.model_code_check import (
     CHECK_SWITCH_VARIABLE,
     _read_model_code,
@@ -220,3 +226,54 @@ def test_a_config_planned_again_is_not_rebuilt() -> None:
     typed(config)
     after = _read_model_code.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses
+
+
+@pytest.fixture
+def fresh_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty disk cache and no reading in memory, as in a new ``kvspec plan``."""
+    monkeypatch.setenv(CACHE_DIR_VARIABLE, str(tmp_path))
+    _read_model_code.cache_clear()
+    return tmp_path / READINGS_FOLDER
+
+
+def test_a_reading_is_read_back_from_disk_without_building_the_model(
+    fresh_process: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built = readings(load_preset("nemotron-h-56b"))[1]
+    assert len(list(fresh_process.glob("*.json"))) == 1
+    _read_model_code.cache_clear()
+
+    def no_build(config_json: str, count: int) -> None:
+        raise AssertionError("the model was built again")
+
+    monkeypatch.setattr(model_code_check, "_build_reading", no_build)
+    assert readings(load_preset("nemotron-h-56b"))[1] == built
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"model_class": "X", "layers": [], '
+                                    '"modules": []}', "[1, 2]"])
+def test_a_damaged_entry_is_ignored_and_rebuilt(fresh_process: Path, damage: str) -> None:
+    built = readings(load_preset("jamba-1.5-mini"))[1]
+    (entry,) = fresh_process.glob("*.json")
+    entry.write_text(damage)
+    _read_model_code.cache_clear()
+    assert readings(load_preset("jamba-1.5-mini"))[1] == built
+    assert json.loads(entry.read_text())["model_class"] == "JambaForCausalLM"
+
+
+def test_an_empty_cache_folder_setting_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(CACHE_DIR_VARIABLE, "")
+    monkeypatch.chdir(tmp_path)
+    _read_model_code.cache_clear()
+    assert readings(load_preset("llama-3.1-8b"))[1] is not None
+    assert cache_folder() is None and not any(tmp_path.iterdir())
+
+
+def test_another_transformers_version_reads_the_model_code_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = entry_key("{}", 4)
+    monkeypatch.setattr(model_code_cache, "_transformers_version", lambda: "0.0.1")
+    assert entry_key("{}", 4) != before
