@@ -24,7 +24,9 @@ differs.
 When it does not run (the plan is made from the config alone, as before): transformers is not
 installed, does not know the ``model_type`` or its config class refused the config (see
 :mod:`kvspec_core.models.normalized`); transformers has no model class for the type; the
-config is an encoder-decoder one; ``KVSPEC_MODEL_CODE_CHECK=off``. Layers of a type only a
+config is an encoder-decoder one; it declares more than :data:`MAX_CHECKED_LAYERS` layers
+(no published model comes near; building one takes seconds per thousand layers, and kvspec
+accepts up to 10,000 for stress tests); ``KVSPEC_MODEL_CODE_CHECK=off``. Layers of a type only a
 third-party plugin knows are not compared (that plugin reads its own fields).
 
 When it refuses: a disagreement; and a model it cannot read (building it fails, or no decoder
@@ -66,6 +68,8 @@ from kvspec_core.models.model_code_cache import entry_key, load_entry, store_ent
 CHECK_SWITCH_VARIABLE = "KVSPEC_MODEL_CODE_CHECK"
 #: A mixer kvspec has no layer type for (LFM2's short convolution).
 SHORT_CONV = "short_conv"
+#: Deepest config checked: 8x the deepest published model (Llama-3.1-405B, 126 layers).
+MAX_CHECKED_LAYERS = 1024
 #: Readings kept (one per distinct config planned in this process).
 _CACHED_READINGS = 64
 
@@ -302,9 +306,10 @@ def _switched_off() -> bool:
 
 def model_code_reading(raw: Mapping[str, Any], count: int) -> ModelCodeReading | None:
     """transformers' reading of the config ``raw`` with ``count`` decoder layers, or
-    ``None`` when the check is skipped (no model class for the type, switched off). A model
-    that transformers knows but cannot build is refused, saying how to skip the check."""
-    if _switched_off():
+    ``None`` when the check is skipped (no model class for the type, deeper than
+    :data:`MAX_CHECKED_LAYERS`, switched off). A model that transformers knows but cannot
+    build is refused, saying how to skip the check."""
+    if _switched_off() or count > MAX_CHECKED_LAYERS:
         return None
     config_json = json.dumps(dict(raw), sort_keys=True, default=repr)
     try:

@@ -26,6 +26,7 @@ from kvspec_core.models.model_code_cache import (
 )
 from kvspec_core.models.model_code_check import (
     CHECK_SWITCH_VARIABLE,
+    MAX_CHECKED_LAYERS,
     _read_model_code,
     kvspec_labels,
     model_code_reading,
@@ -277,3 +278,10 @@ def test_another_transformers_version_reads_the_model_code_again(
     before = entry_key("{}", 4)
     monkeypatch.setattr(model_code_cache, "_transformers_version", lambda: "0.0.1")
     assert entry_key("{}", 4) != before
+
+
+def test_configs_deeper_than_any_published_model_are_not_built() -> None:
+    deep = {**load_preset("llama-3.1-8b"), "num_hidden_layers": MAX_CHECKED_LAYERS + 1}
+    assert readings(deep)[1] is None
+    published_depth = {**load_preset("llama-3.1-8b"), "num_hidden_layers": 40}
+    assert readings(published_depth)[1] is not None
