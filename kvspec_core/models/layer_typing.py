@@ -12,7 +12,7 @@ Mamba state fields...). Sources, in priority order:
    ``attention``, ``mlp``, ``moe``; transformers 5 writes ``linear_attention`` for the Mamba
    blocks and ``full_attention`` for attention), both forms refused when they disagree,
    ``attn_type_list`` (MiniMax: 0 linear, 1 full),
-   ``attn_layer_indices`` (Bamba: the rest are Mamba),
+   ``attn_layer_indices`` (Bamba: the rest are Mamba; none listed: all Mamba),
    ``attn_layer_period`` + ``attn_layer_offset`` (Jamba: the rest are Mamba),
    ``full_attention_interval`` (Qwen3-Next: the rest are linear attention).
 3. For attention layers not typed by ``layer_types``: ``attention_chunk_size`` (chunked,
@@ -83,6 +83,12 @@ LAYER_TYPE_ALIASES: Mapping[str, str] = {
 #: model_types whose ``layer_types`` name their Mamba layers ``linear_attention`` (transformers
 #: 5's convention, and its Granite-4.0-H default): their model code builds a Mamba-2 mixer there.
 MAMBA_NAMED_LINEAR_ATTENTION = frozenset({"granitemoehybrid"})
+
+#: model_types whose every layer is a recurrent block kvspec has no layer typing for (their
+#: configs carry no pattern field, so they would otherwise read as full attention).
+STATE_SPACE_ONLY_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma",
+})
 
 #: Nemotron-H ``hybrid_override_pattern`` characters; ``None`` = no cache (no layer).
 HYBRID_PATTERN_CHARS: Mapping[str, str | None] = {
@@ -245,7 +251,10 @@ def _from_attn_type_list(config: Mapping[str, Any], count: int) -> list[str | No
 
 def _from_attn_layer_indices(config: Mapping[str, Any], count: int) -> list[str | None]:
     """Bamba: attention at the listed layer indices, Mamba everywhere else."""
-    indices = config["attn_layer_indices"]
+    # Bamba's model code builds Mamba on every layer when no index is listed.
+    indices = config.get("attn_layer_indices")
+    if indices is None:
+        indices = []
     if not isinstance(indices, list):
         raise ConfigError(
             f"config field 'attn_layer_indices' is {indices!r}; it must be a list of the layer "
@@ -316,7 +325,8 @@ def _mixers(config: Mapping[str, Any], count: int) -> list[str | None]:
         return _from_hybrid_forms(config, count)
     if config.get("attn_type_list") is not None:
         return _from_attn_type_list(config, count)
-    if config.get("attn_layer_indices") is not None:
+    if (config.get("attn_layer_indices") is not None
+            or config.get("model_type") == "bamba"):
         return _from_attn_layer_indices(config, count)
     if config.get("attn_layer_period") is not None:
         return _from_period(config, count)
@@ -372,6 +382,12 @@ def _with_mla(layer_type: str) -> str:
 
 def decoder_layer_types(config: Mapping[str, Any]) -> list[str | None]:
     """Normalised type of every decoder layer; ``None`` for layers that hold no cache."""
+    model_type = config.get("model_type")
+    if model_type in STATE_SPACE_ONLY_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type {model_type!r} has no attention layers (every layer is a recurrent "
+            "state-space block); kvspec does not plan it: its layers would read as attention"
+        )
     count = num_layers(config)
     mixers = _mixers(config, count)
     if _ATTENTION in mixers:

@@ -62,28 +62,27 @@ PRESET_READINGS = {
 AGREEING_DEFAULT_TYPES = (
     "jamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_next", "qwen3_5",
     "qwen3_5_moe", "olmo_hybrid", "lara_mini", "kimi_linear", "minimax", "bailing_hybrid",
-    "gemma2", "gemma3", "gemma3_text", "cohere2", "gpt_oss", "mistral", "mixtral", "llama4",
+    "bamba", "gemma2", "gemma3", "gemma3_text", "cohere2", "gpt_oss", "mistral", "mixtral", "llama4",
     "llama4_text", "exaone4", "olmo3", "mimo_v2_flash", "deepseek_v2", "deepseek_v3", "lfm2",
     "modernbert-decoder", "vaultgemma",
 )
 #: Default configs kvspec reads differently from the model code: refused, naming what the
 #: model builds. Each was a plausible, wrong plan (or a wrong layer count) before the check.
 DISAGREEING_DEFAULT_TYPES = {
-    # attn_layer_indices unset: the model code builds Mamba everywhere.
-    "bamba": r"layer 0: kvspec reads full_attention, the model code builds mamba",
-    "mamba": r"layer 0: kvspec reads full_attention, the model code builds mamba",
-    "mamba2": r"layer 0: kvspec reads full_attention, the model code builds mamba",
-    "falcon_mamba": r"layer 0: kvspec reads full_attention, the model code builds mamba",
     # attention_types: every other layer is local (window 256); kvspec ignores the field.
     "gpt_neo": r"layer 1: kvspec reads full_attention, the model code builds "
                r"sliding_attention \(window 256\)",
     # two MLA attentions per layer.
     "longcat_flash": r"layer 0: kvspec reads mla_attention, the model code builds "
                      r"mla_attention \+ mla_attention",
-    "recurrent_gemma": r"layer 0: kvspec reads full_attention, the model code builds "
-                       r"recurrent_block",
+}
+#: Recurrent-only model types: refused by kvspec's typing itself (with or without
+#: transformers); the model-code check refuses them too when kvspec's refusal is removed.
+STATE_SPACE_ONLY_READINGS = {
+    "mamba": "mamba", "mamba2": "mamba", "falcon_mamba": "mamba",
+    "recurrent_gemma": "recurrent_block",
     # a mixer class the check does not know reads as no cache: refused, never passed.
-    "xlstm": r"layer 0: kvspec reads full_attention, the model code builds no cache-holding mixer \(its modules: .*xLSTMLayer",
+    "xlstm": r"no cache-holding mixer \(its modules: .*xLSTMLayer",
 }
 
 
@@ -152,6 +151,25 @@ def test_transformers_default_configs_kvspec_misreads_are_refused(model_type: st
         typed(default_config(model_type))
 
 
+@pytest.mark.parametrize("model_type", sorted(STATE_SPACE_ONLY_READINGS))
+def test_recurrent_only_models_are_refused_by_the_typing_and_by_the_model_code(
+    model_type: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match=f"model_type '{model_type}' has no attention layers"):
+        typed(default_config(model_type))
+    monkeypatch.setattr(layer_typing, "STATE_SPACE_ONLY_MODEL_TYPES", frozenset())
+    with pytest.raises(ConfigError, match=(
+            f"layer 0: kvspec reads full_attention, the model code builds "
+            f"{STATE_SPACE_ONLY_READINGS[model_type]}")):
+        typed(default_config(model_type))
+
+
+@pytest.mark.usefixtures("without_transformers")
+def test_without_transformers_bamba_without_attention_indices_is_all_mamba() -> None:
+    config = {k: v for k, v in bamba_9b().items() if k != "attn_layer_indices"}
+    assert type_string(config) == "M" * 32
+
+
 def bamba_9b() -> dict[str, Any]:
     return json.loads((FIXTURES / "ibm-ai-platform__Bamba-9B.json").read_text())
 
@@ -199,7 +217,7 @@ def test_an_unknown_model_type_is_not_checked() -> None:
 
 def test_switched_off_plans_from_the_config_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CHECK_SWITCH_VARIABLE, "off")
-    assert type_string(default_config("mamba2")) == "F" * 64
+    assert type_string(default_config("gpt_neo")) == "F" * 24
     monkeypatch.setenv(CHECK_SWITCH_VARIABLE, "maybe")
     with pytest.raises(ConfigError, match=f"{CHECK_SWITCH_VARIABLE}='maybe'; it must be 'on'"):
         typed(load_preset("llama-3.1-8b"))
