@@ -592,8 +592,9 @@ class KVCacheAllocator:
         """
         if lookahead.__class__ is not int or lookahead < 0:
             raise AllocatorError(f"decode_step: lookahead={lookahead!r} must be an int >= 0")
-        ids = request_ids if request_ids.__class__ in (list, tuple) else list(request_ids)
-        tokens = token_ids if token_ids.__class__ in (list, tuple) else list(token_ids)
+        # Copies: code the step runs (a token's __index__) cannot change what is stepped.
+        ids = tuple(request_ids)
+        tokens = tuple(token_ids)
         if len(ids) != len(tokens):
             raise AllocatorError(
                 f"decode_step: {len(ids)} request ids but {len(tokens)} tokens; pass the "

@@ -101,12 +101,13 @@ def _pack_tokens(request: Request, start: int, stop: int) -> bytes:
         values = tokens
     else:
         # Read each non-int token once (its __index__ may run any code), then check the
-        # list still holds the objects read: the hashes are of the tokens it holds.
+        # list still holds the objects it held in [0, stop) (the tokens hashed before
+        # ``start`` too: these hashes chain from theirs): the hashes are of its tokens.
         length = len(token_list)
+        held = token_list[:stop]
         values = _index_values(request, tokens, start, stop)
-        now = token_list[start:stop]
         if (request.token_ids is not token_list or len(token_list) != length
-                or len(now) != len(tokens) or not all(map(operator.is_, now, tokens))):
+                or not all(map(operator.is_, token_list[:stop], held))):
             raise _bad_tokens(request, start, stop, _CHANGED)
     try:
         # struct packs a list about twice as fast as array("I", ...).tobytes().

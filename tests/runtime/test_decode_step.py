@@ -121,7 +121,7 @@ def test_decode_step_refuses_mismatched_lists_and_ids_it_does_not_run() -> None:
     assert allocator.num_computed_tokens(1) == 4
     with pytest.raises(AllocatorError, match=r"item 0: request_id=<a list> must be a str or an int"):
         allocator.decode_step([[1]], [7])
-    # Any iterables: they are read once, into lists.
+    # Any iterables: they are read once, into tuples.
     results = allocator.decode_step(iter([1]), iter([9]))
     assert results[0].new_block_ids == ((3,),)
     assert first.token_ids == [1, 2, 3, 7, 9]

@@ -461,3 +461,72 @@ def test_prefix_type_check_names_what_was_passed() -> None:
     with pytest.raises(AllocatorError, match="CachedPrefix"):
         allocator.allocate_slots(Request("r", [1, 2]), 2, prefix=("not", "a", "prefix"))  # type: ignore[arg-type]
     assert isinstance(CachedPrefix, type)
+
+
+# ----------------------------------------------------------------- found by the fuzzer
+def test_another_request_object_with_a_running_id_never_caches_its_tokens() -> None:
+    # The step is the running request's (its own token list), on both paths: the kernels
+    # hashed and cached the passed object's tokens in its blocks, a false hit.
+    allocator = make_allocator([full(4)], 64)
+    assert allocator.allocate_slots(Request("a", [1, 2, 3]), 3)
+    impostor = Request("a", list(range(50, 58)))
+    allocator.allocate_slots(impostor, 5)
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(Request("x", list(range(50, 60)))).num_tokens == 0
+
+
+@pytest.mark.parametrize("count", [2**62, 2**63 - 1])
+def test_counts_past_any_length_are_not_now_not_a_negative_count(count: int) -> None:
+    allocator = make_allocator([full(4)], 64)
+    request = Request("r", [1, 2, 3])
+    assert allocator.allocate_slots(request, 3)
+    result = allocator.allocate_slots(request, count)
+    assert isinstance(result, NotNow) and result.reason == "over_admission_cap"
+    [stepped] = allocator.allocate_step([(request, count)])
+    assert isinstance(stepped, NotNow) and stepped.reason == "over_admission_cap"
+    assert allocator.num_computed_tokens("r") == 3
+
+
+@pytest.mark.parametrize("lookahead", [2**63, 2**70])
+def test_a_lookahead_past_any_length_reaches_max_model_len_on_both_paths(
+        lookahead: int) -> None:
+    allocator = make_allocator([full(4)], 64, ctx=context(32, 64))
+    request = Request("r", [1, 2, 3])
+    assert allocator.allocate_slots(request, 3)
+    [decoded] = allocator.decode_step(["r"], [4], lookahead)
+    assert decoded and len(allocator.block_ids("r")[0]) == 8  # max_model_len 32, blocks of 4
+    [stepped] = allocator.allocate_step([request], lookahead)
+    assert stepped is allocator.no_new_blocks
+
+
+def test_decode_step_reads_its_lists_once() -> None:
+    # A sampled token whose __index__ (run when its block is hashed) empties the list of
+    # sampled tokens: the step goes on with what it was given.
+    allocator = make_allocator([full(4)], 64)
+    first, second = Request("a", [1, 2, 3]), Request("b", [5, 6, 7])
+    assert allocator.allocate_slots(first, 3) and allocator.allocate_slots(second, 3)
+    sampled: list[object] = []
+
+    class Clears:
+        def __index__(self) -> int:
+            sampled.clear()
+            return 4
+
+    sampled += [Clears(), 8]
+    results = allocator.decode_step(["a", "b"], sampled)  # type: ignore[arg-type]
+    assert len(results) == 2 and second.token_ids == [5, 6, 7, 8]
+    assert allocator.num_computed_tokens("a") == allocator.num_computed_tokens("b") == 4
+
+
+def test_a_token_whose_index_rewrites_tokens_hashed_earlier_never_gives_a_false_hit() -> None:
+    # The lookup hashed the first blocks; the admission hashes the block holding the token,
+    # whose __index__ rewrites those first tokens: their hashes no longer describe the list.
+    allocator = make_allocator([full(4)], 64)
+    prompt: list[object] = list(range(1, 18))
+    prompt += [SwappingToken(prompt), 19, 20]
+    request = Request("r", prompt)  # type: ignore[arg-type]
+    found = allocator.find_cached_prefix(request)
+    with pytest.raises(AllocatorError, match="changed while they were hashed"):
+        allocator.allocate_slots(request, 20, prefix=found)
+    assert allocator.num_running == 0
+    assert allocator.find_cached_prefix(Request("x", list(range(1, 21)))).num_tokens == 0

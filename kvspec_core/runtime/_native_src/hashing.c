@@ -85,9 +85,10 @@ static int token_value(PyObject *item, unsigned long long *value) {
  * len(parent). All tokens are checked before anything is appended: a token that is not an
  * int in [0, 2**32) raises ValueError naming its position, and ``out`` is unchanged. A token
  * that is no exact small int is read once (its __index__ may run code); if any was, the list
- * must afterwards still have its length and hold the very objects read in [start, stop),
- * else ValueError "token ids changed while they were hashed": the digests are always of the
- * tokens the list holds. */
+ * must afterwards still have its length and hold the very objects it held in [0, stop) (the
+ * tokens hashed before ``start`` too: their digests chain into these), else ValueError
+ * "token ids changed while they were hashed": the digests are always of the tokens the list
+ * holds. */
 int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssize_t stop,
                     Py_ssize_t size, PyObject *out, int *code_ran) {
     if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) < 1 || PyBytes_GET_SIZE(parent) > 64) {
@@ -110,7 +111,7 @@ int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssi
     size_t message_len = digest + 4 * (size_t)size;
     uint8_t *packed = PyMem_Malloc(4 * (size_t)count + 1);
     uint8_t *message = PyMem_Malloc(message_len);
-    /* Once a token needed a call, every object read (held), else NULL. */
+    /* Once a token needed a call, every object of tokens[0:stop] (held), else NULL. */
     PyObject **read = NULL;
     int status = -1;
     Py_INCREF(parent); /* held: the code of a token may drop the caller's reference */
@@ -132,20 +133,19 @@ int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssi
             continue;
         }
         if (read == NULL) {
-            /* Code may run from here on: every object read is held, those before too (no
-             * code ran while they were read), to check the list afterwards. */
-            read = PyMem_Calloc((size_t)count, sizeof(PyObject *));
+            /* Code may run from here on: every object of tokens[0:stop] is held as it is now
+             * (no code ran so far), to check the list afterwards. */
+            read = PyMem_Calloc((size_t)stop, sizeof(PyObject *));
             if (read == NULL) {
                 PyErr_NoMemory();
                 goto done;
             }
-            for (Py_ssize_t j = 0; j < i; j++) {
-                read[j] = PyList_GET_ITEM(tokens, start + j);
+            for (Py_ssize_t j = 0; j < stop; j++) {
+                read[j] = PyList_GET_ITEM(tokens, j);
                 Py_INCREF(read[j]);
             }
         }
-        Py_INCREF(item);
-        read[i] = item;
+        item = read[start + i]; /* the object as it was before any code ran */
         int bad;
         if (PyLong_CheckExact(item) && small_int(item, &value)) {
             bad = 0;
@@ -166,8 +166,8 @@ int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssi
     if (read != NULL) {
         /* Code ran: the list must still hold what was read. */
         int same = PyList_GET_SIZE(tokens) == length;
-        for (Py_ssize_t i = 0; same && i < count; i++)
-            same = PyList_GET_ITEM(tokens, start + i) == read[i];
+        for (Py_ssize_t i = 0; same && i < stop; i++)
+            same = PyList_GET_ITEM(tokens, i) == read[i];
         if (!same) {
             PyErr_SetString(PyExc_ValueError, "token ids changed while they were hashed");
             goto done;
@@ -201,7 +201,7 @@ int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssi
     if (code_ran != NULL) *code_ran = read != NULL;
 done:
     if (read != NULL) {
-        for (Py_ssize_t i = 0; i < count; i++) Py_XDECREF(read[i]);
+        for (Py_ssize_t i = 0; i < stop; i++) Py_XDECREF(read[i]);
         PyMem_Free(read);
     }
     Py_DECREF(parent);

@@ -9,6 +9,19 @@
 #include "kernels.h"
 #include "records.h"
 
+/* A lookahead (an int >= 0, checked by the method's caller) as a C size: one too large for
+ * it counts as PY_SSIZE_T_MAX / 4 (every step then reaches max_model_len, as the method's
+ * ``min(known + lookahead, max_model_len)``); -1 with an exception if it is no int. */
+static int lookahead_size(PyObject *object, Py_ssize_t *value) {
+    *value = PyLong_AsSsize_t(object);
+    if (*value == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError) || _PyLong_Sign(object) < 0) return -1;
+        PyErr_Clear();
+        *value = PY_SSIZE_T_MAX / 4;
+    }
+    return 0;
+}
+
 /* Field ``index`` of a state as an int; -1 with an exception if unset or not an int. */
 static inline int state_int(PyObject *state, int index, Py_ssize_t *value) {
     PyObject *item;
@@ -47,6 +60,10 @@ static inline int fast_state(PyObject *state, Py_ssize_t count, Py_ssize_t looka
     if (state_int(state, 0, &computed) < 0 || state_int(state, 1, &end_limit) < 0
         || state_int(state, 2, &known_limit) < 0 || state_int(state, 3, &computed_limit) < 0)
         return -1;
+    /* Counts this large (past any max_model_len) would overflow the sums: the method's. */
+    if (count > PY_SSIZE_T_MAX / 4 || lookahead > PY_SSIZE_T_MAX / 4
+        || computed > PY_SSIZE_T_MAX / 4)
+        return 2;
     Py_ssize_t known = computed + count;
     if (known + lookahead < end_limit && known < known_limit && computed < computed_limit) {
         PyObject *value = PyLong_FromSsize_t(known);
@@ -117,8 +134,8 @@ PyObject *kv_py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *running = args[1], *no_new_blocks = args[3], *allocate_slots = args[4],
              *one_pair = args[5], *results = args[6];
-    Py_ssize_t lookahead = PyLong_AsSsize_t(args[2]);
-    if (lookahead == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t lookahead;
+    if (lookahead_size(args[2], &lookahead) < 0) return NULL;
     if (!PyDict_Check(running) || !PyList_Check(results)) {
         PyErr_SetString(PyExc_TypeError, "step: running must be a dict, results a list");
         return NULL;
@@ -202,8 +219,8 @@ PyObject *kv_py_decode_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     PyObject *ids = args[0], *tokens = args[1], *running = args[2], *no_new_blocks = args[4],
              *allocate_slots = args[5], *results = args[6];
-    Py_ssize_t lookahead = PyLong_AsSsize_t(args[3]);
-    if (lookahead == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t lookahead;
+    if (lookahead_size(args[3], &lookahead) < 0) return NULL;
     if (!(PyList_CheckExact(ids) || PyTuple_CheckExact(ids))
         || !(PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens))
         || PySequence_Fast_GET_SIZE(ids) != PySequence_Fast_GET_SIZE(tokens)
@@ -369,11 +386,20 @@ static PyObject *SlotsFastPath_vectorcall(PyObject *callable, PyObject *const *a
                 return self->no_new_blocks;
             }
             if (state != NULL) {
-                result = dense
-                    ? kv_dense_grow(&self->dense_config, state, args[0], count, lookahead,
-                                    self->no_new_blocks)
-                    : kv_groups_grow(&self->groups_config, state, args[0], count, lookahead,
-                                     self->no_new_blocks);
+                /* The running request's own record, as the method steps state.request (a
+                 * Request object passed with a running request's id is not hashed or
+                 * cached in its place). */
+                PyObject *own = Py_TYPE(state) == kv_state_type
+                    ? record_get(state, kv_state_offsets[STATE_REQUEST]) : NULL;
+                if (own != NULL) {
+                    Py_INCREF(own);
+                    result = dense
+                        ? kv_dense_grow(&self->dense_config, state, own, count, lookahead,
+                                        self->no_new_blocks)
+                        : kv_groups_grow(&self->groups_config, state, own, count, lookahead,
+                                         self->no_new_blocks);
+                    Py_DECREF(own);
+                }
                 Py_DECREF(state);
             } else if (fast == 2 && admit
                        && admissible(self->running, args[0], args[1], &count)) {
