@@ -30,6 +30,7 @@ from kvspec_core.planner.layouts import KVCacheLayout
 from kvspec_core.planner.plan import specs_per_layer
 from kvspec_core.planner.spec_answers import (
     check_spec_answers,
+    check_uniformity_answer,
     checked_blocks_per_request,
     checked_merge,
 )
@@ -180,6 +181,7 @@ def group_layers(
     if len(buckets) == 1:
         layers, spec = buckets[0]
         return [GroupDraft(tuple(layers), spec)], memoryless
+    check_uniformity_answer(live, manager.spec_kinds)
     uniform = UniformTypeSpecs.from_specs(live, manager.spec_kinds)
     if uniform is not None and len({_placement(spec) for spec in live.values()}) == 1:
         return [GroupDraft(tuple(live), uniform)], memoryless

@@ -11,13 +11,14 @@ distribution.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 
 import torch
 
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import PluginError
+from kvspec_core.plugins.registry import SpecRegistry
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.validation import MAX_FIELD_VALUE
 
@@ -132,3 +133,14 @@ def checked_merge(spec_class: type[KVSpec], specs: list[KVSpec], layer_names: li
         raise SpecAnswerError(spec_class, "merge", merged,
                               f"an instance of {spec_class.__name__} (the merged spec)", where)
     return merged
+
+
+def check_uniformity_answer(specs: Mapping[str, KVSpec], registry: SpecRegistry) -> None:
+    """Refuse a first spec whose ``is_uniform_with(specs, registry)`` is not a bool: any
+    truthy object would put layers of different kinds in one uniform-type group."""
+    name, first = next(iter(specs.items()))
+    value = first.is_uniform_with(specs, registry)
+    if not isinstance(value, bool):
+        raise SpecAnswerError(type(first), "is_uniform_with", value,
+                              "a bool (whether the layers can share a uniform-type group)",
+                              f"layer {name} and the {len(specs) - 1} other layers")

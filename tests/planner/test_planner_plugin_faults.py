@@ -77,6 +77,11 @@ class FaultySpec(FullAttentionSpec):
             return BAD_ANSWERS["merge"]
         return super().merge(specs, layer_names)
 
+    def is_uniform_with(self, specs: Any, registry: Any) -> Any:
+        if self.answers == "is_uniform_with":
+            return "no"
+        return super().is_uniform_with(specs, registry)
+
     def _answer(self, method: str, sound: object) -> Any:
         return BAD_ANSWERS[method] if self.answers == method else sound
 
@@ -145,3 +150,14 @@ def test_a_negative_admission_cap_is_refused_in_the_length_search_too() -> None:
     with pytest.raises(PluginError, match="FaultySpec.max_blocks_per_request .* returned -3"):
         largest_fitting_max_model_len(faulty_layers(answers="max_blocks_per_request"),
                                       64 << 20, CTX, manager_with_faulty_plugin())
+
+
+def test_a_uniformity_answer_that_is_no_bool_is_refused() -> None:
+    """Layers that do not merge (other head counts) ask the first spec whether they can share
+    a uniform-type group; the truthy "no" used to put them in one."""
+    specs = {f"model.layers.{i}": FaultySpec(block_size=16, num_kv_heads=2 + i, head_size=64,
+                                             dtype=torch.bfloat16, answers="is_uniform_with")
+             for i in range(3)}
+    with pytest.raises(PluginError, match="plugin 'faulty' .distribution kvspec-faulty.: "
+                                          "FaultySpec.is_uniform_with .* returned 'no'"):
+        plan_kv_cache(specs, 64 << 20, CTX, manager_with_faulty_plugin())
