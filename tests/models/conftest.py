@@ -4,7 +4,6 @@ test folders on ``sys.path``), and holds the fixtures the model tests share."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,3 @@ if _HERE not in sys.path:
 def without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make ``import transformers`` fail as it does where the extra is not installed."""
     monkeypatch.setitem(sys.modules, "transformers", None)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def model_code_cache_in_a_temporary_folder(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[None]:
-    """Keep the model-code readings these tests write out of the user's cache folder."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVSPEC_CACHE_DIR", str(tmp_path_factory.mktemp("kvspec-cache")))
-        yield
