@@ -15,7 +15,6 @@ Where: ``$KVSPEC_CACHE_DIR`` (empty: no disk cache), else ``$XDG_CACHE_HOME/kvsp
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -39,13 +38,6 @@ def cache_folder() -> Path | None:
     return Path(base) / "kvspec" / READINGS_FOLDER
 
 
-@functools.lru_cache(maxsize=1)
-def _rules_digest() -> str:
-    from kvspec_core.models import model_code_check
-
-    return hashlib.sha256(Path(model_code_check.__file__).read_bytes()).hexdigest()
-
-
 def _transformers_version() -> str:
     try:
         return metadata.version("transformers")
@@ -53,9 +45,11 @@ def _transformers_version() -> str:
         return "none"
 
 
-def entry_key(config_json: str, count: int) -> str:
-    """The key of the reading of ``config_json`` with ``count`` decoder layers."""
-    text = "\0".join((_rules_digest(), _transformers_version(), str(count), config_json))
+def entry_key(config_json: str, count: int, rules_digest: str) -> str:
+    """The key of the reading of ``config_json`` with ``count`` decoder layers, made by the
+    rules whose source text has the digest ``rules_digest`` (the check passes its own, so this
+    module does not import it back)."""
+    text = "\0".join((rules_digest, _transformers_version(), str(count), config_json))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 

@@ -41,10 +41,12 @@ build, nor, in a new process, the import of transformers' modeling code.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -256,10 +258,16 @@ def _stored_reading(entry: Mapping[str, Any] | None, count: int) -> ModelCodeRea
     return ModelCodeReading(model_class=entry["model_class"], layers=layers, modules=modules)
 
 
+@functools.lru_cache(maxsize=1)
+def _rules_digest() -> str:
+    """Digest of this module's source: a change to the reading rules invalidates stored readings."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 @functools.lru_cache(maxsize=_CACHED_READINGS)
 def _read_model_code(config_json: str, count: int) -> ModelCodeReading:
     """The reading of ``config_json``: from memory, else from disk, else built."""
-    key = entry_key(config_json, count)
+    key = entry_key(config_json, count, _rules_digest())
     stored = _stored_reading(load_entry(key), count)
     if stored is not None:
         return stored

@@ -293,9 +293,13 @@ def test_an_empty_cache_folder_setting_writes_nothing(
 def test_another_transformers_version_reads_the_model_code_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    before = entry_key("{}", 4)
+    before = entry_key("{}", 4, "rules")
     monkeypatch.setattr(model_code_cache, "_transformers_version", lambda: "0.0.1")
-    assert entry_key("{}", 4) != before
+    assert entry_key("{}", 4, "rules") != before
+
+
+def test_changed_reading_rules_read_the_model_code_again() -> None:
+    assert entry_key("{}", 4, "rules") != entry_key("{}", 4, "rules, edited")
 
 
 def test_configs_deeper_than_any_published_model_are_not_built() -> None:
