@@ -60,6 +60,10 @@ if TYPE_CHECKING:
 #: Request ids remembered after ``free`` so a second ``free`` says "already freed".
 _FREED_MEMORY = 4096
 
+#: Prefixes handed out and not yet admitted that an admission trusts without a per-block
+#: check (see ``_check_prefix``); past this many, forgotten (their admissions check them).
+_HANDED_OUT_KEPT = 4096
+
 #: What an admission runs: a subclass overriding one of them admits through its Python code.
 _ADMISSION_METHODS = ("_admit", "_admit_checked", "_check_counts", "_check_prefix",
                       "_preflight", "_cache_new_blocks", "_update_limits", "_shortfall")
@@ -249,6 +253,10 @@ class KVCacheAllocator:
         self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1
         self._running: dict[str | int, _Running] = {}
         self._freed: OrderedDict[str | int, None] = OrderedDict()
+        # Per request id, the last prefix with a hit find_cached_prefix handed out, as
+        # (prefix, request, num_tokens, block_ids, epochs): the very objects, so an admission
+        # with it unchanged (identity; no frozen field replaced) skips the per-block check.
+        self._handed_out: dict[str | int, tuple[Any, ...]] = {}
         self._no_new_blocks = Allocated(new_block_ids=tuple(() for _ in self.specs))
         if native is not None and type(self).allocate_slots is KVCacheAllocator.allocate_slots:
             # Decode steps that need no block are answered without a Python frame, and so
@@ -265,7 +273,8 @@ class KVCacheAllocator:
                 # Prefix lookups too (every one the kernel does not answer reaches the method).
                 self.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
                     native.find_prefix,
-                    (self._running, dense[0], self._hasher, self._caches[0], dense[2]),
+                    (self._running, dense[0], self._hasher, self._caches[0], dense[2],
+                     self._handed_out),
                     self._find_cached_prefix,
                 )
 
@@ -332,7 +341,7 @@ class KVCacheAllocator:
         if groups is None or any(getattr(type(self), name) is not getattr(KVCacheAllocator, name)
                                  for name in _ADMISSION_METHODS):
             return None
-        return (self._freed, CachedPrefix, tuple(self.pools), groups)
+        return (self._freed, CachedPrefix, tuple(self.pools), groups, self._handed_out)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -470,6 +479,12 @@ class KVCacheAllocator:
             request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
             checkpoint_at=checkpoint_at,
         )
+        if hit:
+            handed = self._handed_out
+            if len(handed) >= _HANDED_OUT_KEPT:
+                handed.clear()
+            handed[request.request_id] = (prefix, request, prefix.num_tokens, prefix.block_ids,
+                                          prefix.epochs)
         return prefix
 
     #: The method itself, also under this name: what an instance's compiled lookup
@@ -802,6 +817,7 @@ class KVCacheAllocator:
                 state.num_cached[gid] = len(prefix.block_ids[gid])
         self._running[rid] = state
         self._freed.pop(rid, None)
+        self._handed_out.pop(rid, None)
         if self._cacheable:
             self._cache_new_blocks(state, known)
         self._update_limits(state)
@@ -853,9 +869,16 @@ class KVCacheAllocator:
                 raise self._forged(request, f"group {gid}'s block ids must be ints")
         if not num_tokens:
             return None
+        current = tuple(pool.epoch for pool in self.pools)
+        entry = self._handed_out.get(rid)
+        if (entry is not None and entry[0] is prefix and entry[1] is request
+                and entry[2] is num_tokens and entry[3] is block_ids
+                and entry[4] is prefix.epochs and current == prefix.epochs):
+            # Handed out for this very request, unchanged, nothing evicted since: every
+            # block is still cached under its hash (the structure was checked above).
+            return None
         fine = self._hasher.hashes(request, num_tokens)
         stale = None
-        current = tuple(pool.epoch for pool in self.pools)
         evicted_since = prefix.epochs.__class__ is not tuple or current != prefix.epochs
         for gid in self._holding:
             ids = block_ids[gid]

@@ -530,3 +530,16 @@ def test_a_token_whose_index_rewrites_tokens_hashed_earlier_never_gives_a_false_
         allocator.allocate_slots(request, 20, prefix=found)
     assert allocator.num_running == 0
     assert allocator.find_cached_prefix(Request("x", list(range(1, 21)))).num_tokens == 0
+
+
+def test_a_handed_out_prefix_changed_in_place_is_checked_block_by_block() -> None:
+    # An admission trusts a prefix it handed out only while it is the very object, each
+    # field the very object find_cached_prefix put there: a field replaced in place (past
+    # the frozen class) gets the full check, and is refused.
+    allocator, request, genuine = _two_running([full(4)])
+    victim_table = allocator.block_ids("victim")[0]
+    object.__setattr__(genuine, "block_ids", (victim_table[: len(genuine.block_ids[0])],))
+    with pytest.raises(AllocatorError, match="not one this allocator handed out"):
+        allocator.allocate_slots(request, 4, prefix=genuine)
+    assert not allocator.is_running("r")
+    allocator.check_invariants()

@@ -15,18 +15,22 @@
 #include "records.h"
 
 int kv_admit_config(PyObject *config, AdmitConfig *out) {
-    /* (freed, prefix_class, pools, groups): groups as SlotsFastPath's ``groups``. */
-    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 4
+    /* (freed, prefix_class, pools, groups, handed_out): groups as SlotsFastPath's
+     * ``groups``, handed_out the allocator's _handed_out. */
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 5
+        || !PyDict_CheckExact(PyTuple_GET_ITEM(config, 4))
         || !PyDict_Check(PyTuple_GET_ITEM(config, 0)) || !PyType_Check(PyTuple_GET_ITEM(config, 1))
         || !PyTuple_CheckExact(PyTuple_GET_ITEM(config, 2))) {
         PyErr_SetString(PyExc_TypeError,
-                        "admit must be (freed, prefix_class, pools, groups) or None");
+                        "admit must be (freed, prefix_class, pools, groups, handed_out) or "
+                        "None");
         return -1;
     }
     if (kv_groups_config(PyTuple_GET_ITEM(config, 3), &out->groups) < 0) return -1;
     out->freed = PyTuple_GET_ITEM(config, 0);
     out->prefix_type = PyTuple_GET_ITEM(config, 1);
     out->pools = PyTuple_GET_ITEM(config, 2);
+    out->handed = PyTuple_GET_ITEM(config, 4);
     return 0;
 }
 
@@ -64,7 +68,8 @@ static int epochs_current(PyObject *pools, PyObject *epochs) {
  * leave it to the method (it refuses what is not such a hit, or finds it stale), -1: an
  * error. */
 static int prefix_hit(const AdmitConfig *config, PyObject *prefix, PyObject *rid,
-                      Py_ssize_t num_tokens, PyObject **tables, Py_ssize_t *computed_out) {
+                      PyObject *request, Py_ssize_t num_tokens, PyObject **tables,
+                      Py_ssize_t *computed_out, int *trusted) {
     if ((PyObject *)Py_TYPE(prefix) != config->prefix_type) return 1;
     if (intern_prefix_names() < 0) return -1;
     PyObject *fields[4];
@@ -119,6 +124,17 @@ static int prefix_hit(const AdmitConfig *config, PyObject *prefix, PyObject *rid
         }
     }
     *computed_out = computed;
+    /* Handed out for this very request and unchanged (the method's _check_prefix): the
+     * epochs are current, so its blocks are still cached under the request's hashes. */
+    PyObject *entry = PyDict_GetItemWithError(config->handed, rid); /* an exact id: no code */
+    if (entry == NULL && PyErr_Occurred()) {
+        status = -1;
+        goto done;
+    }
+    *trusted = entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 5
+        && PyTuple_GET_ITEM(entry, 0) == prefix && PyTuple_GET_ITEM(entry, 1) == request
+        && PyTuple_GET_ITEM(entry, 2) == fields[1] && PyTuple_GET_ITEM(entry, 3) == ids
+        && PyTuple_GET_ITEM(entry, 4) == fields[3];
     status = 0;
 done:
     for (int i = 0; i < 4; i++) Py_DECREF(fields[i]);
@@ -218,7 +234,7 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
                num_cached[KV_STEP_GROUPS] = {0}, cache_at[KV_STEP_GROUPS] = {0},
                num_skipped[KV_STEP_GROUPS] = {0};
     Py_ssize_t computed = 0;
-    int status;
+    int status, trusted = 0;
     PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
     PyObject *token_ids = record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]);
     /* An id of another type (its lookup could run code) is the method's to refuse. */
@@ -232,8 +248,8 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         for (Py_ssize_t gid = 0; gid < num_groups; gid++)
             if ((tables[gid] = PyList_New(0)) == NULL) goto error;
     } else {
-        if ((status = prefix_hit(config, prefix, rid, PyList_GET_SIZE(token_ids), tables,
-                                 &computed)) != 0)
+        if ((status = prefix_hit(config, prefix, rid, request, PyList_GET_SIZE(token_ids),
+                                 tables, &computed, &trusted)) != 0)
             goto status;
         int holding[KV_STEP_GROUPS] = {0};
         for (int i = 0; i < num_holding; i++) holding[groups->groups[i].gid] = 1;
@@ -264,7 +280,7 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
         kv_plan_group(group, computed, known, total, PyList_GET_SIZE(table), plan);
         PyObject *pool_dict = kv_pool_dict_of(pool_dicts, group);
         if (pool_dict == NULL) goto error;
-        if (computed > 0
+        if (computed > 0 && !trusted
             && (status = hit_is_cached(pool_dict, group->gid, table, plan->skip, hashes)) != 0)
             goto status;
         /* Hit blocks the step skips are never touched: null entries, nothing released. */
@@ -362,6 +378,14 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
     if (state == NULL || PyDict_SetItem(running, rid, state) < 0) {
         Py_DECREF(per_group);
         goto error;
+    }
+    /* Admitted: its handed-out prefix is spent (as the method's _admit_checked). */
+    if (PyDict_DelItem(config->handed, rid) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
+            Py_DECREF(per_group);
+            goto error;
+        }
+        PyErr_Clear();
     }
     if ((result = new_allocated(per_group)) == NULL) goto error;
     goto done;

@@ -12,14 +12,16 @@
 
 /* The prefix of ``request`` (a new reference); NULL without an exception: the method's. */
 static PyObject *find_dense(PyObject *config, PyObject *request) {
-    /* (running, pool, hasher, cache, block_tokens) */
-    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 5
+    /* (running, pool, hasher, cache, block_tokens, handed_out) */
+    if (!PyTuple_CheckExact(config) || PyTuple_GET_SIZE(config) != 6
         || Py_TYPE(request) != kv_request_type || kv_prefix_type == NULL)
         return NULL;
     PyObject *running = PyTuple_GET_ITEM(config, 0), *pool = PyTuple_GET_ITEM(config, 1),
-             *hasher = PyTuple_GET_ITEM(config, 2), *cache = PyTuple_GET_ITEM(config, 3);
+             *hasher = PyTuple_GET_ITEM(config, 2), *cache = PyTuple_GET_ITEM(config, 3),
+             *handed = PyTuple_GET_ITEM(config, 5);
     Py_ssize_t tokens = PyLong_AsSsize_t(PyTuple_GET_ITEM(config, 4));
-    if (tokens < 1 || !PyDict_Check(running) || !PyDict_Check(cache)) {
+    if (tokens < 1 || !PyDict_Check(running) || !PyDict_Check(cache)
+        || !PyDict_CheckExact(handed)) {
         PyErr_Clear();
         return NULL;
     }
@@ -62,6 +64,17 @@ static PyObject *find_dense(PyObject *config, PyObject *request) {
     Py_XDECREF(ids);
     /* CachedPrefix(request_id=..., ...), its slots filled directly (see results.py). */
     result = new_record(kv_prefix_type, kv_prefix_offsets, values, PREFIX_FIELDS);
+    if (result != NULL && PyList_GET_SIZE(hit) > 0) {
+        /* Remembered as the method remembers it (allocator._handed_out): an admission with
+         * this very prefix, unchanged, skips the per-block check. */
+        const Py_ssize_t *at = kv_prefix_offsets;
+        PyObject *entry = PyTuple_Pack(5, result, request, record_get(result, at[PREFIX_NUM_TOKENS]),
+                                       record_get(result, at[PREFIX_BLOCK_IDS]),
+                                       record_get(result, at[PREFIX_EPOCHS]));
+        if (entry != NULL && PyDict_GET_SIZE(handed) >= 4096) PyDict_Clear(handed);
+        if (entry == NULL || PyDict_SetItem(handed, rid, entry) < 0) Py_CLEAR(result);
+        Py_XDECREF(entry);
+    }
 done:
     Py_XDECREF(pool_dict);
     Py_XDECREF(hit);

@@ -139,7 +139,7 @@ PyObject *kv_groups_grow(const GroupsConfig *config, PyObject *state, PyObject *
 /* admit.c: the admission of a request to an allocator whose holding groups all have one
  * of those shapes. */
 typedef struct {
-    PyObject *freed, *prefix_type, *pools; /* borrowed from the config tuple */
+    PyObject *freed, *prefix_type, *pools, *handed; /* borrowed from the config tuple */
     GroupsConfig groups;
 } AdmitConfig;
 /* Parse SlotsFastPath's ``admit`` tuple; -1 with an exception. */
