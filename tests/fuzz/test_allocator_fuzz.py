@@ -51,7 +51,6 @@ def test_a_difference_is_reported_once_shrunk_to_what_it_needs_and_replays() -> 
     assert len(findings) == 1, report.text()
     (finding,) = findings
     assert finding.key.startswith("state differs after free"), finding.key
-    assert finding.seen >= 2  # the run went on after the first
     # An admission then the free: nothing else is needed.
     assert [op["op"] for op in finding.ops] == ["admit", "free"], finding.ops
     done, divergence = run_program(finding.setup, finding.ops, sides=drifting_sides)
@@ -75,7 +74,6 @@ def test_a_crash_is_a_finding_and_the_run_goes_on() -> None:
     findings = report.distinct()
     assert [finding.key for finding in findings] == ["crash: killed by SIGSEGV during query"]
     assert findings[0].ops[-1]["op"] == "query" and len(findings[0].ops) == 1
-    assert findings[0].seen >= 2 and report.ops > 50
     outcome = run_in_child(findings[0].setup, findings[0].ops, crashing_sides)
     assert outcome.key == findings[0].key
 
