@@ -428,7 +428,8 @@ class Side:
                     return [*answers, "forging: " + show(prefix)]
                 # Epochs are a staleness hint: an edited one may only make the allocator
                 # look again. Every other edit claims blocks or tokens it was not given.
-                forged = not _same_prefix(prefix, found) and op["prefix"][1] != "epochs"
+                forged = (not _same_prefix(prefix, found) and op["prefix"][1] != "epochs"
+                          and not self.same_content_as_other(op["prefix"][1], request, found))
                 answers.append("forged" if forged else "forgery equals the prefix")
         count = self.count(op["count"], request, prefix)
         lookahead = self.count(op["lookahead"], request, prefix)
@@ -441,6 +442,27 @@ class Side:
             if all(request is not running for running in self.running):
                 self.running.append(request)
         return answers
+
+    def same_content_as_other(self, how: str, request: Request, genuine: CachedPrefix) -> bool:
+        """An ``others_blocks`` table is no forgery when the other request is of the same
+        tenant and holds this request's very tokens over the hit: its blocks then hold what
+        this request's would (a window group may also hand over a block the admission does
+        not use). The allocator may accept it; a real false hit is still caught by
+        ``check_hit`` and ``check_invariants``."""
+        if how != "others_blocks" or not self.running:
+            return False
+        other = self.running[0]
+        if tenant(other) != tenant(request):
+            return False
+        claimed = max(genuine.num_tokens, 0)
+        try:  # its blocks hold those tokens only once they are computed
+            if self.allocator.num_computed_tokens(other.request_id) < claimed:
+                return False
+        except Exception:
+            return False
+        mine = content(request.token_ids[:claimed])
+        theirs = content(other.token_ids[:claimed])
+        return len(mine) == claimed and _common(mine, theirs) == claimed
 
     def forge(self, how: str, genuine: CachedPrefix, request: Request) -> Any:
         others = [self.allocator.block_ids(r.request_id) for r in self.running[:1]]
