@@ -127,6 +127,31 @@ def test_a_prefill_that_raises_leaves_no_block_cached(error: type[BaseException]
     assert again.token_ids == expected
 
 
+def test_an_interrupt_right_after_the_admission_leaves_no_block_cached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The admission cached the prompt's full blocks; an interrupt lands before the first
+    forward: the request is not left running and none of its blocks can be hit."""
+    config, model = fresh_model("llama")
+    prompt = token_ids(70, seed=43)
+    expected = reference_generate(model, prompt)
+    engine = TransformersEngine(model, kvspec_config=config)
+    admit = engine._allocate
+
+    def admit_then_interrupt(*args: Any) -> None:
+        admit(*args)
+        raise KeyboardInterrupt("injected failure after the admission")
+
+    monkeypatch.setattr(engine, "_allocate", admit_then_interrupt)
+    with pytest.raises(KeyboardInterrupt, match="injected failure"):
+        engine.generate(prompt, NEW_TOKENS)
+    monkeypatch.undo()
+    assert engine.allocator.num_running == 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.find_cached_prefix(Request("peek", prompt)).num_tokens == 0
+    assert engine.generate(prompt, NEW_TOKENS).token_ids == expected
+
+
 def test_a_decode_step_that_raises_keeps_only_the_written_blocks() -> None:
     """Prompt of 61: the third decode step computes position 63, the last of block 3, whose
     allocation cached the block; its forward raises. A follow-up turn (prompt + the three

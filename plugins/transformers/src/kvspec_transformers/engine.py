@@ -225,15 +225,15 @@ class TransformersEngine:
         request = Request(rid, list(prompt))
         prefix = self.allocator.find_cached_prefix(request)
         step_ends = self._prefill_step_ends(prefix, len(prompt))
-        self._allocate(request, step_ends[0] - prefix.num_tokens, prefix)
         generated: list[int] = []
         # Tokens whose K/V (or state) the model has written: what a failure may keep cached.
         written = prefix.num_tokens
         finish_reason = "length"
+        # The admission is inside the try: an interrupt right after it (its blocks cached, no
+        # K/V written yet) must discard them like any failed step.
         try:
             for end in step_ends:
-                if written > prefix.num_tokens:
-                    self._allocate(request, end - written, None)
+                self._allocate(request, end - written, prefix if end == step_ends[0] else None)
                 logits = self._forward(rid, prompt[written:end], written)
                 written = end
             while True:
