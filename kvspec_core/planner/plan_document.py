@@ -28,9 +28,12 @@ Check = Callable[[Any, str], None]
 
 
 def invalid_field(path: str, value: object, expected: str) -> ConfigError:
-    """The error for field ``path`` (``pools[0].blocks_per_request``) holding ``value``."""
+    """The error for field ``path`` (``pools[0].blocks_per_request``; ``""``: the whole
+    document) holding ``value``."""
+    # The document itself has no field name: "field ''" would leave the user guessing.
+    what = f"field {path!r}" if path else "the document"
     return ConfigError(
-        f"invalid KV-cache plan: field {path!r} is {value!r:.100} (type "
+        f"invalid KV-cache plan: {what} is {value!r:.100} (type "
         f"{type(value).__name__}), but it must be {expected}; pass a plan written by "
         "KVCachePlan.to_dict, and re-plan instead of editing a plan"
     )

@@ -49,6 +49,16 @@ def _refused(data: object, field: str) -> str:
     return message
 
 
+@pytest.mark.parametrize("data", [None, [], "plan.json", 3])
+def test_a_document_that_is_no_mapping_is_named_as_the_document(data: object) -> None:
+    """It used to read "field '' is None", naming a field the user never wrote."""
+    with pytest.raises(ConfigError) as raised:
+        plan_from_dict(data, manager_with_test_kinds())  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert message.startswith(f"invalid KV-cache plan: the document is {data!r} "), message
+    assert "field ''" not in message
+
+
 def test_a_zero_demand_pool_is_refused_naming_the_field() -> None:
     """It used to raise ZeroDivisionError from Pool.max_concurrency."""
     data = _document()
