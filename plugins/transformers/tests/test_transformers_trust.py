@@ -107,6 +107,19 @@ def test_generate_from_inside_a_forward_is_refused_not_deadlocked() -> None:
 
 
 # --------------------------------------------------------------------------- failed forwards
+def assert_failed_request_left_nothing(
+    engine: TransformersEngine, prompt: list[int], expected: tuple[int, ...]
+) -> Generation:
+    """After a generate of ``prompt`` that failed: nothing runs, the allocator is sound, no
+    block of the prompt can be hit, and a re-run answers ``expected``; returns the re-run."""
+    assert engine.allocator.num_running == 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.find_cached_prefix(Request("peek", prompt)).num_tokens == 0
+    again = engine.generate(prompt, NEW_TOKENS)
+    assert again.token_ids == expected
+    return again
+
+
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_prefill_that_raises_leaves_no_block_cached(error: type[BaseException]) -> None:
     """The prefill's allocation cached the prompt's four full blocks before the forward;
@@ -119,12 +132,8 @@ def test_a_prefill_that_raises_leaves_no_block_cached(error: type[BaseException]
     with pytest.raises(error, match="injected failure"):
         engine.generate(prompt, NEW_TOKENS)
     handle.remove()
-    assert engine.allocator.num_running == 0
-    engine.allocator.check_invariants()
-    assert engine.allocator.find_cached_prefix(Request("peek", prompt)).num_tokens == 0
-    again = engine.generate(prompt, NEW_TOKENS)
+    again = assert_failed_request_left_nothing(engine, prompt, expected)
     assert again.cached_tokens == 0
-    assert again.token_ids == expected
 
 
 def test_an_interrupt_right_after_the_admission_leaves_no_block_cached(
@@ -146,10 +155,7 @@ def test_an_interrupt_right_after_the_admission_leaves_no_block_cached(
     with pytest.raises(KeyboardInterrupt, match="injected failure"):
         engine.generate(prompt, NEW_TOKENS)
     monkeypatch.undo()
-    assert engine.allocator.num_running == 0
-    engine.allocator.check_invariants()
-    assert engine.allocator.find_cached_prefix(Request("peek", prompt)).num_tokens == 0
-    assert engine.generate(prompt, NEW_TOKENS).token_ids == expected
+    assert_failed_request_left_nothing(engine, prompt, expected)
 
 
 def test_a_decode_step_that_raises_keeps_only_the_written_blocks() -> None:
