@@ -8,17 +8,17 @@ Every layer's cache lives in kvspec ``materialize()`` views, blocks are placed b
     engine.generate(prompt_token_ids, max_new_tokens=8).token_ids
 """
 
+from kvspec_transformers.adapter_registry import adapter_for, register_layer_adapter
 from kvspec_transformers.cache import KVSpecCache
-from kvspec_transformers.engine import Generation, TransformersEngine
+from kvspec_transformers.engine import TransformersEngine
 from kvspec_transformers.errors import EngineError
+from kvspec_transformers.generation import Generation
 from kvspec_transformers.layer_adapters import (
     LayerAdapter,
     LayerBinding,
     MLALatentLayer,
     PagedAttentionLayer,
     StepDriven,
-    adapter_for,
-    register_layer_adapter,
 )
 from kvspec_transformers.models import build_model, read_config, shrink_config
 from kvspec_transformers.paged_attention import ATTENTION_NAME, paged_attention_forward

@@ -24,7 +24,6 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DummyLayer
@@ -38,9 +37,11 @@ from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.results import CachedPrefix
+from kvspec_transformers.adapter_registry import adapter_for
 from kvspec_transformers.cache import KVSpecCache
 from kvspec_transformers.errors import EngineError
-from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding, adapter_for
+from kvspec_transformers.generation import Generation
+from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding
 from kvspec_transformers.model_layout import check_plan_against_model
 from kvspec_transformers.paged_attention import (
     ATTENTION_NAME,
@@ -52,30 +53,6 @@ from kvspec_transformers.step import StepContext
 
 #: Default cache budget: a few hundred-token requests of the shrunk test models.
 DEFAULT_BUDGET_BYTES = 16 << 20
-
-
-@attrs.frozen(kw_only=True)
-class Generation:
-    """One finished request.
-
-    Attributes:
-        request_id: the id it ran under.
-        prompt_token_ids: the prompt.
-        token_ids: the generated tokens (greedy).
-        cached_tokens: prompt tokens found in the prefix cache (not recomputed).
-        prefill_tokens: prompt tokens the prefill step computed (``len(prompt) - cached``).
-        finish_reason: why generation stopped, as vLLM reports it: ``"stop"`` (a stop
-            token, the last of ``token_ids``), ``"length"`` (``max_new_tokens`` reached, or
-            the sequence reached ``max_model_len``: then fewer tokens than asked), or
-            ``"error"`` (only in :attr:`EngineError.partial`).
-    """
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    cached_tokens: int
-    prefill_tokens: int
-    finish_reason: str
 
 
 class TransformersEngine:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvspec_core.errors import KVSpecError
-
-if TYPE_CHECKING:
-    from kvspec_transformers.engine import Generation
+from kvspec_transformers.generation import Generation
 
 
 class EngineError(KVSpecError, RuntimeError):

@@ -23,9 +23,11 @@ Adapter interface (what the engine and the attention function call)::
 Adding a family (e.g. a state layer whose conv/SSM state lives in a state view): subclass
 the transformers base that the model's code expects (``CacheLayerMixin`` for attention,
 ``LinearAttentionCacheLayerMixin`` for linear attention) together with :class:`StepDriven`,
-and register a factory for the family's spec class with :func:`register_layer_adapter`.
-The most derived registered spec class wins (``MLAAttentionSpec`` before ``AttentionSpec``);
-nothing in :mod:`kvspec_transformers.cache` or :mod:`kvspec_transformers.engine` changes.
+and register a factory for the family's spec class with
+:func:`kvspec_transformers.register_layer_adapter` (the registry, and the built-in
+registrations, live in :mod:`kvspec_transformers.adapter_registry`). The most derived
+registered spec class wins (``MLAAttentionSpec`` before ``AttentionSpec``); nothing in
+:mod:`kvspec_transformers.cache` or :mod:`kvspec_transformers.engine` changes.
 
 Family rules are never restated here: which positions a query reads comes from
 ``spec.first_attended_position`` and where a token lives from ``spec.slot_mapping``.
@@ -210,47 +212,3 @@ class MLALatentLayer(PagedAttentionLayer):
         expand = getattr(module, "expand_kv")
         return expand(latent[..., compressed], latent[..., rope_key])
 
-
-AdapterFactory = Callable[[LayerBinding], LayerAdapter]
-
-_ADAPTERS: dict[type[KVSpec], AdapterFactory] = {}
-
-
-def register_layer_adapter(spec_type: type[KVSpec], factory: AdapterFactory) -> None:
-    """Use ``factory`` for layers whose spec is a ``spec_type`` (most derived type wins)."""
-    if not (isinstance(spec_type, type) and issubclass(spec_type, KVSpec)):
-        raise ConfigError(f"register_layer_adapter: {spec_type!r} is not a KVSpec subclass")
-    _ADAPTERS[spec_type] = factory
-
-
-def adapter_for(binding: LayerBinding) -> LayerAdapter:
-    """The adapter of ``binding``: the factory registered for the nearest class in its
-    spec's MRO; a clear error names the layer and kind when none is registered."""
-    for klass in type(binding.spec).__mro__:
-        factory = _ADAPTERS.get(klass)
-        if factory is not None:
-            return factory(binding)
-    raise ConfigError(
-        f"layer {binding.layer_name} ({binding.spec.kind}) has no kvspec-transformers layer "
-        "adapter; register one with kvspec_transformers.register_layer_adapter"
-    )
-
-
-def _register_builtin_adapters() -> None:
-    register_layer_adapter(AttentionSpec, PagedAttentionLayer)
-    try:
-        from kvspec_mla.specs import MLAAttentionSpec
-    except ImportError:  # the MLA plugin is optional
-        pass
-    else:
-        register_layer_adapter(MLAAttentionSpec, MLALatentLayer)
-    try:
-        from kvspec_mamba.specs import MambaSpec
-    except ImportError:  # the Mamba plugin is optional
-        return
-    from kvspec_transformers.state_layers import StateLayer
-
-    register_layer_adapter(MambaSpec, StateLayer)
-
-
-_register_builtin_adapters()
