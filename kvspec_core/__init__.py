@@ -35,7 +35,8 @@ from kvspec_core.plugins import (
     hookimpl,
 )
 from kvspec_core.plugins.manager import load_plugins
-from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, RulesFactory
+from kvspec_core.plugins.core_rules import FullAttentionRules
+from kvspec_core.plugins.family_rules import FamilyRules, RulesFactory
 from kvspec_core.specs import (
     AttentionSpec,
     CrossAttentionSpec,

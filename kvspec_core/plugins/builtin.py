@@ -6,6 +6,7 @@ from kvspec_core.errors import ConfigError, InvalidFieldError, InvalidFieldTypeE
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES
 from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
+from kvspec_core.plugins.core_rules import CORE_RULES
 from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterRuntimeRules, RegisterSpecKind
 from kvspec_core.specs import (
     CrossAttentionSpec,
@@ -36,8 +37,6 @@ def kvspec_register_kv_dtypes(register: RegisterKVDtype) -> None:
 
 @hookimpl
 def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
-    from kvspec_core.runtime.rules import CORE_RULES
-
     for kind, rules in CORE_RULES.items():
         register(kind, rules)
 

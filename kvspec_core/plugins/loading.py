@@ -5,16 +5,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import importlib_metadata
 
-from kvspec_core.errors import PluginError
+from kvspec_core.errors import KindConflictError, PluginError
 from kvspec_core.plugins.contract import ENTRY_POINT_GROUP
 from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure
-
-if TYPE_CHECKING:
-    from kvspec_core.plugins.manager import PluginManager
 
 #: Comma-separated entry-point names to load; unset loads all, empty loads none.
 ALLOW_LIST_VAR = "KVSPEC_PLUGINS"
@@ -24,6 +21,20 @@ STRICT_VAR = "KVSPEC_STRICT_PLUGINS"
 
 class PluginLoadWarning(UserWarning):
     """A plugin failed to load; the others keep working."""
+
+
+class PluginHost(Protocol):
+    """What loading needs of the manager it loads into (:class:`~kvspec_core.PluginManager`
+    implements it; the manager imports this module, not the other way round)."""
+
+    strict_plugins: bool
+    failures: list[PluginFailure]
+    kind_conflicts: list[KindConflictError]
+
+    def is_loaded(self, name: str) -> bool: ...
+
+    def register(self, plugin: object, name: str, *, distribution: str | None = None,
+                 version: str | None = None, withdraw_contested_kinds: bool = False) -> object: ...
 
 
 def allowed_names(environ: Mapping[str, str]) -> set[str] | None:
@@ -45,7 +56,7 @@ def _dist_of(entry_point: importlib_metadata.EntryPoint) -> tuple[str | None, st
     return dist.name, dist.version
 
 
-def load_entry_points(manager: PluginManager, environ: Mapping[str, str] | None = None) -> None:
+def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = None) -> None:
     """Load every allowed ``kvspec.plugins`` entry point into ``manager``.
 
     A plugin that fails (import error, raising hook, wrong contract version, a kind another

@@ -462,7 +462,7 @@ class KVCacheAllocator:
             # One full-attention group whose blocks are hash blocks: its longest cached run
             # is the hit (the coordinator's fixed point, reached in one question).
             tokens = self._block_tokens[0]
-            hit_blocks = self.rules[0].longest_hit(fine, self._caches[0], max_tokens // tokens)
+            hit_blocks = self._coordinator.hit_scans[0](fine, self._caches[0], max_tokens // tokens)
             hit, checkpoint_at = len(hit_blocks) * tokens, None
             block_ids: tuple[tuple[int, ...], ...] = (tuple(hit_blocks),)
         else:

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime.rules import FamilyRules
+from kvspec_core.runtime.rules import FamilyRules, hit_scanner
 
 
 class PrefixCoordinator:
@@ -39,6 +39,7 @@ class PrefixCoordinator:
         caches: Sequence[Mapping[bytes, int]],
     ) -> None:
         self.rules = list(rules)
+        self.hit_scans = [hit_scanner(group) for group in rules]
         self.block_tokens = [group.block_tokens for group in rules]
         self.hash_strides = list(hash_strides)
         self.caches = list(caches)
@@ -82,7 +83,7 @@ class PrefixCoordinator:
                 stride = self.hash_strides[gid]
                 max_blocks = hit // tokens
                 group_hashes = hashes[stride - 1 : max_blocks * stride : stride]
-                blocks = self.rules[gid].longest_hit(group_hashes, self.caches[gid], max_blocks)
+                blocks = self.hit_scans[gid](group_hashes, self.caches[gid], max_blocks)
                 if len(blocks) > max_blocks:
                     raise AllocatorError(
                         f"{self.rules[gid]!r}.longest_hit returned {len(blocks)} blocks for "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import attrs
 import torch
@@ -20,10 +20,23 @@ from kvspec_core.errors import InvalidFieldError
 from kvspec_core.specs.merging import merge_by_rules
 from kvspec_core.validation import is_bool, optional, positive_int
 
-if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
-
 SpecT = TypeVar("SpecT", bound="KVSpec")
+
+
+class SpecKinds(Protocol):
+    """What specs ask of the registry of spec kinds.
+
+    :class:`kvspec_core.plugins.registry.SpecRegistry` implements it; the registry imports the
+    specs, never the other way round, so the spec protocol stays beneath the plugin machinery.
+    """
+
+    def uniform_base_of(self, spec: KVSpec | type[KVSpec]) -> type[KVSpec]:
+        """The class whose instances may share a uniform-type group with ``spec``."""
+        ...
+
+    def class_of(self, kind: str) -> type[KVSpec]:
+        """The spec class registered as ``kind``."""
+        ...
 
 
 @attrs.frozen(kw_only=True)
@@ -176,7 +189,7 @@ class KVSpec:
         they cannot share a group. Order-independent; merging equal specs returns the spec."""
         return merge_by_rules(cls, specs, layer_names)
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Whether all ``specs`` can share one uniform-type group with this one: by default,
         all are instances of this kind's registered uniform-type base."""
         base = registry.uniform_base_of(self)

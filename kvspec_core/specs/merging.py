@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import attrs
 
 from kvspec_core.errors import MergeError
 
-if TYPE_CHECKING:
-    from kvspec_core.specs.base import KVSpec
 
-SpecT = TypeVar("SpecT", bound="KVSpec")
+class MergeableSpec(attrs.AttrsInstance, Protocol):
+    """What the merge rule reads of a spec class (:class:`~kvspec_core.KVSpec` has it; this
+    module sits beneath the spec protocol and does not import it)."""
+
+    merge_any_fields: ClassVar[frozenset[str]]
+    merge_optional_fields: ClassVar[frozenset[str]]
+
+
+SpecT = TypeVar("SpecT", bound=MergeableSpec)
 
 
 def _layer_label(layer_names: Sequence[str], index: int) -> str:
@@ -68,4 +74,7 @@ def merge_by_rules(cls: type[SpecT], specs: Sequence[SpecT], layer_names: Sequen
             continue
         if any(value != values[0] for value in values[1:]):
             raise _disagreement(name, specs, values, layer_names)
-    return attrs.evolve(specs[0], **changes)
+    # The mypy attrs plugin cannot evolve a type variable; the value is an attrs spec.
+    first: Any = specs[0]
+    merged: SpecT = attrs.evolve(first, **changes)
+    return merged

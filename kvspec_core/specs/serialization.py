@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -11,10 +11,7 @@ import torch
 from kvspec_core.dtypes import dtype_from_written_name, dtype_name
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import KVQuantMode
-from kvspec_core.specs.base import KVSpec
-
-if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+from kvspec_core.specs.base import KVSpec, SpecKinds
 
 
 def _encode(value: Any) -> Any:
@@ -31,7 +28,7 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _decode(value: Any, registry: SpecRegistry) -> Any:
+def _decode(value: Any, registry: SpecKinds) -> Any:
     if isinstance(value, list):
         return tuple(_decode(item, registry) for item in value)
     if isinstance(value, dict):
@@ -99,7 +96,7 @@ def spec_to_dict(spec: KVSpec) -> dict[str, Any]:
     }
 
 
-def spec_from_dict(data: dict[str, Any], registry: SpecRegistry) -> KVSpec:
+def spec_from_dict(data: dict[str, Any], registry: SpecKinds) -> KVSpec:
     """Rebuild a spec written by :func:`spec_to_dict`; its kind must be registered."""
     if (
         not isinstance(data, dict) or not isinstance(data.get("kind"), str)

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import InvalidFieldError, MergeError
-from kvspec_core.specs.base import KVSpec
-
-if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+from kvspec_core.specs.base import KVSpec, SpecKinds
 
 
 def _check_layer_specs(instance: Any, attribute: Any, value: object) -> None:
@@ -124,7 +121,7 @@ class UniformTypeSpecs(KVSpec):
         return Counter(spec.page_size_bytes for _, spec in self.layer_specs).most_common(1)[0][1]
 
     @staticmethod
-    def is_uniform_type(specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_type(specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Whether ``specs`` share block size, DCP sharding and the first spec's uniformity rule."""
         if not specs:
             return False
@@ -137,7 +134,7 @@ class UniformTypeSpecs(KVSpec):
 
     @classmethod
     def from_specs(
-        cls, specs: Mapping[str, KVSpec], registry: SpecRegistry
+        cls, specs: Mapping[str, KVSpec], registry: SpecKinds
     ) -> UniformTypeSpecs | None:
         """The wrapper over ``specs`` if they are uniform, else ``None``."""
         if not cls.is_uniform_type(specs, registry):

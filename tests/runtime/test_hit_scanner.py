@@ -1,0 +1,73 @@
+"""The allocator asks each group for its hit through ``hit_scanner``: the compiled twin of
+full attention's prefix scan where a group keeps that scan, the group's own ``longest_hit``
+everywhere else. A scanner that ignored a plugin's override would be a silent false hit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvspec_core import FullAttentionSpec, SizingContext
+from kvspec_core.plugins.core_rules import FullAttentionRules
+from kvspec_core.runtime import rules as runtime_rules
+from kvspec_core.runtime.rules import hit_scanner
+
+SPEC = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
+CTX = SizingContext(max_model_len=1024)
+
+
+class FirstBlockOnly(FullAttentionRules):
+    """A plugin's rules that resume from at most the first cached block."""
+
+    def longest_hit(
+        self, hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
+    ) -> list[int]:
+        return super().longest_hit(hashes, cache, min(max_blocks, 1))
+
+
+def digests(count: int) -> list[bytes]:
+    return [bytes([index]) * 8 for index in range(count)]
+
+
+@given(
+    cached=st.lists(st.booleans(), max_size=12),
+    max_blocks=st.integers(min_value=0, max_value=14),
+)
+def test_scanner_answers_what_the_rules_answer(cached: list[bool], max_blocks: int) -> None:
+    hashes = digests(len(cached))
+    cache = {digest: 100 + index for index, (digest, hit) in enumerate(zip(hashes, cached)) if hit}
+    rules = FullAttentionRules(SPEC, CTX)
+    expected = rules.longest_hit(hashes, cache, max_blocks)
+    assert hit_scanner(rules)(hashes, cache, max_blocks) == expected
+    # Not a list / not a dict: the Python scan, same answer.
+    assert hit_scanner(rules)(tuple(hashes), dict(cache), max_blocks) == expected
+
+
+def test_the_compiled_scan_is_taken_only_where_the_rules_keep_the_core_scan() -> None:
+    rules = FullAttentionRules(SPEC, CTX)
+    scanner = hit_scanner(rules)
+    if runtime_rules.native is None:  # pure-Python run (or no kernels built)
+        assert scanner == rules.longest_hit
+    else:
+        assert scanner != rules.longest_hit
+    overriding = FirstBlockOnly(SPEC, CTX)
+    assert hit_scanner(overriding) == overriding.longest_hit
+
+
+def test_an_overridden_scan_is_asked_not_bypassed() -> None:
+    hashes = digests(5)
+    cache = {digest: 7 + index for index, digest in enumerate(hashes)}
+    assert hit_scanner(FirstBlockOnly(SPEC, CTX))(hashes, cache, 5) == [7]
+    assert hit_scanner(FullAttentionRules(SPEC, CTX))(hashes, cache, 5) == [7, 8, 9, 10, 11]
+
+
+def test_rules_that_stop_caching_after_construction_hit_nothing() -> None:
+    hashes = digests(3)
+    cache = {digest: 1 + index for index, digest in enumerate(hashes)}
+    rules = FullAttentionRules(SPEC, CTX)
+    scanner = hit_scanner(rules)
+    rules.prefix_cacheable = False
+    assert scanner(hashes, cache, 3) == []
