@@ -27,7 +27,7 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import InvalidFieldTypeError, MergeError, PlanError
 from kvspec_core.planner.geometry import SlotShape, cell_shape, slot_shape
 from kvspec_core.planner.layouts import KVCacheLayout
-from kvspec_core.planner.plan import specs_per_layer
+from kvspec_core.planner.plan_parts import specs_per_layer
 from kvspec_core.planner.spec_answers import (
     check_spec_answers,
     check_uniformity_answer,

@@ -18,7 +18,8 @@ from kvspec_core.dtypes import dtype_name
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner.geometry import cell_shape, view_extent
 from kvspec_core.planner.layouts import DIM_B, DIM_H, DIM_L, aligned, get_layout, layout_strides
-from kvspec_core.planner.plan import KVCachePlan, KVCacheTensor
+from kvspec_core.planner.plan import KVCachePlan
+from kvspec_core.planner.plan_parts import KVCacheTensor
 from kvspec_core.specs.base import KVSpec
 
 

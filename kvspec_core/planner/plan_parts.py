@@ -1,0 +1,168 @@
+"""The parts of a KV-cache plan: its groups, pools and tensors, as plain frozen data.
+
+:class:`~kvspec_core.planner.plan.KVCachePlan` holds them; they live apart from it so that
+:mod:`kvspec_core.planner.plan_writing` can write them without importing the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
+
+
+def tuple_of_str(value: Any) -> tuple[str, ...]:
+    return tuple(str(item) for item in value)
+
+
+def _tuple_of_int(value: Any) -> tuple[int, ...]:
+    return tuple(int(item) for item in value)
+
+
+def specs_per_layer(spec: KVSpec, num_layers: int) -> tuple[KVSpec, ...]:
+    """One spec per layer of a group whose spec is ``spec``: a uniform-type wrapper's
+    members, else ``spec`` for each of its ``num_layers`` layers."""
+    if isinstance(spec, UniformTypeSpecs):
+        return iter_layer_specs(spec)
+    return (spec,) * num_layers
+
+
+def real_page_bytes(spec: KVSpec) -> int:
+    """Bytes of real content in one page; specs without layer views are opaque pages."""
+    if not spec.has_layer_views:
+        return spec.page_size_bytes
+    return spec.unpadded_page_size_bytes
+
+
+def _spec_counts(specs: Sequence[KVSpec]) -> list[tuple[KVSpec, int]]:
+    """Each distinct spec object of ``specs`` with how many layers hold it: a merged group
+    repeats one spec for each of its layers, and page sizes are too costly to compute for
+    each of 100,000 layers."""
+    counts: dict[int, list[Any]] = {}
+    for spec in specs:
+        entry = counts.get(id(spec))
+        if entry is None:
+            counts[id(spec)] = [spec, 1]
+        else:
+            entry[1] += 1
+    return [(spec, count) for spec, count in counts.values()]
+
+
+@attrs.frozen(kw_only=True)
+class PlannedGroup:
+    """Layers sharing one block table.
+
+    Attributes:
+        id: index in :attr:`KVCachePlan.groups`.
+        kind: registry kind name (a uniform-type wrapper reports its members' kind).
+        layers: layer names, in model order; layer ``j`` uses slot ``j`` of the pool.
+        spec: the merged spec (or :class:`UniformTypeSpecs` wrapper) of the group.
+        pool: index of the pool whose blocks the group takes.
+        blocks_per_request: admission cap, ``spec.max_blocks_per_request(ctx)``.
+    """
+
+    id: int
+    kind: str
+    layers: tuple[str, ...] = attrs.field(converter=tuple_of_str)
+    spec: KVSpec
+    pool: int
+    blocks_per_request: int
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def layer_specs(self) -> tuple[KVSpec, ...]:
+        """One spec per layer, aligned with :attr:`layers`."""
+        return specs_per_layer(self.spec, len(self.layers))
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block across the group's layers (padding included)."""
+        return sum(spec.page_size_bytes * count for spec, count in _spec_counts(self.layer_specs))
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of real content in one block across the group's layers."""
+        return sum(real_page_bytes(spec) * count for spec, count in _spec_counts(self.layer_specs))
+
+    # Placement facts come from the layers (a uniform-type group's members agree on them).
+    @property
+    def host_resident(self) -> bool:
+        return self.layer_specs[0].host_resident
+
+    @property
+    def role(self) -> str:
+        return self.layer_specs[0].group_role
+
+    @property
+    def transferable(self) -> bool:
+        return self.layer_specs[0].transferable
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return self.spec.prefix_cacheable
+
+
+@attrs.frozen(kw_only=True)
+class Pool:
+    """Blocks of one page-size class; block 0 is the reserved null block.
+
+    Attributes:
+        num_blocks: blocks in the pool, the null block included.
+        block_bytes: physical bytes of one block (every slot, alignment included).
+        groups: ids of the groups taking blocks from this pool; their tensors alias.
+        blocks_per_request: demand of one max-length request, summed over the groups.
+        slot_bytes: per-block bytes of each slot (layer position).
+        alignment: byte alignment between blocks.
+    """
+
+    id: int
+    num_blocks: int
+    block_bytes: int
+    groups: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
+    host_resident: bool
+    blocks_per_request: int
+    slot_bytes: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
+    alignment: int = 1
+
+    #: Id of the block every pool reserves as the null block.
+    null_block: int = 0
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the pool's backing buffer."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def max_concurrency(self) -> float:
+        """Max-length requests the pool's usable blocks admit at once."""
+        return (self.num_blocks - 1) / self.blocks_per_request
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheTensor:
+    """Placement of same-shaped layers of one group in their pool's backing buffer.
+
+    Layer ``layers[l]``'s page of block ``b`` starts ``offset + l * layer_stride +
+    b * block_stride`` bytes into the pool buffer of ``size`` bytes. ``strides`` and
+    ``shape`` are the full byte-level ``[L, B, H, N, C]`` view (``C`` in bytes). Tensors of
+    one pool whose ranges overlap alias: groups overlay each other, block by block.
+    """
+
+    size: int
+    layers: tuple[str, ...] = attrs.field(converter=tuple_of_str)
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+    host_resident: bool = False
+    pool: int
+    group: int
+    shape: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
+    strides: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
+    raw: bool = False
