@@ -54,6 +54,13 @@ class GroupDraft:
         return specs_per_layer(self.spec, len(self.layers))
 
 
+def group_kind(spec: KVSpec, manager: PluginManager) -> str:
+    """The registry kind a group of ``spec`` reports (a uniform-type wrapper: its members')."""
+    if isinstance(spec, UniformTypeSpecs):
+        return manager.spec_kinds.kind_of(spec.first_spec)
+    return manager.spec_kinds.kind_of(spec)
+
+
 def pool_key(draft: GroupDraft, layout: KVCacheLayout) -> tuple[object, ...]:
     """Groups with equal keys share a pool: same slot shapes, same residency."""
     runs = slot_runs(draft, layout)

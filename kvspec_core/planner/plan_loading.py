@@ -19,11 +19,12 @@ from kvspec_core.errors import (
     MissingFamilyError,
     PluginError,
 )
+from kvspec_core.planner.grouping import group_kind
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_document import check_plan_document
 from kvspec_core.planner.plan_parts import KVCacheTensor, PlannedGroup, Pool, specs_per_layer
 from kvspec_core.planner.plan_writing import PLAN_FORMAT_VERSION, input_checksums
-from kvspec_core.planner.planner import group_kind, rebuild_with_blocks
+from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.planner.plugin_faults import plugin_faults_named
 from kvspec_core.planner.spec_answers import check_spec_answers
 from kvspec_core.plugins.manager import PluginManager
