@@ -30,7 +30,7 @@ from kvspec_core.specs.base import KVSpec
 from kvspec_core.validation import positive_int
 
 if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+    from kvspec_core.specs.base import SpecKinds
 
 
 @attrs.frozen(kw_only=True)
@@ -65,7 +65,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         straddle = 0 if self.attention_chunk_size % span == 0 else 1
         return cdiv(self.retained_tokens(ctx), span) + straddle
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Uniform with chunked-local layers of the same chunk size: layers with different
         chunks free blocks at different positions, so they never share a group."""
         base = registry.uniform_base_of(self)

@@ -23,7 +23,7 @@ from kvspec_core.validation import is_bool, one_of, optional, positive_int
 from kvspec_hisparse.specs import RawPageSpec
 
 if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+    from kvspec_core.specs.base import SpecKinds
 
 #: Role of the host-resident group holding the sparse-attention KV.
 ROLE_SOURCE = "hisparse_source"
@@ -185,7 +185,7 @@ class HiSparseGroupSpec(KVSpec):
         inner = type(groups[0].inner).merge([spec.inner for spec in groups], layer_names)
         return cls(inner=inner, role=groups[0].role)  # type: ignore[call-arg]
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Uniform with groups of the same role whose wrapped specs are uniform."""
         if not all(
             isinstance(spec, HiSparseGroupSpec) and spec.role == self.role

@@ -35,7 +35,7 @@ from kvspec_core.validation import (
 from kvspec_mamba.checkpoints import StateColumns, state_columns
 
 if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+    from kvspec_core.specs.base import SpecKinds
 
 #: Kinds of recurrent state a :class:`MambaSpec` may describe.
 MAMBA_TYPES = ("mamba1", "mamba2", "short_conv", "gated_delta_net", "linear_attention")
@@ -215,7 +215,7 @@ class MambaSpec(KVSpec):
         return state_columns(num_computed, num_new_tokens, self.block_size, mamba_cache_mode)
 
     # ----------------------------------------------------------------- grouping
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Uniform with state layers that keep the same number of states per request
         (speculative and checkpoint counts, alignment), the same page size and the same TP
         placement; shapes and dtypes may differ."""

@@ -20,7 +20,7 @@ from kvspec_mla.formats import MODEL_VERSIONS
 from kvspec_mla.mla_fields import MLAPaging, check_cache_dtype_str
 
 if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+    from kvspec_core.specs.base import SpecKinds
 
 
 @attrs.frozen(kw_only=True)
@@ -53,7 +53,7 @@ class SlidingWindowMLASpec(MLAPaging, SlidingWindowSpec):
     def prefix_replay_tokens(self) -> int:
         return self.sliding_window if self.bounded_replay else 0
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         return all(
             isinstance(spec, SlidingWindowMLASpec)
             and spec.sliding_window == self.sliding_window

@@ -31,7 +31,7 @@ from kvspec_mla.mla_fields import (
 )
 
 if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+    from kvspec_core.specs.base import SpecKinds
 
 
 @attrs.frozen(kw_only=True)
@@ -134,5 +134,5 @@ class CircularBufferSpec(AttentionSpec):
         # The kernel addresses the ring itself.
         return False
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         return all(isinstance(spec, CircularBufferSpec) for spec in specs.values())
