@@ -91,9 +91,10 @@ def test_nemotron_state_groups_have_no_short_group() -> None:
 def test_real_sliding_window_and_chunked_plugins_reproduce_the_table() -> None:
     swa = pytest.importorskip("kvspec_sliding_window")
     chunked = pytest.importorskip("kvspec_chunked_local")
+    import torch
+
     from kvspec_core import PluginManager
     from kvspec_core.specs import FullAttentionSpec
-    import torch
 
     manager = PluginManager()
     manager.load_entry_points({"KVSPEC_PLUGINS": "sliding_window,chunked_local"})

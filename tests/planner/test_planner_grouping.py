@@ -227,9 +227,8 @@ def test_invalid_inputs_are_refused_naming_the_field() -> None:
 
 def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
     hisparse = pytest.importorskip("kvspec_hisparse")
-    from kvspec_hisparse.groups import HiSparseGroupSpec
-
     from kvspec_core import PluginManager
+    from kvspec_hisparse.groups import HiSparseGroupSpec
 
     manager = PluginManager()
     manager.load_entry_points({"KVSPEC_PLUGINS": "hisparse"})

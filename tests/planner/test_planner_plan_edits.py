@@ -62,8 +62,8 @@ def _set(path: str, value: object) -> Edit:
 
 EDITS: list[tuple[str, Edit, str]] = [
     ("total num_blocks", lambda d: d.update(num_blocks=d["num_blocks"] + 1), "num_blocks"),
-    ("a pool's num_blocks", lambda d: d["pools"][0].update(num_blocks=d["pools"][0]["num_blocks"] - 1),
-     "num_blocks"),
+    ("a pool's num_blocks",
+     lambda d: d["pools"][0].update(num_blocks=d["pools"][0]["num_blocks"] - 1), "num_blocks"),
     ("host_budget_bytes raised", lambda d: d.update(host_budget_bytes=d["host_budget_bytes"] * 2),
      "host_budget_bytes"),
     ("host_budget_bytes removed", _set("host_budget_bytes", None), "host_budget_bytes"),

@@ -36,7 +36,9 @@ def test_block_stride_alignment_rounds_blocks() -> None:
     page = 8 * 2 * 16 * 2
     blhnc = _plan(specs, "BLHNC")
     assert blhnc.pools[0].block_bytes == 2048 and blhnc.tensors[0].block_stride == 2048
-    assert blhnc.padding_breakdown[1] == ("alignment", blhnc.pools[0].num_blocks * (2048 - 3 * page))
+    assert blhnc.padding_breakdown[1] == (
+        "alignment", blhnc.pools[0].num_blocks * (2048 - 3 * page)
+    )
     lbhnc = _plan(specs, "LBHNC")
     assert lbhnc.tensors[0].block_stride == 1024 and lbhnc.pools[0].block_bytes == 3 * 1024
     for plan in (blhnc, lbhnc):

@@ -10,6 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers_testkit import (
+    LONG_PROMPT,
+    MODEL_PRESETS,
+    NEW_TOKENS,
+    PROMPT,
+    PROMPT_A,
+    PROMPT_B,
+    SHARED_PREFIX,
+    config_of,
+    model_case,
+    reference_generate,
+)
 
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.results import CachedPrefix
@@ -20,18 +32,6 @@ from kvspec_transformers import (
     PagedAttentionLayer,
     TransformersEngine,
     build_model,
-)
-from transformers_testkit import (
-    MODEL_PRESETS,
-    LONG_PROMPT,
-    NEW_TOKENS,
-    PROMPT,
-    PROMPT_A,
-    PROMPT_B,
-    SHARED_PREFIX,
-    config_of,
-    model_case,
-    reference_generate,
 )
 
 MODELS = list(MODEL_PRESETS)

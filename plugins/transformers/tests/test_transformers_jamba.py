@@ -14,14 +14,6 @@ import pytest
 import torch
 
 pytest.importorskip("kvspec_mamba", reason="kvspec-mamba (the state family) is not installed")
-from kvspec_transformers import (
-    EngineError,
-    TransformersEngine,
-    build_model,
-    read_config,
-    shrink_config,
-)
-from kvspec_transformers.state_layers import StateLayer
 from transformers_testkit import (
     CONFIGS,
     INITIALIZER_RANGE,
@@ -31,6 +23,15 @@ from transformers_testkit import (
     PROMPT_B,
     reference_generate,
 )
+
+from kvspec_transformers import (
+    EngineError,
+    TransformersEngine,
+    build_model,
+    read_config,
+    shrink_config,
+)
+from kvspec_transformers.state_layers import StateLayer
 
 #: AI21-Jamba-1.5-Mini's published config, shrunk: Mamba-1 at 0, 1, 3, attention at 2.
 CONFIG = {**shrink_config(read_config(CONFIGS / "ai21labs__AI21-Jamba-1.5-Mini.json")),
@@ -47,7 +48,7 @@ def jamba_model() -> torch.nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def references() -> dict[str, tuple[int, ...]]:
     model = jamba_model()
     return {"prompt": reference_generate(model, PROMPT), "a": reference_generate(model, PROMPT_A),

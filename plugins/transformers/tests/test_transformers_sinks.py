@@ -7,9 +7,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from kvspec_core.models.catalog import load_preset
-from kvspec_transformers import TransformersEngine, build_model, shrink_config
 from transformers_testkit import (
     INITIALIZER_RANGE,
     LONG_PROMPT,
@@ -20,6 +17,9 @@ from transformers_testkit import (
     SHARED_PREFIX,
     reference_generate,
 )
+
+from kvspec_core.models.catalog import load_preset
+from kvspec_transformers import TransformersEngine, build_model, shrink_config
 
 #: GPT-OSS-20B's published config (kvspec's bundled preset), shrunk: 4 layers alternating
 #: sliding (window 24) and full attention.
@@ -44,7 +44,7 @@ def model_with_sinks(sinks: str = "learned") -> torch.nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def references() -> dict[str, tuple[int, ...]]:
     model = model_with_sinks()
     return {"prompt": reference_generate(model, PROMPT),

@@ -25,6 +25,18 @@ from kvspec_core.runtime import Request
 
 # The state family plugin is optional for kvspec-transformers; without it these tests skip.
 pytest.importorskip("kvspec_mamba", reason="kvspec-mamba (the state family) is not installed")
+from transformers_testkit import (
+    NEW_TOKENS,
+    PREFIX,
+    PROMPT,
+    PROMPT_A,
+    PROMPT_B,
+    SHARED_PREFIX,
+    fail_on_call,
+    reference_generate,
+    token_ids,
+)
+
 from kvspec_mamba import MambaSpec, prefill_step_ends
 from kvspec_transformers import (
     PagedAttentionLayer,
@@ -34,17 +46,6 @@ from kvspec_transformers import (
     shrink_config,
 )
 from kvspec_transformers.state_layers import StateLayer
-from transformers_testkit import (
-    NEW_TOKENS,
-    PROMPT,
-    PROMPT_A,
-    PROMPT_B,
-    PREFIX,
-    SHARED_PREFIX,
-    fail_on_call,
-    reference_generate,
-    token_ids,
-)
 
 #: Bamba-9B's published config (ibm-ai-platform/Bamba-9B), copied under tests/data.
 BAMBA_9B = Path(__file__).parent / "data" / "ibm-ai-platform__Bamba-9B.json"
@@ -61,7 +62,7 @@ MODELS = list(CONFIGS)
 PROMPT_C = PREFIX + token_ids(1, seed=4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(name: str) -> tuple[dict[str, Any], torch.nn.Module, dict[str, tuple[int, ...]]]:
     """Shrunk config, model and transformers' reference outputs (computed before any engine
     switches the model to the paged attention)."""

@@ -13,9 +13,6 @@ from typing import Any
 import numpy
 import pytest
 import torch
-
-from kvspec_core.runtime import Request
-from kvspec_transformers import EngineError, Generation, TransformersEngine
 from transformers_testkit import (
     NEW_TOKENS,
     PREFIX,
@@ -26,6 +23,9 @@ from transformers_testkit import (
     reference_generate,
     token_ids,
 )
+
+from kvspec_core.runtime import Request
+from kvspec_transformers import EngineError, Generation, TransformersEngine
 
 
 def engine_for(name: str, **options: Any) -> TransformersEngine:
@@ -262,7 +262,8 @@ def test_prompts_of_numpy_and_torch_integers_are_accepted(kind: str) -> None:
         ([numpy.float32(3)], r"prompt_token_ids\[0\]=.*float32.*must be a token id"),
         (torch.tensor([1.0, 2.0]), r"prompt_token_ids\[0\]=tensor\(1.\).*dtype torch.float32"),
         ([1, -1], r"prompt_token_ids\[1\]=-1 must be a token id in \[0, 512\)"),
-        (numpy.array([3, 512]), r"prompt_token_ids\[1\]=.*512\) must be a token id in \[0, 512\) \(the model's"),
+        (numpy.array([3, 512]),
+         r"prompt_token_ids\[1\]=.*512\) must be a token id in \[0, 512\) \(the model's"),
         (torch.tensor([[1, 2]]), r"shape \(1, 2\); pass one prompt's 1-d token ids"),
         ("hello", r"is a str; pass token ids \(tokenize the text first\)"),
         (b"hi", r"is a bytes; pass token ids"),

@@ -77,7 +77,7 @@ class ModelCase:
     reference: dict[str, tuple[int, ...]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_case(name: str) -> ModelCase:
     """Built once per test session: the references are computed before any engine switches
     the model to the paged attention."""

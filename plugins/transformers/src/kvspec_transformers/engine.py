@@ -11,8 +11,9 @@ give the layer specs), ``materialize()`` allocates the pools and views every lay
 ``KVCacheAllocator`` with prefix caching places blocks. Each request looks up its cached
 prefix, allocates the prefill's slots after it, and runs the model on the uncached suffix
 only (in several steps where a layer adapter asks, see ``prefill_step_ends``: state layers
-save a reusable state only where a step ends); each decode step allocates one slot. The model's cache is a :class:`KVSpecCache` of
-layer adapters and its attention implementation the paged one
+save a reusable state only where a step ends); each decode step allocates one slot. The
+model's cache is a :class:`KVSpecCache` of layer adapters and its attention implementation
+the paged one
 (:mod:`kvspec_transformers.paged_attention`): K/V are written to and read from the views.
 """
 
@@ -131,7 +132,7 @@ class TransformersEngine:
         return bindings
 
     def _layers(self) -> list[LayerAdapter | DummyLayer]:
-        count = int(getattr(self.model.config, "num_hidden_layers"))
+        count = int(self.model.config.num_hidden_layers)
         stray = sorted(index for index in self.bindings if index >= count)
         if stray:
             raise EngineError(
@@ -282,7 +283,7 @@ class TransformersEngine:
         ]
 
     def _vocab_size(self) -> int:
-        return int(getattr(self.model.config, "vocab_size"))
+        return int(self.model.config.vocab_size)
 
     def _allocate(self, request: Request, num_tokens: int, prefix: CachedPrefix | None) -> None:
         result = self.allocator.allocate_slots(request, num_tokens, prefix=prefix)

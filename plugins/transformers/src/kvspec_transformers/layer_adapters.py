@@ -206,9 +206,11 @@ class MLALatentLayer(PagedAttentionLayer):
         self, module: torch.nn.Module, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         latent = self.read_cells(start, end).transpose(0, 1).unsqueeze(0)
-        columns: Callable[[int], tuple[slice, slice]] = getattr(self.spec, "latent_columns")
-        compressed, rope_key = columns(int(getattr(module, "qk_rope_head_dim")))
+        # getattr, not attribute access: the spec is typed as an AttentionSpec (the MLA spec
+        # comes from a plugin) and torch types module attributes as Tensor | Module.
+        columns: Callable[[int], tuple[slice, slice]] = getattr(self.spec, "latent_columns")  # noqa: B009
+        compressed, rope_key = columns(int(getattr(module, "qk_rope_head_dim")))  # noqa: B009
         expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-        expand = getattr(module, "expand_kv")
+        expand = getattr(module, "expand_kv")  # noqa: B009
         return expand(latent[..., compressed], latent[..., rope_key])
 

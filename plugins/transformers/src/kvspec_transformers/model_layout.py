@@ -67,7 +67,7 @@ class ModelLayer:
 
 def model_layers(config: Any) -> list[ModelLayer]:
     """Every decoder layer of the model ``config`` (a transformers config) describes."""
-    count = int(getattr(config, "num_hidden_layers"))
+    count = int(config.num_hidden_layers)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
         window = getattr(config, "sliding_window", None)

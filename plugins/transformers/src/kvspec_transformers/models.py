@@ -119,7 +119,8 @@ def shrink_config(config: Mapping[str, Any]) -> dict[str, Any]:
     rules = SHRINK_RULES.get(str(model_type))
     if rules is None:
         raise ConfigError(
-            f"no shrink rules for model_type={model_type!r}; known: {', '.join(sorted(SHRINK_RULES))}"
+            f"no shrink rules for model_type={model_type!r}; "
+            f"known: {', '.join(sorted(SHRINK_RULES))}"
         )
     shrunk = {**text, **COMMON_SHRINK, **rules}
     for field in DROPPED_FIELDS:

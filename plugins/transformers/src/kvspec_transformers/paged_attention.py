@@ -57,10 +57,11 @@ def paged_attention_forward(
             f"the {ATTENTION_NAME!r} attention reads K/V from a KVSpecCache; run the model "
             "through TransformersEngine (it passes the cache as kvspec_cache=...)"
         )
-    layer = cache.layers[int(getattr(module, "layer_idx"))]
+    # getattr, not attribute access: torch types module attributes as Tensor | Module.
+    layer = cache.layers[int(getattr(module, "layer_idx"))]  # noqa: B009
     if not isinstance(layer, PagedAttentionLayer):
         raise ConfigError(
-            f"layer {getattr(module, 'layer_idx')} computes attention but its cache layer is a "
+            f"layer {module.layer_idx} computes attention but its cache layer is a "
             f"{type(layer).__name__}; register an attention adapter for its spec"
         )
     step = layer.step
