@@ -74,7 +74,7 @@ def check_block_counts(plan: KVCachePlan, blocks: Sequence[int], budget: int,
     if len(blocks) != len(plan.pools):
         raise PlanError(f"the plan has {len(plan.pools)} pools but got {len(blocks)} block "
                         "counts; pass one count per pool")
-    for pool, count in zip(plan.pools, blocks):
+    for pool, count in zip(plan.pools, blocks, strict=True):
         if isinstance(count, bool) or not isinstance(count, int):
             raise PlanError(f"block count of pool {pool.id} is {count!r}; expected an int")
         if count < pool.blocks_per_request + 1:
@@ -83,7 +83,7 @@ def check_block_counts(plan: KVCachePlan, blocks: Sequence[int], budget: int,
                 f"{pool.blocks_per_request} plus the null block"
             )
     for host, available in ((False, budget), (True, host_budget)):
-        used = sum(count * pool.block_bytes for pool, count in zip(plan.pools, blocks)
+        used = sum(count * pool.block_bytes for pool, count in zip(plan.pools, blocks, strict=True)
                    if pool.host_resident == host)
         if used and (available is None or used > available):
             raise CapacityError(

@@ -46,10 +46,10 @@ def assemble(
         for index, draft in enumerate(skeleton.pools)
     )
     tensors = []
-    for pool, draft in zip(pools, skeleton.pools):
+    for pool, draft in zip(pools, skeleton.pools, strict=True):
         _, placements = place_segments(draft.segments, layout, draft.alignment, pool.num_blocks)
         slot_place: list[tuple[SegmentPlacement, int]] = []
-        for segment, placement in zip(draft.segments, placements):
+        for segment, placement in zip(draft.segments, placements, strict=True):
             slot_place.extend((placement, within) for within in range(segment.count))
         for group_id in draft.group_ids:
             tensors.extend(_group_tensors(groups[group_id], pool, slot_place, layout))

@@ -17,7 +17,7 @@ from math import ceil, floor
 
 def bytes_for_one_request(demands: Sequence[int], block_bytes: Sequence[int]) -> int:
     """Bytes one max-length request needs, one null block per pool included."""
-    return sum((demand + 1) * size for demand, size in zip(demands, block_bytes))
+    return sum((demand + 1) * size for demand, size in zip(demands, block_bytes, strict=True))
 
 
 def _blocks_at(concurrency: Fraction, demands: Sequence[int]) -> list[int]:
@@ -25,7 +25,7 @@ def _blocks_at(concurrency: Fraction, demands: Sequence[int]) -> list[int]:
 
 
 def _cost(blocks: Sequence[int], block_bytes: Sequence[int]) -> int:
-    return sum(count * size for count, size in zip(blocks, block_bytes))
+    return sum(count * size for count, size in zip(blocks, block_bytes, strict=True))
 
 
 def split_budget(
@@ -36,13 +36,13 @@ def split_budget(
         return []
     if bytes_for_one_request(demands, block_bytes) > budget:
         return None
-    weighted = sum(demand * size for demand, size in zip(demands, block_bytes))
+    weighted = sum(demand * size for demand, size in zip(demands, block_bytes, strict=True))
     concurrency = Fraction(budget - sum(block_bytes), weighted)
     blocks = _blocks_at(concurrency, demands)
     while _cost(blocks, block_bytes) > budget:
         # Step down to the highest breakpoint below: there one pool's ceil drops by one.
         concurrency = max(
-            Fraction(count - 2, demand) for count, demand in zip(blocks, demands)
+            Fraction(count - 2, demand) for count, demand in zip(blocks, demands, strict=True)
         )
         blocks = _blocks_at(concurrency, demands)
     leftover = budget - _cost(blocks, block_bytes)
@@ -79,4 +79,6 @@ def concurrency_of(blocks: Sequence[int], demands: Sequence[int]) -> float:
     """Max-length requests admitted at once: the minimum over pools."""
     if not blocks:
         return 0.0
-    return float(min(Fraction(count - 1, demand) for count, demand in zip(blocks, demands)))
+    return float(min(
+        Fraction(count - 1, demand) for count, demand in zip(blocks, demands, strict=True)
+    ))

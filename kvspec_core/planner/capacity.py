@@ -83,8 +83,11 @@ def capacity_error(skeleton: Skeleton, ctx: SizingContext, host: bool, need: int
 
 def check_host_budget_given(skeleton: Skeleton, host_budget: int | None) -> None:
     """Refuse to plan host-resident groups without ``host_budget_bytes``."""
-    host_groups = [",".join(d.layers[:2]) for d, p in zip(skeleton.drafts, skeleton.pool_of_group)
-                   if skeleton.pools[p].host_resident]
+    host_groups = [
+        ",".join(d.layers[:2])
+        for d, p in zip(skeleton.drafts, skeleton.pool_of_group, strict=True)
+        if skeleton.pools[p].host_resident
+    ]
     if host_groups and host_budget is None:
         raise PlanError(
             f"groups of layers {'; '.join(host_groups)} are host-resident, so their pool lives "
@@ -109,6 +112,6 @@ def blocks_per_pool(skeleton: Skeleton, ctx: SizingContext, budget: int,
             need = bytes_for_one_request(residency.demands, residency.block_bytes)
             raise capacity_error(skeleton, ctx, residency.host, need,
                                  available, budget, host_budget)
-        for i, count in zip(residency.pool_ids, split):
+        for i, count in zip(residency.pool_ids, split, strict=True):
             blocks[i] = count
     return blocks

@@ -143,7 +143,7 @@ def place_segments(
     block_bytes = aligned(sum(extents), alignment)
     placements = []
     offset = 0
-    for segment, extent in zip(segments, extents):
+    for segment, extent in zip(segments, extents, strict=True):
         strides = layout_strides(
             _shape5(segment, num_blocks), layout, padded_page=segment.shape.padded_page,
             fixed=(None, block_bytes, None, None, None),
@@ -181,5 +181,6 @@ def view_extent(shape: Sequence[int], strides: Sequence[int], offset: int) -> in
     """One past the last byte an ``as_strided`` byte view touches."""
     if any(size == 0 for size in shape):
         return offset
-    return offset + sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+    reach = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    return offset + reach + 1
 

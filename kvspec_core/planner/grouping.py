@@ -77,7 +77,7 @@ def slot_runs(draft: GroupDraft, layout: KVCacheLayout) -> tuple[tuple[SlotShape
     every layer, and page sizes cost microseconds each, too much for 100,000 layers."""
     shapes: dict[int, SlotShape] = {}
     runs: list[list[Any]] = []
-    for layer, spec in zip(draft.layers, draft.layer_specs):
+    for layer, spec in zip(draft.layers, draft.layer_specs, strict=True):
         shape = shapes.get(id(spec))
         if shape is None:
             shape = shapes[id(spec)] = slot_shape(cell_shape(spec, layer), layout)
@@ -123,7 +123,7 @@ def _group_name(layers: list[str]) -> str:
 def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str], KVSpec]]:
     """Bucket layers by spec equality, then combine buckets whose specs merge."""
     by_spec: dict[KVSpec, list[str]] = {}
-    for name, spec in zip(names, specs):
+    for name, spec in zip(names, specs, strict=True):
         by_spec.setdefault(spec, []).append(name)
     # (distinct specs, one layer naming each, all layers, merged spec)
     buckets: list[tuple[list[KVSpec], list[str], list[str], KVSpec]] = []

@@ -144,7 +144,7 @@ def _check_written_fields(written: Any, expected: Any, path: str = "") -> None:
         return
     field = path.removesuffix(".")
     if isinstance(expected, list) and isinstance(written, list) and len(expected) == len(written):
-        for index, (item, value) in enumerate(zip(written, expected)):
+        for index, (item, value) in enumerate(zip(written, expected, strict=True)):
             _check_written_fields(item, value, f"{field}[{index}].")
         return
     # Compared as JSON, so that 100.0 or 0 cannot stand in for 100 or False.

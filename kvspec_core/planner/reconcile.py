@@ -28,7 +28,7 @@ def plan_signature(plan: KVCachePlan) -> dict[str, Any]:
         "layers": [
             [layer, group.id, slot, spec_to_dict(spec)]
             for group in plan.groups
-            for slot, (layer, spec) in enumerate(zip(group.layers, group.layer_specs))
+            for slot, (layer, spec) in enumerate(zip(group.layers, group.layer_specs, strict=True))
         ],
         "memoryless_layers": list(plan.memoryless_layers),
         "block_bytes": [pool.block_bytes for pool in plan.pools],

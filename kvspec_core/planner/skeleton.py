@@ -61,7 +61,7 @@ def build_pools(drafts: Sequence[GroupDraft], layout: KVCacheLayout) -> tuple[
         }))
         block_bytes, placements = place_segments(segments, layout, alignment, 1)
         slot_bytes = []
-        for segment, placement in zip(segments, placements):
+        for segment, placement in zip(segments, placements, strict=True):
             if layout.layer_outer:
                 per_slot = placement.strides[DIM_L]
             else:

@@ -111,7 +111,7 @@ def test_random_hybrid_plans_are_sound(specs, layout, extra, max_len, in_flight)
     planned = [layer for group in plan.groups for layer in group.layers]
     assert sorted(planned + list(plan.memoryless_layers)) == sorted(specs)
     for group in plan.groups:
-        for layer, spec in zip(group.layers, group.layer_specs):
+        for layer, spec in zip(group.layers, group.layer_specs, strict=True):
             assert spec.block_size == specs[layer].block_size
 
     assert_views_sound(plan)

@@ -61,7 +61,7 @@ def test_two_gloo_ranks_agree_on_the_minimum_and_refuse_a_mismatch(tmp_path) -> 
 
     agreed = [outcome("agree", rank) for rank in range(2)]
     assert agreed[0]["plan"] == agreed[1]["plan"]
-    expected = [min(a, b) for a, b in zip(agreed[0]["own"], agreed[1]["own"])]
+    expected = [min(a, b) for a, b in zip(agreed[0]["own"], agreed[1]["own"], strict=True)]
     assert agreed[0]["blocks"] == agreed[1]["blocks"] == expected
     assert agreed[0]["own"] != agreed[1]["own"]
     assert agreed[0]["plan"]["budget_bytes"] == 96 << 10
