@@ -53,21 +53,22 @@ def test_concurrent_generate_calls_answer_as_sequential_ones() -> None:
     def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
         active[0] -= 1
 
+    def run(index: int, barrier: threading.Barrier, results: list[Generation | None],
+            errors: list[BaseException]) -> None:
+        barrier.wait()
+        try:
+            results[index] = engine.generate(prompts[index], NEW_TOKENS)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
     handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     try:
         for round_ in range(2):
             results: list[Generation | None] = [None] * len(prompts)
             errors: list[BaseException] = []
             barrier = threading.Barrier(len(prompts))
-
-            def run(index: int) -> None:
-                barrier.wait()
-                try:
-                    results[index] = engine.generate(prompts[index], NEW_TOKENS)
-                except BaseException as error:  # reported below
-                    errors.append(error)
-
-            threads = [threading.Thread(target=run, args=(index,)) for index in range(len(prompts))]
+            threads = [threading.Thread(target=run, args=(index, barrier, results, errors))
+                       for index in range(len(prompts))]
             for thread in threads:
                 thread.start()
             for thread in threads:
