@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from planner_testkit import (
@@ -212,16 +214,19 @@ def test_invalid_inputs_are_refused_naming_the_field() -> None:
         plan_kv_cache(layers([window(8)]), 1 << 20, CTX, PluginManager())
     with pytest.raises(InvalidFieldTypeError, match="SizingContext"):
         plan_kv_cache(specs, 1 << 20, {"max_model_len": 5}, manager)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError, match="plan_kv_cache.manager.*PluginManager"):
+    with pytest.raises(InvalidFieldTypeError, match=r"plan_kv_cache\.manager.*PluginManager"):
         plan_kv_cache(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.manager"):
+    with pytest.raises(InvalidFieldTypeError,
+                       match=re.escape("largest_fitting_max_model_len.manager")):
         largest_fitting_max_model_len(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.budget"):
+    with pytest.raises(InvalidFieldTypeError,
+                       match=re.escape("largest_fitting_max_model_len.budget")):
         largest_fitting_max_model_len(specs, 1.5, CTX, manager)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError, match="largest_fitting_max_model_len.upper"):
+    with pytest.raises(InvalidFieldTypeError,
+                       match=re.escape("largest_fitting_max_model_len.upper")):
         largest_fitting_max_model_len(specs, 1 << 20, CTX, manager,
                                       upper=2.0)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldError, match="largest_fitting_max_model_len.upper"):
+    with pytest.raises(InvalidFieldError, match=re.escape("largest_fitting_max_model_len.upper")):
         largest_fitting_max_model_len(specs, 1 << 20, CTX, manager, upper=0)
 
 

@@ -115,8 +115,8 @@ def test_a_plugin_spec_answering_a_zero_size_in_a_plan_names_the_plugin() -> Non
     manager = manager_with_faulty_plugin()
     data = json.loads(json.dumps(plan_kv_cache(faulty_layers(), 64 << 20, CTX, manager).to_dict()))
     data["groups"][0]["spec"]["fields"]["answers"] = "state_content_size_bytes"
-    with pytest.raises(PluginError, match="plugin 'faulty' .distribution kvspec-faulty.: "
-                                          "FaultySpec.state_content_size_bytes .* returned 0"):
+    with pytest.raises(PluginError, match=r"plugin 'faulty' \(distribution kvspec-faulty\): "
+                                          r"FaultySpec\.state_content_size_bytes .* returned 0"):
         plan_from_dict(data, manager)
 
 

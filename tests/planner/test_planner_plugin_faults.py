@@ -119,7 +119,7 @@ def test_a_raising_spec_method_is_a_plugin_error_naming_all(method: str) -> None
 
 
 def test_the_fitting_length_search_names_the_plugin_too() -> None:
-    with pytest.raises(PluginError, match="plugin 'faulty'.*FaultySpec.max_blocks_per_request"):
+    with pytest.raises(PluginError, match=r"plugin 'faulty'.*FaultySpec\.max_blocks_per_request"):
         largest_fitting_max_model_len(faulty_layers("max_blocks_per_request"), 64 << 20, CTX,
                                       manager_with_faulty_plugin())
 
@@ -147,7 +147,7 @@ def test_a_bad_answer_is_a_plugin_error_naming_plugin_method_value_and_layer(met
 
 
 def test_a_negative_admission_cap_is_refused_in_the_length_search_too() -> None:
-    with pytest.raises(PluginError, match="FaultySpec.max_blocks_per_request .* returned -3"):
+    with pytest.raises(PluginError, match=r"FaultySpec\.max_blocks_per_request .* returned -3"):
         largest_fitting_max_model_len(faulty_layers(answers="max_blocks_per_request"),
                                       64 << 20, CTX, manager_with_faulty_plugin())
 
@@ -158,6 +158,6 @@ def test_a_uniformity_answer_that_is_no_bool_is_refused() -> None:
     specs = {f"model.layers.{i}": FaultySpec(block_size=16, num_kv_heads=2 + i, head_size=64,
                                              dtype=torch.bfloat16, answers="is_uniform_with")
              for i in range(3)}
-    with pytest.raises(PluginError, match="plugin 'faulty' .distribution kvspec-faulty.: "
-                                          "FaultySpec.is_uniform_with .* returned 'no'"):
+    with pytest.raises(PluginError, match=r"plugin 'faulty' \(distribution kvspec-faulty\): "
+                                          r"FaultySpec\.is_uniform_with .* returned 'no'"):
         plan_kv_cache(specs, 64 << 20, CTX, manager_with_faulty_plugin())

@@ -41,7 +41,7 @@ def test_reconcile_takes_the_smallest_pool_of_each_plan() -> None:
 def test_reconcile_refuses_different_specs_naming_the_layer() -> None:
     plans = [plan_kv_with_budget(_specs(8), 96 << 10, CTX),
              plan_kv_with_budget(_specs(16), 200 << 10, CTX)]
-    with pytest.raises(PlanError, match="plans 0 and 1 .* layer model.layers.2 has spec"):
+    with pytest.raises(PlanError, match=r"plans 0 and 1 .* layer model\.layers\.2 has spec"):
         reconcile_plans(plans)
     with pytest.raises(PlanError, match="at least one plan"):
         reconcile_plans([])
@@ -77,7 +77,7 @@ def test_reconcile_refuses_plans_whose_layers_sit_in_other_slots() -> None:
     plans = [plan_kv_with_budget(specs, 96 << 10, CTX),
              plan_kv_with_budget(reordered, 96 << 10, CTX)]
     assert plans[0].groups[0].layers != plans[1].groups[0].layers
-    with pytest.raises(PlanError, match="plans 0 and 1 .* layer model.layers.0 is at slot 0 "
+    with pytest.raises(PlanError, match=r"plans 0 and 1 .* layer model\.layers\.0 is at slot 0 "
                                         "of group 0 vs slot 2"):
         reconcile_plans(plans)
 
@@ -87,11 +87,11 @@ def test_rebuild_refuses_block_counts_that_do_not_match_the_pools() -> None:
 
     plan = plan_kv_with_budget(_specs(), 96 << 10, CTX)
     counts = [pool.num_blocks for pool in plan.pools]
-    with pytest.raises(PlanError, match="2 pools.*got 1 block count"):
+    with pytest.raises(PlanError, match=r"2 pools.*got 1 block count"):
         rebuild_with_blocks(plan, counts[:1])
-    with pytest.raises(PlanError, match="2 pools.*got 3 block count"):
+    with pytest.raises(PlanError, match=r"2 pools.*got 3 block count"):
         rebuild_with_blocks(plan, [*counts, 9])
     with pytest.raises(PlanError, match="block count of pool 0"):
         rebuild_with_blocks(plan, [float(counts[0]), counts[1]])  # type: ignore[list-item]
-    with pytest.raises(PlanError, match="reconcile_plans.*KVCachePlan"):
+    with pytest.raises(PlanError, match=r"reconcile_plans.*KVCachePlan"):
         reconcile_plans([plan, plan.to_dict()])  # type: ignore[list-item]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -127,5 +128,5 @@ def test_edited_kinds_and_non_int_counts_are_refused(edit) -> None:
 def test_from_dict_names_a_missing_manager() -> None:
     from kvspec_core.errors import InvalidFieldTypeError
 
-    with pytest.raises(InvalidFieldTypeError, match="from_dict.manager"):
+    with pytest.raises(InvalidFieldTypeError, match=re.escape("from_dict.manager")):
         plan_from_dict(_plans()[0].to_dict(), None)  # type: ignore[arg-type]

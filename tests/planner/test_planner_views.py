@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_misaligned_dtype_views_are_refused_before_allocation() -> None:
                     full(num_kv_heads=1, head_size=1, block_size=1, dtype=torch.float32)])
     plan = plan_kv_cache(specs, 4096, SizingContext(max_model_len=4), manager_with_test_kinds(),
                          layout="BLHNC")
-    with pytest.raises(PlanError, match="cannot be viewed as torch.float32"):
+    with pytest.raises(PlanError, match=re.escape("cannot be viewed as torch.float32")):
         materialize(plan)
 
 
@@ -130,11 +131,11 @@ def test_layout_descriptor_is_json_and_matches_views(layout: str) -> None:
 
 def test_materialize_refuses_bad_arguments_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan(layers([full(**SMALL)] * 2), "LBNHC")
-    with pytest.raises(InvalidFieldTypeError, match="materialize.*plan"):
+    with pytest.raises(InvalidFieldTypeError, match=r"materialize.*plan"):
         materialize(plan.to_dict())  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError, match="kernel_block_sizes.*mapping"):
+    with pytest.raises(InvalidFieldTypeError, match=r"kernel_block_sizes.*mapping"):
         materialize(plan, kernel_block_sizes=4)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldError, match="kernel_block_sizes.*group ids"):
+    with pytest.raises(InvalidFieldError, match=r"kernel_block_sizes.*group ids"):
         materialize(plan, kernel_block_sizes={"0": 4})  # type: ignore[dict-item]
     allocations: list[object] = []
     real_empty = torch.empty
@@ -145,7 +146,7 @@ def test_materialize_refuses_bad_arguments_naming_them(monkeypatch: pytest.Monke
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", spy)
-    with pytest.raises(InvalidFieldError, match="materialize.*device.*'no-such-device'"):
+    with pytest.raises(InvalidFieldError, match=r"materialize.*device.*'no-such-device'"):
         materialize(plan, device="no-such-device")
     assert allocations == []
 
@@ -165,7 +166,7 @@ def test_kernel_split_refused_where_pages_do_not_divide_into_kernel_states() -> 
     # One recurrent state per block cannot be cut into 4 kernel blocks of its own.
     plan = plan_kv_cache(layers([StateSpec(block_size=8, state_bytes=64)] * 2), 64 << 10, CTX,
                          manager_with_test_kinds(), layout="LBNHC")
-    with pytest.raises(PlanError, match="1 state.*4 kernel blocks"):
+    with pytest.raises(PlanError, match=r"1 state.*4 kernel blocks"):
         materialize(plan, kernel_block_sizes={0: 2})
 
 
