@@ -32,7 +32,7 @@ from kvspec_core.specs.full_attention import FullAttentionSpec
 from kvspec_core.validation import non_negative_int, positive_int
 
 if TYPE_CHECKING:
-    from kvspec_core.plugins.registry import SpecRegistry
+    from kvspec_core.specs.base import SpecKinds
 
 
 @attrs.frozen(kw_only=True)
@@ -68,7 +68,7 @@ class SlidingWindowSpec(AttentionSpec):
         # consecutive in that rank's local numbering, so the same +1 argument applies there.
         return cdiv(self.tokens_held_per_rank(ctx, self.retained_tokens(ctx)), self.block_size) + 1
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Uniform with specs of the same uniform-type kind and the same window: layers with
         different windows free blocks at different times, so they never share a group."""
         base = registry.uniform_base_of(self)
@@ -95,7 +95,7 @@ class KpoolTailSpec(SlidingWindowSpec):
     def block_table_width(self, ctx: SizingContext, max_len: int) -> int:
         return 1
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         return all(isinstance(spec, KpoolTailSpec) for spec in specs.values())
 
     @property
@@ -129,7 +129,7 @@ class ReferenceSlidingWindowSpec(FullAttentionSpec):
 
     rswa_window: int = attrs.field(validator=positive_int)
 
-    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecRegistry) -> bool:
+    def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: SpecKinds) -> bool:
         """Uniform only with R-SWA layers of the same window: their gap-block eviction differs
         from full attention's, so they never share a full-attention group."""
         return all(
