@@ -16,12 +16,12 @@ import time
 from typing import Any
 
 import torch
-from kvspec_mamba import MambaSpec
-from kvspec_sliding_window import SlidingWindowSpec
 
 from kvspec_core import FullAttentionSpec, KVSpec, SizingContext, load_plugins
 from kvspec_core.cli.arguments import positive_int
 from kvspec_core.planner import materialize, plan_kv_cache
+from kvspec_mamba import MambaSpec
+from kvspec_sliding_window import SlidingWindowSpec
 
 
 def build_model(num_layers: int) -> dict[str, KVSpec]:

@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from kvspec_core import load_plugins
@@ -58,13 +59,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.repeat):
         model, seconds = timed(lambda: model_layers(config, options, manager, name=args.preset))
         steps.setdefault("model_layers", []).append(seconds)
-        specs, seconds = timed(lambda: layer_specs(model, manager))
+        specs, seconds = timed(partial(layer_specs, model, manager))
         steps.setdefault("layer_specs", []).append(seconds)
         ctx = default_sizing_context(model, max_model_len=args.max_model_len)
-        plan, seconds = timed(lambda: plan_kv_cache(specs, budget, ctx, manager))
+        plan, seconds = timed(partial(plan_kv_cache, specs, budget, ctx, manager))
         steps.setdefault("plan_kv_cache", []).append(seconds)
         result = ModelPlan(model=model, specs=specs, context=ctx, plan=plan)
-        _, seconds = timed(lambda: plan_report(result, source="preset"))
+        _, seconds = timed(partial(plan_report, result, source="preset"))
         steps.setdefault("plan_report", []).append(seconds)
     medians = {step: statistics.median(times) for step, times in steps.items()}
     report = {

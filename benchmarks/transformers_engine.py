@@ -77,7 +77,7 @@ def main() -> None:
               "prefill tokens", "prefill s (hit)", "prefill s (no cache)")
     print("  ".join(f"{h:>14}" for h in header))
     for row in rows:
-        print("  ".join(f"{str(value):>14}" for value in row.values()))
+        print("  ".join(f"{value!s:>14}" for value in row.values()))
 
 
 if __name__ == "__main__":

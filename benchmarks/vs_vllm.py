@@ -82,7 +82,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from replay_trace import BLOCK_SIZE, MAX_MODEL_LEN, MODELS, TRACES, build_allocator, replay
 
 #: Sliding window of ``--hybrid`` (Gemma-2's).
@@ -444,14 +443,14 @@ def main() -> None:
         setting = (f", {args.vllm_max_num_batched_tokens:,} tokens per step, retention "
                    f"{'dense' if retention is None else retention}")
     base = summary["vllm"]
-    for name, figures in summary.items():
+    for figures in summary.values():
         figures["speedup_wall"] = figures["events_per_s"] / base["events_per_s"]
         figures["speedup_cpu"] = figures["events_per_cpu_s"] / base["events_per_cpu_s"]
         # Each round's runs are adjacent in time, so a change of the machine's load between
         # rounds moves both sides of a round alike: the median of the rounds' ratios.
         figures["speedup_cpu_rounds"] = statistics.median(
             run / vllm_run for run, vllm_run in
-            zip(figures["runs_events_per_cpu_s"], base["runs_events_per_cpu_s"]))
+            zip(figures["runs_events_per_cpu_s"], base["runs_events_per_cpu_s"], strict=True))
     if args.json:
         print(json.dumps({**header, **summary}))
         return

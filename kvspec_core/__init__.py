@@ -25,7 +25,6 @@ from kvspec_core.errors import (
     PluginError,
 )
 from kvspec_core.kv_dtypes import KVCacheDtype, KVQuantMode
-from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.plugins import (
     CONTRACT_VERSION,
     PluginManager,
@@ -34,9 +33,10 @@ from kvspec_core.plugins import (
     RegisterSpecKind,
     hookimpl,
 )
-from kvspec_core.plugins.manager import load_plugins
 from kvspec_core.plugins.core_rules import FullAttentionRules
 from kvspec_core.plugins.family_rules import FamilyRules, RulesFactory
+from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
+from kvspec_core.plugins.manager import load_plugins
 from kvspec_core.specs import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -79,7 +79,7 @@ __all__ = [
     "UniformTypeSpecs",
     "__version__",
     "cdiv",
-    "round_up",
     "hookimpl",
     "load_plugins",
+    "round_up",
 ]

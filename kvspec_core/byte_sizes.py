@@ -8,9 +8,8 @@ def format_size(num_bytes: int | float) -> str:
     if abs(num_bytes) < 1024:
         return f"{int(num_bytes)} B"
     value = float(num_bytes)
-    unit = "B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         value /= 1024
         if abs(value) < 1024:
-            break
-    return f"{value:.2f} {unit}"
+            return f"{value:.2f} {unit}"
+    return f"{value:.2f} TiB"  # the largest unit, however many of them

@@ -98,7 +98,7 @@ def instance_of(kind: type | tuple[type, ...], description: str) -> Validator:
     """An instance of ``kind``; ``description`` says what is allowed in words."""
 
     def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             raise InvalidFieldTypeError(_owner(instance), attribute.name, value, description)
 
     return check

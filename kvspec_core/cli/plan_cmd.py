@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
@@ -20,13 +21,13 @@ from kvspec_core.cli.arguments import (
     DEFAULT_KV_CACHE_DTYPE,
     add_model_arguments,
     add_pipeline_arguments,
-    plot_file,
     plan_options,
+    plot_file,
 )
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
-from kvspec_core.models.catalog import resolve_model
 from kvspec_core.errors import CapacityError, ConfigError
+from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.normalized import ModelConfig, normalize_config
 from kvspec_core.models.pipeline import (
     PipelinePlan,
@@ -42,6 +43,7 @@ from kvspec_core.models.planning import (
 )
 from kvspec_core.planner.plan import PlannedGroup
 from kvspec_core.plugins.manager import PluginManager
+
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -167,7 +169,7 @@ def describe_layers(names: Sequence[str]) -> str:
     indices = [int(m["index"]) for m in matches if m is not None]
     if len(indices) == 1:
         return f"1 × {names[0]}"
-    steps = {b - a for a, b in zip(indices, indices[1:])}
+    steps = {b - a for a, b in pairwise(indices)}
     if len(steps) == 1:
         step = steps.pop()
         stride = f" step {step}" if step != 1 else ""

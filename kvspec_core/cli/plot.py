@@ -53,7 +53,7 @@ def plot_concurrency(
             fitting = [(length, value) for length, value in points if value is not None and value > 0]
             if not fitting:
                 continue
-            xs, ys = zip(*fitting)
+            xs, ys = zip(*fitting, strict=True)
             axes.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=label)
         if max_model_len is not None:
             axes.axvline(max_model_len, color="grey", linestyle=":", linewidth=1,

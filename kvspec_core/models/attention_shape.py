@@ -27,8 +27,8 @@ from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import KVCacheDtype
 from kvspec_core.models.fields import first_present, int_field, missing_field, require_int
 from kvspec_core.models.head_fields import HeadFields
-from kvspec_core.plugins.layer_config import AttentionShape
 from kvspec_core.models.layer_typing import MLA_ATTENTION, SLIDING_MLA_ATTENTION
+from kvspec_core.plugins.layer_config import AttentionShape
 from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: Name suffix of the packed DeepSeek MLA cache formats (``fp8_ds_mla``, ``nvfp4_ds_mla``).

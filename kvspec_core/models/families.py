@@ -10,8 +10,8 @@ import attrs
 
 from kvspec_core.errors import KVSpecError
 from kvspec_core.models.ingest import CORE_LAYER_TYPES, layer_specs, model_layers
-from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS
+from kvspec_core.plugins.layer_config import PlanOptions
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager

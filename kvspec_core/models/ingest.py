@@ -32,7 +32,6 @@ from kvspec_core.models.encoder_decoder import (
 )
 from kvspec_core.models.fields import MissingConfigFieldError, optional_int
 from kvspec_core.models.head_fields import HeadFields
-from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.models.layer_typing import (
     ATTENTION_LAYER_TYPES,
     NORMALISED_LAYER_TYPES,
@@ -44,6 +43,7 @@ from kvspec_core.models.layer_typing import (
 from kvspec_core.models.model_code_check import check_against_model_code
 from kvspec_core.models.normalized import ModelConfig, normalize_config, with_defaults_hint
 from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS, install_hint
+from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager

@@ -225,7 +225,7 @@ def _from_hybrid_forms(config: Mapping[str, Any], count: int) -> list[str | None
     if not has_pattern:
         return listed
     pattern = _from_hybrid_pattern(config, count)
-    for index, (from_pattern, from_list) in enumerate(zip(pattern, listed)):
+    for index, (from_pattern, from_list) in enumerate(zip(pattern, listed, strict=True)):
         if from_pattern != from_list:
             raise ConfigError(
                 f"config fields 'hybrid_override_pattern' and 'layers_block_type' disagree at "

@@ -195,7 +195,9 @@ def _cache_types(text_config: Any, count: int) -> list[tuple[str, Any]]:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     layer_types, kwargs = get_layer_types_and_kwargs(text_config)
-    types = [(str(kind), extra.get("sliding_window")) for kind, extra in zip(layer_types, kwargs)]
+    # Paired as DynamicCache pairs them (transformers zips the two lists, so does this).
+    types = [(str(kind), extra.get("sliding_window"))
+             for kind, extra in zip(layer_types, kwargs, strict=False)]
     return types + [(FULL_ATTENTION, None)] * (count - len(types))
 
 
@@ -350,7 +352,7 @@ def check_against_model_code(
     if reading is None:
         return
     ours = kvspec_labels(slots, fields, count)
-    for index, (kvspec_layer, code_layer) in enumerate(zip(ours, reading.layers)):
+    for index, (kvspec_layer, code_layer) in enumerate(zip(ours, reading.layers, strict=True)):
         if kvspec_layer is None or kvspec_layer == code_layer:
             continue
         modules = ", ".join(reading.modules[index])

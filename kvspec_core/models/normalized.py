@@ -30,7 +30,6 @@ import torch
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.defaults import with_published_defaults
-from kvspec_core.models.layer_typing import check_pattern_fields
 from kvspec_core.models.fields import (
     DTYPE_FIELDS,
     MAX_LAYERS,
@@ -39,6 +38,7 @@ from kvspec_core.models.fields import (
     is_int,
     model_dtype,
 )
+from kvspec_core.models.layer_typing import check_pattern_fields
 from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: Where multimodal configs nest their language model.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from kvspec_core.errors import ConfigError, InvalidFieldError, InvalidFieldTypeError
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES
-from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
 from kvspec_core.plugins.core_rules import CORE_RULES
 from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterRuntimeRules, RegisterSpecKind
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.specs import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,

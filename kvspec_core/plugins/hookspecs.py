@@ -16,8 +16,8 @@ from kvspec_core.plugins.contract import hookspec
 
 if TYPE_CHECKING:
     from kvspec_core.kv_dtypes import KVCacheDtype
-    from kvspec_core.plugins.layer_config import LayerConfig
     from kvspec_core.plugins.family_rules import FamilyRules
+    from kvspec_core.plugins.layer_config import LayerConfig
     from kvspec_core.specs.base import KVSpec
 
 

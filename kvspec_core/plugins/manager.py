@@ -21,9 +21,9 @@ from kvspec_core.errors import (
     UnknownNameError,
 )
 from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
-from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins import hookspecs, loading
 from kvspec_core.plugins.contract import CONTRACT_VERSION, PROJECT_NAME
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure, PluginInfo
 from kvspec_core.plugins.registry import SpecRegistry
 from kvspec_core.specs.base import KVSpec

@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,7 @@ def test_fuzzed_plan_arguments_never_raise(argv: list[str]) -> None:
         assert "Traceback" not in stderr
     else:
         # A plan was made: every number it was given was written in ASCII digits.
-        numbers = [value for option, value in zip(argv, argv[1:]) if option in NUMBER_OPTIONS]
+        numbers = [value for option, value in pairwise(argv) if option in NUMBER_OPTIONS]
         assert all(_is_ascii_number(value) for value in numbers), argv
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+
 import pytest
+from plan_cli_testkit import fails, plan_json
 
 from kvspec_core.cli.main import main
-from plan_cli_testkit import fails, plan_json
 
 FIXTURES = Path(__file__).parent.parent / "models" / "fixtures"
 GRANITE = FIXTURES / "ibm-granite__granite-4.0-h-small.json"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import matplotlib.image
@@ -12,8 +13,8 @@ import pytest
 
 from kvspec_core.cli.main import main
 from kvspec_core.models.catalog import load_preset
-from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.models.planning import concurrency_curve, context_lengths
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -92,5 +93,5 @@ def test_concurrency_falls_with_length_and_fp8_doubles_it() -> None:
     values = [value for _, value in auto]
     assert values[0] == pytest.approx(20479 / 64) and values[2] == pytest.approx(20479 / 8192)
     assert values[3] is None  # 1M tokens need 128 GiB
-    assert all(a > b for a, b in zip(values[:3], values[1:3]))
+    assert all(a > b for a, b in pairwise(values[:3]))
     assert fp8[2][1] == pytest.approx(40959 / 8192)

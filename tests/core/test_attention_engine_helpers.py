@@ -30,7 +30,7 @@ def test_full_attention_recording_a_window_or_chunk_reads_locally() -> None:
 
 @pytest.mark.parametrize("position", [-1, 1.0, True, "3"])
 def test_first_attended_position_refuses_non_positions(position: object) -> None:
-    with pytest.raises(KVSpecError, match="position=.* must be an int >= 0"):
+    with pytest.raises(KVSpecError, match=r"position=.* must be an int >= 0"):
         full().first_attended_position(position)  # type: ignore[arg-type]
 
 
@@ -75,7 +75,7 @@ def test_slot_mapping_gives_every_token_its_own_cell(block_size: int, table: lis
     spec = full(block_size=block_size)
     positions = torch.arange(len(table) * block_size)
     blocks, states = spec.slot_mapping(table, positions)
-    cells = set(zip(blocks.tolist(), states.tolist()))
+    cells = set(zip(blocks.tolist(), states.tolist(), strict=True))
     assert len(cells) == positions.numel()
     assert all(0 <= state < spec.num_states for state in states.tolist())
     assert blocks.tolist() == [table[p // block_size] for p in positions.tolist()]

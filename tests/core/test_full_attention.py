@@ -68,7 +68,7 @@ def test_padded_page_and_its_refusal() -> None:
     spec = FullAttentionSpec(**LLAMA_8B_LAYER, page_size_padded=70000)
     assert spec.page_size_bytes == 70000
     assert spec.unpadded_page_size_bytes == 65536
-    with pytest.raises(InvalidFieldError, match="page_size_padded.*>= the unpadded page size 65536"):
+    with pytest.raises(InvalidFieldError, match=r"page_size_padded.*>= the unpadded page size 65536"):
         FullAttentionSpec(**LLAMA_8B_LAYER, page_size_padded=1000)
 
 
@@ -140,7 +140,7 @@ def test_merge_refuses_window_and_chunk_in_one_group() -> None:
 
 def test_merge_refuses_different_heads_and_classes() -> None:
     a = FullAttentionSpec(**LLAMA_8B_LAYER)
-    with pytest.raises(MergeError, match="num_kv_heads.*8 in l0.*4 in l1"):
+    with pytest.raises(MergeError, match=r"num_kv_heads.*8 in l0.*4 in l1"):
         FullAttentionSpec.merge([a, FullAttentionSpec(**{**LLAMA_8B_LAYER, "num_kv_heads": 4})],
                                 ["l0", "l1"])
     with pytest.raises(MergeError, match="l1 is a SinkFullAttentionSpec"):

@@ -30,7 +30,7 @@ def test_auto_takes_the_model_dtype() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(UnknownNameError, match="unknown KV cache dtype 'fp9'.*fp8_e5m2"):
+    with pytest.raises(UnknownNameError, match=r"unknown KV cache dtype 'fp9'.*fp8_e5m2"):
         PluginManager().kv_dtypes.get("fp9")
 
 
@@ -50,7 +50,7 @@ def test_quant_mode_validates_bits() -> None:
 
 def test_a_registered_name_cannot_be_redefined_by_another_owner() -> None:
     registry = PluginManager().kv_dtypes
-    with pytest.raises(PluginError, match="'fp8'.*already registered by 'core'"):
+    with pytest.raises(PluginError, match=r"'fp8'.*already registered by 'core'"):
         registry.register(KVCacheDtype(name="fp8", storage_dtype=torch.uint8), "intruder")
     registry.register(KVCacheDtype(name="int2", storage_dtype=torch.uint8,
                                    quant_mode=KVQuantMode(name="int2", key_bits=2, value_bits=2)),

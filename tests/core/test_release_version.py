@@ -8,10 +8,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import importlib_metadata
+import tomllib
 
 import kvspec_core
 

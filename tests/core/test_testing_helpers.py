@@ -3,10 +3,9 @@ spec protocol checks."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import subprocess
 from pathlib import Path
+from types import MappingProxyType
 
 import attrs
 import pytest
@@ -15,8 +14,8 @@ import torch
 from kvspec_core import FullAttentionSpec, PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import UnknownNameError
 from kvspec_core.models.catalog import load_preset
-from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
 from kvspec_core.models.ingest import model_layers
+from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
 from kvspec_core.testing import (
     check_sizing_invariants,
     check_spec_protocol,
@@ -37,7 +36,7 @@ def test_model_layers_of_is_what_the_core_ingestion_builds() -> None:
     layers = model_layers_of(config, manager, options)
     expected = model_layers(config, options, manager).layers
     assert len(layers) == len(expected) == 32
-    for got, want in zip(layers, expected):
+    for got, want in zip(layers, expected, strict=True):
         assert (got.index, got.name, got.layer_type, got.options, got.model_dtype,
                 got.attention) == (want.index, want.name, want.layer_type, want.options,
                                    want.model_dtype, want.attention)
@@ -92,9 +91,8 @@ def test_registered_unregisters_after_the_block() -> None:
 
 def test_registered_unregisters_when_the_block_raises() -> None:
     manager = PluginManager()
-    with pytest.raises(RuntimeError, match="boom"):
-        with registered(manager, _NoOpPlugin(), "noop"):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), registered(manager, _NoOpPlugin(), "noop"):
+        raise RuntimeError("boom")
     assert not manager.is_loaded("noop")
 
 
@@ -232,9 +230,11 @@ class _Kinds:
 ])
 def test_a_spec_breaking_a_rule_is_reported(spec_class: type, message: str) -> None:
     manager = PluginManager()
-    with registered(manager, _Kinds(), "broken_kinds"):
-        with pytest.raises(AssertionError, match=message):
-            check_spec_protocol(_llama_like(spec_class), manager)
+    with (
+        registered(manager, _Kinds(), "broken_kinds"),
+        pytest.raises(AssertionError, match=message),
+    ):
+        check_spec_protocol(_llama_like(spec_class), manager)
 
 
 @attrs.frozen(kw_only=True)
@@ -302,9 +302,11 @@ def test_a_spec_answering_an_unusable_size_is_reported(spec_class: type, message
     """Each of these passed the protocol and then broke the planner (ZeroDivisionError,
     TypeError) or planned more requests than fit (the negative cap)."""
     manager = PluginManager()
-    with registered(manager, _AnswerKinds(), "answer_kinds"):
-        with pytest.raises(AssertionError, match=message):
-            check_spec_protocol(_llama_like(spec_class), manager)
+    with (
+        registered(manager, _AnswerKinds(), "answer_kinds"),
+        pytest.raises(AssertionError, match=message),
+    ):
+        check_spec_protocol(_llama_like(spec_class), manager)
 
 
 def test_an_unregistered_kind_is_refused() -> None:
@@ -318,8 +320,8 @@ class _UnregisteredFull(FullAttentionSpec):
 
 
 def test_a_spec_known_only_through_its_parent_is_refused() -> None:
-    with pytest.raises(AssertionError, match="_UnregisteredFull .kind 'full_attention'. is not "
-                                             "registered itself.*through FullAttentionSpec"):
+    with pytest.raises(AssertionError, match=r"_UnregisteredFull .kind 'full_attention'. is not "
+                                             r"registered itself.*through FullAttentionSpec"):
         check_spec_protocol(_llama_like(_UnregisteredFull), PluginManager())
 
 

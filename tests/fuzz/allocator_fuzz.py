@@ -183,8 +183,10 @@ def _crash(ops: list[Op], index: int, wait_status: int, stderr: str) -> Outcome:
 def run_in_child(setup: dict[str, Any], ops: list[Op], sides: SideFactory = make_sides
                  ) -> Outcome:
     """One program in a forked child."""
-    lines, wait_status, stderr = _in_child(
-        lambda emit: None if _run_emitting(setup, ops, emit, sides) else None)
+    def work(emit: Callable[[str], None]) -> None:
+        _run_emitting(setup, ops, emit, sides)
+
+    lines, wait_status, stderr = _in_child(work)
     last = 0
     for line in lines:
         if line.startswith("r "):
@@ -304,7 +306,9 @@ def fuzz(seconds: float, seed: int, configs: list[str] | None = None,
     deadline = start + seconds
     number = 0
     while time.monotonic() < deadline:
-        for number, outcome in run_batch(seed, names, number, deadline, sides):
+        # The batch runs before the loop rebinds ``number``, which ends at its last episode.
+        outcomes = run_batch(seed, names, number, deadline, sides)
+        for number, outcome in outcomes:
             report.episodes += 1
             report.ops += outcome.done
             report.ops_per_config[names[number % len(names)]] += outcome.done

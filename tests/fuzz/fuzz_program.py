@@ -16,17 +16,12 @@ import contextlib
 import random
 import sys
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-
-# The runtime tests' spec builders (small full / sliding / chunked / Mamba specs).
-_RUNTIME_TESTS = str(Path(__file__).resolve().parent.parent / "runtime")
-if _RUNTIME_TESTS not in sys.path:
-    sys.path.append(_RUNTIME_TESTS)
-
 from fuzz_hostile import (
     HOOK_ACTIONS,
     ID_KINDS,
@@ -38,10 +33,6 @@ from fuzz_hostile import (
     build_request,
     build_tokens,
 )
-from runtime_testkit import chunked as _chunked
-from runtime_testkit import full as _full
-from runtime_testkit import mamba as _mamba
-from runtime_testkit import sliding as _sliding
 
 from kvspec_core import PluginManager, SizingContext
 from kvspec_core.runtime import (
@@ -50,10 +41,22 @@ from kvspec_core.runtime import (
     KVCacheAllocator,
     NotNow,
     Request,
+)
+from kvspec_core.runtime import (
     native as native_switch,
 )
 from kvspec_core.runtime.pool import EVICTION_POLICIES
 from kvspec_core.specs.base import KVSpec
+
+# The runtime tests' spec builders (small full / sliding / chunked / Mamba specs).
+_RUNTIME_TESTS = str(Path(__file__).resolve().parent.parent / "runtime")
+if _RUNTIME_TESTS not in sys.path:
+    sys.path.append(_RUNTIME_TESTS)
+
+from runtime_testkit import chunked as _chunked  # noqa: E402
+from runtime_testkit import full as _full  # noqa: E402
+from runtime_testkit import mamba as _mamba  # noqa: E402
+from runtime_testkit import sliding as _sliding  # noqa: E402
 
 Op = dict[str, Any]
 
@@ -361,7 +364,7 @@ class Side:
         """``action()``'s answer, or the exception it raised (as a value)."""
         try:
             return self.call(action)
-        except Exception as error:  # noqa: BLE001 - every exception is an answer to compare
+        except Exception as error:  # every exception is an answer to compare
             return error
 
     # -- resolving an operation's references to this side's objects
@@ -471,8 +474,11 @@ class Side:
         if how == "negative":
             return evolve(genuine, num_tokens=-16, block_ids=other)
         if how == "others_blocks":
+            # A forgery: another request's tables cut to this prefix's lengths (any shape
+            # will do, so a table count that differs is not an error here).
             return evolve(genuine, block_ids=tuple(
-                table[: max(len(mine), 1)] for table, mine in zip(other, genuine.block_ids)))
+                table[: max(len(mine), 1)]
+                for table, mine in zip(other, genuine.block_ids, strict=False)))
         if how == "more_tokens":
             return evolve(genuine, num_tokens=genuine.num_tokens + 4)
         if how == "past_prompt":
@@ -605,8 +611,9 @@ class Side:
                  f"running {self.attempt(lambda: allocator.num_running)}"]
         for request in self.running:
             rid = request.request_id
-            lines.append(f"{show(self.attempt(lambda: allocator.block_ids(rid)))} "
-                         f"computed {show(self.attempt(lambda: allocator.num_computed_tokens(rid)))}")
+            block_ids = show(self.attempt(partial(allocator.block_ids, rid)))
+            computed = show(self.attempt(partial(allocator.num_computed_tokens, rid)))
+            lines.append(f"{block_ids} computed {computed}")
         lines.append("invariants " + show(self.attempt(allocator.check_invariants)))
         return lines
 
@@ -640,7 +647,7 @@ def _same_prefix(first: Any, second: CachedPrefix) -> bool:
 
 def _common(first: tuple[Any, ...], second: tuple[Any, ...]) -> int:
     count = 0
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=False):
         if a is not b and a != b:
             break
         count += 1
@@ -688,11 +695,11 @@ def run_program(setup: dict[str, Any], ops: list[Op],
         where = f"{op['op']}[{tags}]" if tags else op["op"]
         if answers[0] != answers[1]:
             summary = " / ".join(f"{side.name} {_kinds(answer)}"
-                                 for side, answer in zip((first, second), answers))
+                                 for side, answer in zip((first, second), answers, strict=True))
             return index + 1, Divergence(index, f"answers differ: {where}: {summary}",
                                          f"kernels: {answers[0]}\npython:  {answers[1]}")
         if states[0] != states[1]:
-            differing = [f"{a} != {b}" for a, b in zip(*states) if a != b] or [
+            differing = [f"{a} != {b}" for a, b in zip(*states, strict=False) if a != b] or [
                 f"{len(states[0])} != {len(states[1])} lines"]
             field = differing[0].split(" ")[0].split("(")[0]
             return index + 1, Divergence(index, f"state differs after {where}: {field}",

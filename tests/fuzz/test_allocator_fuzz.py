@@ -53,7 +53,7 @@ def test_a_difference_is_reported_once_shrunk_to_what_it_needs_and_replays() -> 
     assert finding.key.startswith("state differs after free"), finding.key
     # An admission then the free: nothing else is needed.
     assert [op["op"] for op in finding.ops] == ["admit", "free"], finding.ops
-    done, divergence = run_program(finding.setup, finding.ops, sides=drifting_sides)
+    _, divergence = run_program(finding.setup, finding.ops, sides=drifting_sides)
     assert divergence is not None and divergence.key == finding.key
     assert run_program(finding.setup, finding.ops)[1] is None  # the real sides agree
 

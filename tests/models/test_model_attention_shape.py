@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_testkit import preset, typed
 
 from kvspec_core.errors import ConfigError, UnknownNameError
 from kvspec_core.models.attention_shape import kv_heads_per_rank
-from model_testkit import preset, typed
 
 
 def test_llama_8b_shape() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_testkit import type_string, typed
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models import layer_typing, model_code_cache, model_code_check
@@ -32,7 +33,6 @@ from kvspec_core.models.model_code_check import (
     model_code_reading,
 )
 from kvspec_core.models.normalized import normalize_config
-from model_testkit import type_string, typed
 
 transformers = pytest.importorskip("transformers")
 

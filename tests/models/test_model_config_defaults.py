@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from model_testkit import preset, type_string
 
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.errors import ConfigError
@@ -23,7 +24,6 @@ from kvspec_core.models.normalized import (
 from kvspec_core.models.planning import ModelPlan, plan_model
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
-from model_testkit import preset, type_string
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BUDGET = 40 << 30

@@ -5,15 +5,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from model_testkit import preset
 
 from kvspec_core.errors import ConfigError, MissingFamilyError, PluginError
 from kvspec_core.models.ingest import default_sizing_context, layer_specs, model_layers
-from kvspec_core.plugins.layer_config import LayerConfig, PlanOptions
 from kvspec_core.plugins.contract import CONTRACT_VERSION, hookimpl
+from kvspec_core.plugins.layer_config import LayerConfig, PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs import FullAttentionSpec, KVSpec
 from kvspec_core.testing import registered
-from model_testkit import preset
 
 
 def _plugin(claim: object) -> SimpleNamespace:
@@ -45,7 +45,7 @@ def test_an_unknown_third_party_type_says_which_plugin_is_needed() -> None:
     config = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
               "layer_types": ["conv"]}
     model = model_layers(config, PlanOptions(), manager)
-    with pytest.raises(MissingFamilyError, match="layer type 'conv'.*install the plugin"):
+    with pytest.raises(MissingFamilyError, match=r"layer type 'conv'.*install the plugin"):
         layer_specs(model, manager)
 
 

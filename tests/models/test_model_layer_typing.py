@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_testkit import preset, type_string, typed
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.layer_typing import decoder_layer_types
-from model_testkit import preset, type_string, typed
 
 
 def test_llama_qwen_are_full_attention_everywhere() -> None:

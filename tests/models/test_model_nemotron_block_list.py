@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from model_testkit import preset, type_string
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.planning import plan_model
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
-from model_testkit import preset, type_string
 
 BUDGET = 40 << 30
 #: vLLM's names for the pattern characters, and transformers 5's.

@@ -11,12 +11,12 @@ import math
 from typing import Any
 
 import pytest
+from model_testkit import preset
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.planning import plan_model
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
-from model_testkit import preset
 
 BAD_INTERVALS = [True, 1.5, -1, 0, 1e308, math.nan, "4"]
 #: (preset, field, a bad value) for the other fields transformers derives a typing from.

@@ -3,9 +3,12 @@ the per-GPU budget, the model's concurrency the least over the stages."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from model_testkit import preset
 
 from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.pipeline import (
@@ -17,7 +20,6 @@ from kvspec_core.models.pipeline import (
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
-from model_testkit import preset
 
 BUDGET = 40 << 30
 
@@ -98,7 +100,7 @@ def test_a_hybrid_stage_keeps_its_own_mamba_and_attention_layers(
 ) -> None:
     prepared = prepare_model(preset("jamba-1.5-mini"), PlanOptions(), kvspec_loaded_manager)
     pipeline = plan_stages(split_stages(prepared, 2), BUDGET, kvspec_loaded_manager)
-    for stage, (start, end) in zip(pipeline.stages, [(0, 16), (16, 32)]):
+    for stage, (start, end) in zip(pipeline.stages, [(0, 16), (16, 32)], strict=True):
         kinds = [spec.kind for spec in stage.result.specs.values()]
         # Jamba's attention layers are 4, 12, 20, 28 (period 8, offset 4).
         assert kinds.count("full_attention") == 2 and kinds.count("mamba") == 14
@@ -133,7 +135,7 @@ def test_stages_cover_every_layer_once_and_differ_by_at_most_one(layers: int, pp
         return
     ranges = stage_ranges(layers, pp)
     assert ranges[0][0] == 0 and ranges[-1][1] == layers
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(ranges))
     sizes = [end - start for start, end in ranges]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
     # The last stage never takes an extra layer (it holds the final norm and LM head).

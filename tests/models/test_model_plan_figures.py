@@ -7,15 +7,15 @@ import re
 from fractions import Fraction
 
 import pytest
+from model_testkit import preset
 
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import CapacityError
 from kvspec_core.models.catalog import preset_names
-from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.models.planning import plan_model, prepare_model
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
-from model_testkit import preset
 
 GIB = 1 << 30
 BUDGET = 40 * GIB

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def test_resolve_a_preset_a_file_and_a_folder(tmp_path: Path) -> None:
 
 
 def test_an_unknown_preset_lists_close_names() -> None:
-    with pytest.raises(UnknownNameError, match="close preset names: llama-3.1-8b"):
+    with pytest.raises(UnknownNameError, match=re.escape("close preset names: llama-3.1-8b")):
         resolve_model("llama-3.1-8")
     assert "qwen3-8b" in close_preset_names("qwen3-8")
     with pytest.raises(UnknownNameError, match="no preset name is close"):

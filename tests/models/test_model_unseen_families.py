@@ -18,8 +18,8 @@ import torch
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.cli.main import main
 from kvspec_core.context import SizingContext
-from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.models.planning import plan_model
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 
 BUDGET = 40 << 30

@@ -51,5 +51,5 @@ def test_installed_example_plugin_loads_and_plans(installed_example: Path,
     # 1 sink block + cdiv(1023 + 2048, 16) window blocks + 1 for a window starting mid-block.
     assert spec.max_blocks_per_request(ctx) == 1 + 192 + 1
     check_spec_protocol(spec, manager)
-    with pytest.raises(ConfigError, match="model.layers.3.*streaming_sink_tokens"):
+    with pytest.raises(ConfigError, match=r"model.layers.3.*streaming_sink_tokens"):
         manager.layer_specs(streaming_layer())

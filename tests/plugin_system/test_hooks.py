@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import attrs
@@ -164,13 +165,17 @@ def test_hook_kvspec_layer_spec_faults_name_the_plugin() -> None:
     # A layer no other plugin claims: the fault is the answer (tests/plugin_system/
     # test_layer_hook_isolation.py covers layers another plugin claims).
     manager = PluginManager()
-    with registered(manager, Raising(), "raising"):
-        with pytest.raises(PluginError, match="plugin 'raising' raised KeyError in kvspec_layer_spec "
-                                              "for layer model.layers.0"):
-            manager.layer_specs(layer("unclaimed_attention"))
-    with registered(manager, Confused(), "confused"):
-        with pytest.raises(PluginError, match="'confused' returned 'a spec, honest'"):
-            manager.layer_specs(layer("unclaimed_attention"))
+    with (
+        registered(manager, Raising(), "raising"),
+        pytest.raises(PluginError, match=re.escape(
+            "plugin 'raising' raised KeyError in kvspec_layer_spec for layer model.layers.0")),
+    ):
+        manager.layer_specs(layer("unclaimed_attention"))
+    with (
+        registered(manager, Confused(), "confused"),
+        pytest.raises(PluginError, match="'confused' returned 'a spec, honest'"),
+    ):
+        manager.layer_specs(layer("unclaimed_attention"))
 
 
 def test_hook_kvspec_layer_spec_core_sinks() -> None:
@@ -180,5 +185,6 @@ def test_hook_kvspec_layer_spec_core_sinks() -> None:
     assert spec.kind == "sink_full_attention" and spec.sink_len == 4
     from kvspec_core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.layers.0.*'attention_sink_len'='four'"):
-        manager.layer_specs(attrs.evolve(layer("full_attention"), config={"attention_sink_len": "four"}))
+    with pytest.raises(ConfigError, match=r"model.layers.0.*'attention_sink_len'='four'"):
+        manager.layer_specs(
+            attrs.evolve(layer("full_attention"), config={"attention_sink_len": "four"}))

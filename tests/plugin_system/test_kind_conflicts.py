@@ -48,7 +48,7 @@ def test_the_kind_is_refused_naming_both_and_other_kinds_load(fake_dist) -> None
     infos = {info.name: info for info in manager.plugins}
     assert infos["alpha"].spec_kinds == ("alpha_only",)
     assert infos["beta"].spec_kinds == ("beta_only",)
-    with pytest.raises(PluginError, match="'shared_kind' is claimed by plugins 'alpha'.*'beta'"):
+    with pytest.raises(PluginError, match=r"'shared_kind' is claimed by plugins 'alpha'.*'beta'"):
         manager.spec_kinds.class_of("shared_kind")
     assert [failure.name for failure in manager.failures] == ["beta"]
 
@@ -66,7 +66,7 @@ def test_a_third_claimant_does_not_take_the_refused_kind(fake_dist) -> None:
 
 def test_strict_mode_makes_the_conflict_an_error(fake_dist) -> None:
     install_claimants(fake_dist, "alpha", "beta")
-    with pytest.raises(PluginError, match="'shared_kind'.*'alpha'.*'beta'"):
+    with pytest.raises(PluginError, match=r"'shared_kind'.*'alpha'.*'beta'"):
         PluginManager().load_entry_points({"KVSPEC_PLUGINS": "alpha,beta",
                                            "KVSPEC_STRICT_PLUGINS": "1"})
 

@@ -13,8 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvspec_core import AttentionShape, LayerConfig, PlanOptions, PluginError, PluginManager
-from kvspec_core import hookimpl
+from kvspec_core import (
+    AttentionShape,
+    LayerConfig,
+    PlanOptions,
+    PluginError,
+    PluginManager,
+    hookimpl,
+)
 from kvspec_core.cli.main import EXIT_USAGE, main
 from kvspec_core.models.catalog import load_preset
 from kvspec_core.plugins.manager import PluginHookWarning
@@ -86,10 +92,12 @@ def test_a_faulty_hook_is_an_error_where_no_other_plugin_claims_the_layer() -> N
 
 def test_strict_plugins_make_every_fault_an_error() -> None:
     manager = PluginManager(strict_plugins=True)
-    with registered(manager, _Raising(), "faulty"):
-        with pytest.raises(PluginError, match="plugin 'faulty' raised RuntimeError .*"
-                                              "KVSPEC_STRICT_PLUGINS=1 makes any plugin fault"):
-            manager.layer_specs(_layer(0))
+    with (
+        registered(manager, _Raising(), "faulty"),
+        pytest.raises(PluginError, match=r"plugin 'faulty' raised RuntimeError .*"
+                                         r"KVSPEC_STRICT_PLUGINS=1 makes any plugin fault"),
+    ):
+        manager.layer_specs(_layer(0))
 
 
 def test_strict_loading_sets_strict_plugins() -> None:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import attrs
 import pytest
+
 import kvspec_core
 import kvspec_core.plugins
 from kvspec_core import (

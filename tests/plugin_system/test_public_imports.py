@@ -26,13 +26,13 @@ def private_core_imports(paths: Iterable[Path]) -> list[str]:
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
-                imported = [(alias.name, alias.name) for alias in node.names]
+                imported = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported = [(node.module, node.module)]
-                imported += [(node.module, f"{node.module}.{alias.name}") for alias in node.names]
+                imported = [node.module]
+                imported += [f"{node.module}.{alias.name}" for alias in node.names]
             else:
                 continue
-            for module, dotted in imported:
+            for dotted in imported:
                 parts = dotted.split(".")
                 if parts[0] == "kvspec_core" and any(part.startswith("_") for part in parts[1:]):
                     found.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}"

@@ -41,7 +41,7 @@ def test_same_plugin_object_under_a_second_name_leaves_the_first_intact() -> Non
 
     module = plugin("a", kvspec_register_kv_dtypes=register_dtypes)
     pm.register(module, "a")
-    with pytest.raises(PluginError, match="'b'.*already registered as 'a'"):
+    with pytest.raises(PluginError, match=r"'b'.*already registered as 'a'"):
         pm.register(module, "b")
     assert pm.is_loaded("a") and not pm.is_loaded("b")
     assert pm.kv_dtypes.owner_of("x_toy") == "a"
@@ -55,7 +55,7 @@ def test_reregistering_another_plugins_kind_is_refused_and_keeps_the_owner() -> 
     def register_kinds(register: Any) -> None:
         register(FullAttentionSpec)
 
-    with pytest.raises(PluginError, match="'full_attention'.*already registered by plugin 'core'"):
+    with pytest.raises(PluginError, match=r"'full_attention'.*already registered by plugin 'core'"):
         pm.register(plugin("thief", kvspec_register_spec_kinds=register_kinds), "thief")
     assert pm.spec_kinds.owner_of("full_attention") == "core"
     assert not pm.is_loaded("thief")
@@ -83,7 +83,7 @@ def test_hookimpl_argument_with_a_default_is_refused() -> None:
     def kvspec_layer_spec(layer: Any = None) -> None:
         return None
 
-    with pytest.raises(PluginError, match="'e'.*kvspec_layer_spec.*'layer'.*default"):
+    with pytest.raises(PluginError, match=r"'e'.*kvspec_layer_spec.*'layer'.*default"):
         pm.register(plugin("e", kvspec_layer_spec=kvspec_layer_spec), "e")
     assert not pm.is_loaded("e")
     assert pm._pm.get_plugin("e") is None
@@ -102,7 +102,7 @@ def test_wrapper_hookimpls_are_refused(marker: dict[str, bool]) -> None:
     module.kvspec_register_kv_dtypes = hookimpl(**marker)(  # type: ignore[attr-defined]
         kvspec_register_kv_dtypes
     )
-    with pytest.raises(PluginError, match="'w'.*kvspec_register_kv_dtypes.*wrapper"):
+    with pytest.raises(PluginError, match=r"'w'.*kvspec_register_kv_dtypes.*wrapper"):
         pm.register(module, "w")
     assert not pm.is_loaded("w")
     assert pm._pm.get_plugin("w") is None
@@ -113,7 +113,7 @@ def test_contract_version_must_be_the_int(declared: object) -> None:
     pm = PluginManager()
     module = plugin("v")
     module.kvspec_contract_version = declared  # type: ignore[attr-defined]
-    with pytest.raises(PluginError, match="'v'.*contract version"):
+    with pytest.raises(PluginError, match=r"'v'.*contract version"):
         pm.register(module, "v")
     assert not pm.is_loaded("v")
 
@@ -133,10 +133,12 @@ def test_layer_spec_of_an_unregistered_kind_names_the_plugin() -> None:
     manager = PluginManager()
     probe = LayerConfig(index=0, name="model.layers.0", layer_type="x", config={},
                         options=PlanOptions(), model_dtype=torch.float16)
-    with registered(manager, Unregistered(), "stray"):
-        with pytest.raises(PluginError, match="plugin 'stray' returned a Stray for layer "
-                                              "model.layers.0.*not a registered spec kind"):
-            manager.layer_specs(probe)
+    with (
+        registered(manager, Unregistered(), "stray"),
+        pytest.raises(PluginError, match=r"plugin 'stray' returned a Stray for layer "
+                                         r"model.layers.0.*not a registered spec kind"),
+    ):
+        manager.layer_specs(probe)
 
 
 @attrs.frozen(kw_only=True)
@@ -181,7 +183,7 @@ def test_a_plugin_raising_on_attribute_access_is_refused_as_a_plugin_error() -> 
 
     module.__getattr__ = module_getattr  # type: ignore[attr-defined]
     pm = PluginManager()
-    with pytest.raises(PluginError, match="'hostile'.*RuntimeError.*kvspec_contract_version"):
+    with pytest.raises(PluginError, match=r"'hostile'.*RuntimeError.*kvspec_contract_version"):
         pm.register(module, "hostile")
     assert not pm.is_loaded("hostile") and pm._pm.get_plugin("hostile") is None
 
@@ -204,9 +206,9 @@ def test_a_merge_that_is_not_a_classmethod_is_refused_at_registration() -> None:
     def register_kinds(register: Any) -> None:
         register(_InstanceMergeSpec)
 
-    with pytest.raises(PluginError, match="plugin 'merger' .distribution kvspec-merger.: .*"
-                                          "_InstanceMergeSpec, whose merge .* is not a "
-                                          "classmethod; declare it as @classmethod"):
+    with pytest.raises(PluginError, match=r"plugin 'merger' .distribution kvspec-merger.: .*"
+                                          r"_InstanceMergeSpec, whose merge .* is not a "
+                                          r"classmethod; declare it as @classmethod"):
         pm.register(plugin("merger", kvspec_register_spec_kinds=register_kinds), "merger",
                     distribution="kvspec-merger")
     assert not pm.is_loaded("merger") and "instance_merge_test" not in pm.spec_kinds.kinds()

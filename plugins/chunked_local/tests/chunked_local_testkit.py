@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
+import kvspec_chunked_local.plugin as chunked_local_plugin
 from kvspec_core import PluginManager
 from kvspec_core.testing import manager_with
-
-import kvspec_chunked_local.plugin as chunked_local_plugin
 
 DATA = Path(__file__).parent / "data"
 

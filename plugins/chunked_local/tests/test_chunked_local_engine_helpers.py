@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
+from chunked_local_testkit import chunked_fields
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec_core import SizingContext
-
-from chunked_local_testkit import chunked_fields
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
 from kvspec_chunked_local.runtime_rules import ChunkedLocalRules
+from kvspec_core import SizingContext
 
 
 def test_a_query_reads_from_its_chunk_start() -> None:

@@ -8,13 +8,12 @@ tokens; each rank holds the blocks its share of that range falls in.
 
 from __future__ import annotations
 
+from chunked_local_testkit import chunked_fields
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvspec_core import SizingContext
-
-from chunked_local_testkit import chunked_fields
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
+from kvspec_core import SizingContext
 
 
 def worst_rank_blocks(start: int, end: int, dcp: int, block_size: int, interleave: int) -> int:

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import attrs
 import pytest
-
-from kvspec_core import PlanOptions, PluginManager, SizingContext
-from kvspec_core.errors import ConfigError, MissingFamilyError
-from kvspec_core.testing import kvspec_imports_outside, model_layer, plugins_cli_report
-
-import kvspec_chunked_local.plugin as chunked_local_plugin
 from chunked_local_testkit import (
     llama4_config,
     manager_with_plugin,
 )
+
+import kvspec_chunked_local.plugin as chunked_local_plugin
 from kvspec_chunked_local import ChunkedLocalAttentionSpec
+from kvspec_core import PlanOptions, PluginManager, SizingContext
+from kvspec_core.errors import ConfigError, MissingFamilyError
+from kvspec_core.testing import kvspec_imports_outside, model_layer, plugins_cli_report
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,5 +93,5 @@ def test_missing_or_invalid_chunk_names_field_and_layer(chunk: object) -> None:
 
 def test_chunked_layer_without_attention_geometry_is_refused() -> None:
     layer = attrs.evolve(model_layer(llama4_config(), 2, PluginManager()), attention=None)
-    with pytest.raises(ConfigError, match="layers.2 is a chunked_attention layer"):
+    with pytest.raises(ConfigError, match=re.escape("layers.2 is a chunked_attention layer")):
         chunked_local_plugin.kvspec_layer_spec(layer)

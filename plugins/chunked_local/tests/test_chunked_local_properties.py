@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvspec_chunked_local import ChunkedLocalAttentionSpec
 from kvspec_core import SizingContext
 from kvspec_core.errors import MergeError
 from kvspec_core.testing import check_sizing_invariants
-
-from kvspec_chunked_local import ChunkedLocalAttentionSpec
 
 specs = st.builds(
     ChunkedLocalAttentionSpec,

@@ -6,12 +6,11 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from kvspec_core import PluginManager, SizingContext
-from kvspec_core.runtime import KVCacheAllocator, Request
-
 import kvspec_chunked_local.plugin as chunked_plugin
 from kvspec_chunked_local.runtime_rules import ChunkedLocalRules
 from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
+from kvspec_core import PluginManager, SizingContext
+from kvspec_core.runtime import KVCacheAllocator, Request
 
 CTX = SizingContext(max_model_len=256, max_in_flight_tokens=16)
 

@@ -7,10 +7,9 @@ from typing import Any
 
 import torch
 
+import kvspec_hisparse.plugin as hisparse_plugin
 from kvspec_core import FullAttentionSpec, PluginManager
 from kvspec_core.testing import manager_with
-
-import kvspec_hisparse.plugin as hisparse_plugin
 
 
 def manager_with_hisparse() -> PluginManager:

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
+import kvspec_hisparse.plugin as hisparse_plugin
 from kvspec_core import PluginManager
 from kvspec_core.errors import MissingFamilyError
 from kvspec_core.testing import kvspec_imports_outside, plugins_cli_report
-
-import kvspec_hisparse.plugin as hisparse_plugin
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
 
 KINDS = ["hisparse_group", "hisparse_hot", "hisparse_resident"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hisparse_testkit import latent_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,8 +13,6 @@ from kvspec_core import SizingContext
 from kvspec_core.errors import CapacityError, MergeError
 from kvspec_core.specs import KVSpec
 from kvspec_core.testing import check_sizing_invariants
-
-from hisparse_testkit import latent_like
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec, size_host_pool
 
 PROFILE = settings(max_examples=60, deadline=None)

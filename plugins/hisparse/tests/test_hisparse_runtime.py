@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from hisparse_testkit import latent_like, manager_with_hisparse
+
 from kvspec_core import SizingContext
 from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
-
-from hisparse_testkit import latent_like, manager_with_hisparse
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
 from kvspec_hisparse.runtime_rules import HotCacheRules, ResidentRules
 

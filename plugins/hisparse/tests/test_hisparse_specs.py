@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from hisparse_testkit import latent_like, manager_with_hisparse
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import (
@@ -15,8 +16,6 @@ from kvspec_core.errors import (
     PlanError,
 )
 from kvspec_core.specs import UniformTypeSpecs, spec_from_dict, spec_to_dict
-
-from hisparse_testkit import latent_like, manager_with_hisparse
 from kvspec_hisparse import (
     HiSparseGroupSpec,
     HiSparseHotSpec,

@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
+import kvspec_mamba.plugin as mamba_plugin
 from kvspec_core import LayerConfig, PlanOptions, PluginManager
 from kvspec_core.testing import manager_with
-
-import kvspec_mamba.plugin as mamba_plugin
 
 DATA = Path(__file__).parent / "data"
 

@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, KVSpecError
-
 from kvspec_mamba import is_prefill_checkpoint_valid, prefill_checkpoint_position
 
 

@@ -6,13 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from kvspec_core import PlanOptions, SizingContext
-from kvspec_core.errors import ConfigError
-
-import kvspec_mamba.plugin as mamba_plugin
-from kvspec_mamba import MambaSpec, mamba_spec
-from kvspec_core.testing import model_layer
 from mamba_testkit import (
     JAMBA,
     NEMOTRON_H_56B,
@@ -22,6 +15,12 @@ from mamba_testkit import (
     nemotron_h_8b_config,
     state_layer,
 )
+
+import kvspec_mamba.plugin as mamba_plugin
+from kvspec_core import PlanOptions, SizingContext
+from kvspec_core.errors import ConfigError
+from kvspec_core.testing import model_layer
+from kvspec_mamba import MambaSpec, mamba_spec
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -171,7 +170,7 @@ def test_minimax_lightning_attention_state() -> None:
 def test_inconsistent_mamba2_head_geometry_is_refused() -> None:
     config = dict(hidden_size=2048, mamba_d_ssm=3072, mamba_n_heads=24, mamba_d_head=64,
                   mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4)
-    with pytest.raises(ConfigError, match="mamba_n_heads=24 x mamba_d_head=64 != .* 3072"):
+    with pytest.raises(ConfigError, match=r"mamba_n_heads=24 x mamba_d_head=64 != .* 3072"):
         spec_of(config)
 
 

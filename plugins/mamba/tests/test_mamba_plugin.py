@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mamba_testkit import manager_with_plugin
 
+import kvspec_mamba.plugin as mamba_plugin
 from kvspec_core import PluginManager
 from kvspec_core.errors import MissingFamilyError
 from kvspec_core.testing import kvspec_imports_outside, plugins_cli_report
-
-import kvspec_mamba.plugin as mamba_plugin
 from kvspec_mamba import MambaSpec
-from mamba_testkit import manager_with_plugin
 
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
 

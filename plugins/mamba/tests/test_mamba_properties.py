@@ -12,7 +12,6 @@ from kvspec_core import SizingContext
 from kvspec_core.context import MAMBA_CACHE_MODES
 from kvspec_core.errors import MergeError
 from kvspec_core.testing import check_sizing_invariants
-
 from kvspec_mamba import MambaSpec
 
 specs = st.builds(

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from mamba_testkit import manager_with_plugin
 
 from kvspec_core import FullAttentionSpec, SizingContext, UniformTypeSpecs
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, MergeError
 from kvspec_core.specs import spec_from_dict, spec_to_dict
-
 from kvspec_mamba import MambaSpec
-from mamba_testkit import manager_with_plugin
 
 BF16 = torch.bfloat16
 # Jamba-1.5-Mini at TP 1: conv (3, 8192) + ssm (8192, 16), bf16.
@@ -147,7 +148,7 @@ def test_merge_refusal_names_field_values_and_layers(field: str, other: object) 
 
 def test_merge_refuses_an_attention_layer() -> None:
     attention = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=BF16)
-    with pytest.raises(MergeError, match="model.layers.4 is a FullAttentionSpec, not a MambaSpec"):
+    with pytest.raises(MergeError, match=re.escape("model.layers.4 is a FullAttentionSpec, not a MambaSpec")):
         MambaSpec.merge([jamba(), attention], ["model.layers.0", "model.layers.4"])  # type: ignore[list-item]
 
 

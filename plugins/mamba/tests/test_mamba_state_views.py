@@ -4,6 +4,7 @@ prefix caching saves reusable states. Checked against real plans and the real al
 
 from __future__ import annotations
 
+from itertools import pairwise
 from math import prod
 from typing import Any
 
@@ -11,15 +12,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mamba_testkit import QWEN3_NEXT, load_config, manager_with_plugin, state_layer
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner import materialize, plan_kv_cache
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.testing import model_layer
-
 from kvspec_mamba import MambaSpec, StateColumns, mamba_spec, prefill_step_ends, state_columns
-from mamba_testkit import QWEN3_NEXT, load_config, manager_with_plugin, state_layer
 
 ALIGN = SizingContext(max_model_len=256, max_in_flight_tokens=64, mamba_cache_mode="align")
 
@@ -113,7 +113,7 @@ def test_blocks_and_layers_never_overlap() -> None:
             seen.append(byte_range(conv.T, buffer))
             seen.append(byte_range(ssm, buffer))
     seen.sort()
-    assert all(end <= start for (_, end), (start, _) in zip(seen, seen[1:]))
+    assert all(end <= start for (_, end), (start, _) in pairwise(seen))
     assert seen[-1][1] <= buffer.numel()
 
 
@@ -124,7 +124,7 @@ def test_a_misaligned_state_is_refused_naming_the_alignment() -> None:
     (view,), _ = materialised(spec)
     assert view.stride(0) == 62
     spec.state_views(view, 1)
-    with pytest.raises(PlanError, match="state 1 .* byte 154 .*block_stride_alignment"):
+    with pytest.raises(PlanError, match=r"state 1 .* byte 154 .*block_stride_alignment"):
         spec.state_views(view, 2)
 
 
@@ -254,4 +254,4 @@ def test_qwen3_next_page_is_the_state_views_sum() -> None:
     spec = mamba_spec(model_layer(load_config(QWEN3_NEXT), 0, manager_with_plugin()))
     assert isinstance(spec, MambaSpec)
     assert spec.state_content_size_bytes == sum(
-        prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+        prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True))

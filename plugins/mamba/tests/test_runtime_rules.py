@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+import kvspec_mamba.plugin as mamba_plugin
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, Request
-
-import kvspec_mamba.plugin as mamba_plugin
 from kvspec_mamba.runtime_rules import MambaRules, MambaRunningStateRules, mamba_rules
 from kvspec_mamba.specs import MambaSpec
 

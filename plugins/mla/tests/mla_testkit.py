@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
+import kvspec_mla.plugin as mla_plugin
 from kvspec_core import AttentionShape, LayerConfig, PlanOptions, PluginManager
 from kvspec_core.dtypes import dtype_from_name
 from kvspec_core.testing import manager_with
-
-import kvspec_mla.plugin as mla_plugin
 
 DATA = Path(__file__).parent / "data"
 DEEPSEEK_V2_LITE = "deepseek-ai__DeepSeek-V2-Lite"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mla_testkit import latent_fields
 
 from kvspec_core.errors import KVSpecError
-
 from kvspec_mla import MLAAttentionSpec
-from mla_testkit import latent_fields
 
 
 def test_a_deepseek_cell_is_the_512_latent_then_the_64_rope_key() -> None:
@@ -21,7 +20,7 @@ def test_a_deepseek_cell_is_the_512_latent_then_the_64_rope_key() -> None:
 
 @pytest.mark.parametrize("rope", [0, 576, 600, True, 64.0])
 def test_latent_columns_refuse_a_rope_width_leaving_no_latent(rope: object) -> None:
-    with pytest.raises(KVSpecError, match="qk_rope_head_dim=.* must be an int in"):
+    with pytest.raises(KVSpecError, match=r"qk_rope_head_dim=.* must be an int in"):
         MLAAttentionSpec(**latent_fields()).latent_columns(rope)  # type: ignore[arg-type]
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from mla_testkit import load_config, manager_with_mla, mla_layer
 
+import kvspec_mla.plugin as mla_plugin
 from kvspec_core import AttentionShape, PlanOptions, PluginManager
 from kvspec_core.errors import ConfigError, MissingFamilyError
 from kvspec_core.kv_dtypes import BUILTIN_QUANT_MODES
@@ -16,10 +18,7 @@ from kvspec_core.testing import (
     model_layers_of,
     plugins_cli_report,
 )
-
-import kvspec_mla.plugin as mla_plugin
 from kvspec_mla import MLAAttentionSpec, SlidingWindowMLASpec
-from mla_testkit import load_config, manager_with_mla, mla_layer
 
 MLA_KINDS = ["circular_buffer", "hidden_state_cache", "mla_attention", "sliding_window_mla"]
 
@@ -160,7 +159,7 @@ def test_sliding_mla_layers() -> None:
     assert isinstance(spec, SlidingWindowMLASpec)
     assert (spec.sliding_window, spec.head_size, spec.page_size_bytes) == (128, 576, 16 * 656)
     del config["sliding_window"]
-    with pytest.raises(ConfigError, match="'sliding_window'.*model.layers.0|model.layers.0.*'sliding_window'"):
+    with pytest.raises(ConfigError, match=r"'sliding_window'.*model.layers.0|model.layers.0.*'sliding_window'"):
         mla_plugin.kvspec_layer_spec(mla_layer(config, layer_type="sliding_mla_attention"))
 
 

@@ -13,7 +13,6 @@ from kvspec_core import SizingContext
 from kvspec_core.errors import MergeError
 from kvspec_core.specs import KVSpec
 from kvspec_core.testing import check_sizing_invariants
-
 from kvspec_mla import (
     CircularBufferSpec,
     HiddenStateCacheSpec,

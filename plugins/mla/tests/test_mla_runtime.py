@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
+from mla_testkit import latent_fields, manager_with_mla
 
 from kvspec_core import SizingContext
 from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
-
 from kvspec_mla import CircularBufferSpec, MLAAttentionSpec, SlidingWindowMLASpec
 from kvspec_mla.runtime_rules import CircularBufferRules
 from kvspec_sliding_window.runtime_rules import SlidingWindowRules
-from mla_testkit import latent_fields, manager_with_mla
 
 CTX = SizingContext(max_model_len=4096, max_in_flight_tokens=256)
 

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import pytest
 import torch
+from mla_testkit import latent_fields, manager_with_mla
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, MergeError
 from kvspec_core.kv_dtypes import BUILTIN_QUANT_MODES
 from kvspec_core.specs import FullAttentionSpec, UniformTypeSpecs, spec_from_dict, spec_to_dict
-
 from kvspec_mla import (
     CircularBufferSpec,
     HiddenStateCacheSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
 )
-from mla_testkit import latent_fields, manager_with_mla
 
 FP8_PER_TENSOR = next(mode for mode in BUILTIN_QUANT_MODES if mode.name == "fp8_per_tensor")
 #: DeepSeek-V2-Lite: 576 bf16 values per token, block 16.
@@ -231,7 +232,7 @@ def test_merge_refusals_name_field_values_and_layers(field: str, left: object,
 def test_merge_refuses_mixed_classes_naming_the_layer() -> None:
     mla = MLAAttentionSpec(**latent_fields())
     hidden = HiddenStateCacheSpec(**latent_fields())
-    with pytest.raises(MergeError, match="model.layers.1 is a HiddenStateCacheSpec"):
+    with pytest.raises(MergeError, match=re.escape("model.layers.1 is a HiddenStateCacheSpec")):
         MLAAttentionSpec.merge([mla, hidden], ["model.layers.0", "model.layers.1"])
 
 

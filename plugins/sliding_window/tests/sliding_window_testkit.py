@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 
+import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_core import PluginManager
 from kvspec_core.testing import manager_with
-
-import kvspec_sliding_window.plugin as sliding_window_plugin
 
 DATA = Path(__file__).parent / "data"
 

@@ -6,11 +6,10 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
+import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, Request, block_tokens_of
 from kvspec_core.runtime.rules import FullAttentionRules
-
-import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_sliding_window.runtime_rules import KpoolTailRules, SlidingWindowRules
 from kvspec_sliding_window.specs import KpoolTailSpec, SlidingWindowSpec
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sliding_window_testkit import swa_fields
 
 from kvspec_core import SizingContext
 from kvspec_core.arithmetic import cdiv
-
 from kvspec_sliding_window import SlidingWindowSpec
-from sliding_window_testkit import swa_fields
 
 
 def blocks_per_rank(start: int, num_tokens: int, dcp: int, block_size: int,

@@ -6,13 +6,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from sliding_window_testkit import swa_fields
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import KVSpecError
-
 from kvspec_sliding_window import KpoolTailSpec, SlidingWindowSpec
 from kvspec_sliding_window.runtime_rules import SlidingWindowRules
-from sliding_window_testkit import swa_fields
 
 
 def test_a_query_reads_the_last_window_positions_itself_included() -> None:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
+from sliding_window_testkit import load_config, manager_with_plugin
 
+import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_core import PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import ConfigError, MissingFamilyError
 from kvspec_core.testing import kvspec_imports_outside, model_layer, plugins_cli_report
-
-import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_sliding_window import SlidingWindowSpec
-from sliding_window_testkit import load_config, manager_with_plugin
 
 KINDS = ["kpool_tail", "reference_sliding_window", "sliding_window"]
 PLUGIN_ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_sliding_layer_without_attention_geometry_is_refused() -> None:
         model_layer(load_config("mistralai__Mistral-7B-v0.1"), 3, PluginManager()),
         attention=None,
     )
-    with pytest.raises(ConfigError, match="model.layers.3 is a sliding_attention layer"):
+    with pytest.raises(ConfigError, match=re.escape("model.layers.3 is a sliding_attention layer")):
         sliding_window_plugin.kvspec_layer_spec(layer)
 
 

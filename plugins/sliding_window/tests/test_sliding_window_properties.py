@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from kvspec_core import SizingContext
 from kvspec_core.errors import MergeError
 from kvspec_core.testing import check_sizing_invariants
-
 from kvspec_sliding_window import KpoolTailSpec, ReferenceSlidingWindowSpec, SlidingWindowSpec
 
 SPEC_CLASSES = [SlidingWindowSpec, KpoolTailSpec, ReferenceSlidingWindowSpec]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from sliding_window_testkit import manager_with_plugin, swa_fields
 
 from kvspec_core import FullAttentionSpec, SizingContext, UniformTypeSpecs
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, MergeError
 from kvspec_core.specs import spec_from_dict, spec_to_dict
-
 from kvspec_sliding_window import KpoolTailSpec, ReferenceSlidingWindowSpec, SlidingWindowSpec
-from sliding_window_testkit import manager_with_plugin, swa_fields
 
 # Mistral-7B geometry: one page of 16 tokens = 16 tokens x 8 heads x (128 K + 128 V) x 2 B.
 MISTRAL_PAGE = 16 * 8 * 256 * 2
@@ -31,7 +32,7 @@ def test_page_size_padded_replaces_the_real_size() -> None:
 
 
 def test_padding_below_the_real_page_is_refused_naming_the_field() -> None:
-    with pytest.raises(InvalidFieldError, match="SlidingWindowSpec.page_size_padded=65535"):
+    with pytest.raises(InvalidFieldError, match=re.escape("SlidingWindowSpec.page_size_padded=65535")):
         SlidingWindowSpec(**swa_fields(page_size_padded=MISTRAL_PAGE - 1))
 
 
@@ -199,8 +200,8 @@ def test_merge_refusal_names_field_values_and_layers(field: str, other: object) 
 
 
 def test_merge_refuses_a_tail_among_windows() -> None:
-    with pytest.raises(MergeError, match="model.layers.1 is a KpoolTailSpec, not a "
-                                         "SlidingWindowSpec"):
+    with pytest.raises(MergeError, match=re.escape("model.layers.1 is a KpoolTailSpec, not a "
+                                         "SlidingWindowSpec")):
         SlidingWindowSpec.merge(
             [SlidingWindowSpec(**swa_fields()), KpoolTailSpec(**swa_fields())],
             ["model.layers.0", "model.layers.1"],

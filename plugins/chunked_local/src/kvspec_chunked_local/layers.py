@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kvspec_core.plugins.layer_config import LayerConfig
-
 from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
+from kvspec_core.plugins.layer_config import LayerConfig
 
 #: The normalised layer type this family claims.
 CHUNKED_LAYER_TYPE = "chunked_attention"

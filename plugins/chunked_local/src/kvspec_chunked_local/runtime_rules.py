@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
 from kvspec_core.runtime.rules import FullAttentionRules
-
-from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 
 
 class ChunkedLocalRules(FullAttentionRules):

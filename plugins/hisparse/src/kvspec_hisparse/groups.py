@@ -19,7 +19,6 @@ from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, MergeEr
 from kvspec_core.specs.base import KVSpec, SpecT
 from kvspec_core.specs.merging import require_class
 from kvspec_core.validation import is_bool, one_of, optional, positive_int
-
 from kvspec_hisparse.specs import RawPageSpec
 
 if TYPE_CHECKING:

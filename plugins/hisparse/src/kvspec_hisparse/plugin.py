@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterSpecKind
-
 from kvspec_hisparse.groups import HiSparseGroupSpec
 from kvspec_hisparse.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (a hook)
 from kvspec_hisparse.specs import HiSparseHotSpec, HiSparseResidentSpec

@@ -19,7 +19,6 @@ from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
 from kvspec_core.runtime import NEVER, FamilyRules, FullAttentionRules, rules_for
 from kvspec_core.specs.base import KVSpec
-
 from kvspec_hisparse.groups import HiSparseGroupSpec
 from kvspec_hisparse.specs import HiSparseHotSpec, HiSparseResidentSpec
 

@@ -36,7 +36,6 @@ from kvspec_core.errors import ConfigError, KVSpecError
 from kvspec_core.models.fields import MissingConfigFieldError
 from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.validation import MAX_FIELD_VALUE
-
 from kvspec_mamba.specs import MambaSpec
 
 #: Normalised layer types this family claims.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterSpecKind
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.specs.base import KVSpec
-
 from kvspec_mamba.layers import mamba_spec
 from kvspec_mamba.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (pluggy finds hookimpls by module attribute)
 from kvspec_mamba.specs import MambaSpec

@@ -33,7 +33,6 @@ from kvspec_core.runtime.rules import (
     FullAttentionRules,
     StateCheckpointRules,
 )
-
 from kvspec_mamba.specs import MambaSpec
 
 

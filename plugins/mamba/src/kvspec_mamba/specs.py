@@ -31,7 +31,6 @@ from kvspec_core.validation import (
     optional,
     positive_int,
 )
-
 from kvspec_mamba.checkpoints import StateColumns, state_columns
 
 if TYPE_CHECKING:
@@ -124,7 +123,9 @@ class MambaSpec(KVSpec):
 
     @property
     def state_content_size_bytes(self) -> int:
-        return sum(prod(shape) * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes))
+        # One dtype per shape (checked at construction).
+        return sum(prod(shape) * dtype.itemsize
+                   for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
 
     @property
     def block_table_token_alignment(self) -> int | None:
@@ -191,7 +192,7 @@ class MambaSpec(KVSpec):
         page = layer_view[block_id, 0, 0]
         views = []
         start = 0
-        for index, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes)):
+        for index, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
             size = prod(shape) * dtype.itemsize
             try:
                 state = page[start:start + size].view(dtype).view(shape)

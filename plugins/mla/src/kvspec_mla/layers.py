@@ -14,7 +14,6 @@ import torch
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import BUILTIN_KV_CACHE_DTYPES, KVCacheDtype, KVQuantMode
 from kvspec_core.plugins.layer_config import LayerConfig
-
 from kvspec_mla.formats import MLA_KV_DTYPES, is_ds_mla_format
 from kvspec_mla.sliding import SlidingWindowMLASpec
 from kvspec_mla.specs import MLAAttentionSpec

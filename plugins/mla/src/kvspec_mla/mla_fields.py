@@ -10,7 +10,6 @@ from typing import Any, Protocol
 
 from kvspec_core.arithmetic import round_up
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError
-
 from kvspec_mla.formats import ds_mla_format, is_ds_mla_format
 
 #: Roles a sparse-MLA cache plays (DeepSeek-V3.2/V4): the attention latent or the indexer keys.

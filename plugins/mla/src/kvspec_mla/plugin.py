@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterKVDtype, RegisterSpecKind
+from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.specs.base import KVSpec
-
 from kvspec_mla.formats import MLA_KV_DTYPES
 from kvspec_mla.layers import mla_layer_spec
 from kvspec_mla.runtime_rules import kvspec_register_runtime_rules  # noqa: F401  (a hook)

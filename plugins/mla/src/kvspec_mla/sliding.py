@@ -14,10 +14,9 @@ import attrs
 
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.validation import is_bool, non_negative_int, one_of, optional, positive_int
-from kvspec_sliding_window.specs import SlidingWindowSpec
-
 from kvspec_mla.formats import MODEL_VERSIONS
 from kvspec_mla.mla_fields import MLAPaging, check_cache_dtype_str
+from kvspec_sliding_window.specs import SlidingWindowSpec
 
 if TYPE_CHECKING:
     from kvspec_core.specs.base import SpecKinds

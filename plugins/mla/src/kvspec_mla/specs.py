@@ -21,7 +21,6 @@ from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.full_attention import FullAttentionSpec
 from kvspec_core.validation import is_bool, non_negative_int, one_of, optional, positive_int
-
 from kvspec_mla.formats import MODEL_VERSIONS
 from kvspec_mla.mla_fields import (
     CACHE_ROLES,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvspec_core.plugins.layer_config import LayerConfig
-
 from kvspec_sliding_window.specs import SlidingWindowSpec
 
 #: The normalised layer type this family claims.

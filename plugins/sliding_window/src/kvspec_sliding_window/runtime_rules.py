@@ -20,7 +20,6 @@ from kvspec_core.context import SizingContext
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
 from kvspec_core.runtime.rules import FullAttentionRules, SingleBlockRules, TrailingWindowRules
-
 from kvspec_sliding_window.specs import SlidingWindowSpec
 
 
