@@ -215,7 +215,7 @@ def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: in
 def use_pure_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn the compiled kernels (``kvspec_core.runtime._native``) off in every module that
     takes them, so the pure-Python code they mirror runs."""
-    from kvspec_core.runtime import allocator, hashing, pool, rules
+    from kvspec_core.runtime import fast_paths, hashing, pool, rules, stepping
 
-    for module in (hashing, pool, allocator, rules):
+    for module in (hashing, pool, fast_paths, stepping, rules):
         monkeypatch.setattr(module, "native", None)

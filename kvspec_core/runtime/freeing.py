@@ -1,0 +1,82 @@
+"""Freeing: ``free``, ``discard_uncomputed`` (free a request whose forward failed, uncaching
+the blocks it never wrote) and ``reset_prefix_cache``."""
+
+from __future__ import annotations
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.base import AllocatorBase
+from kvspec_core.runtime.events import AllBlocksCleared
+
+#: Request ids remembered after ``free`` so a second ``free`` says "already freed".
+_FREED_MEMORY = 4096
+
+
+class Freeing(AllocatorBase):
+    """Releasing requests and the prefix cache (part of ``KVCacheAllocator``)."""
+
+    def free(self, request_id: str | int) -> None:
+        """Release every block of a request; blocks holding cached prefixes stay findable
+        until evicted (its last blocks are evicted first). Refuses unknown ids and double
+        frees with :class:`AllocatorError`, changing nothing."""
+        state = self._state(request_id)
+        # A running request's tables hold each block once, with a reference of its own
+        # (check_invariants), so the pools' release checks cannot fire here. Each table is
+        # released last block first, groups in order: the order one list per pool gives.
+        group_pools = self._group_pools
+        for gid, table in enumerate(state.blocks):
+            group_pools[gid]._release_unchecked(table, reverse=True)
+        del self._running[request_id]
+        self._freed[request_id] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
+
+    def discard_uncomputed(self, request_id: str | int, num_valid_tokens: int) -> None:
+        """Free a request whose computation stopped early (an engine's forward raised, or was
+        interrupted), leaving no false hit behind.
+
+        ``allocate_slots`` caches a block as soon as its tokens are known, before the engine
+        writes its K/V (or saves its state). Here every block of the request that covers a
+        position ``>= num_valid_tokens`` (the tokens whose cache content the engine did
+        write) first leaves the prefix cache, so no later lookup can hit it; then the
+        request is freed as by :meth:`free` (the blocks before stay cached). Works the same
+        with the compiled kernels and in pure Python (it changes the pools' Python-side
+        maps, which both read). A running request that already reused such a block keeps
+        it, uncached. Refuses unknown ids, double frees and a count that is not an int in
+        ``[0, num_computed_tokens]`` with :class:`AllocatorError`, changing nothing.
+        """
+        from kvspec_core.runtime.events import BlockRemoved
+
+        state = self._state(request_id)
+        if num_valid_tokens.__class__ is not int or not 0 <= num_valid_tokens <= state.computed:
+            raise AllocatorError(
+                f"discard_uncomputed(request {request_id!r}): num_valid_tokens="
+                f"{num_valid_tokens!r} must be an int in [0, {state.computed}]: the tokens "
+                "whose K/V or state the engine wrote before it stopped"
+            )
+        for gid in self._holding:
+            pool = self._group_pools[gid]
+            cache = self._caches[gid]
+            block_hash = pool._block_hash
+            removed: list[bytes] = []
+            # Block i is cached under the hash of tokens [0, (i + 1) * block): it claims
+            # content past num_valid_tokens from index num_valid_tokens // block on.
+            for block in state.blocks[gid][num_valid_tokens // self._block_tokens[gid]:]:
+                digest = block_hash[block] if block else None
+                if digest is not None:
+                    cache.pop(digest, None)
+                    block_hash[block] = None
+                    pool._reused[block] = 0
+                    removed.append(digest)
+            if removed:
+                # A prefix found before may name these blocks: admissions check it again.
+                pool.epoch += 1
+                if self._events is not None:
+                    self._events.append(BlockRemoved(group=gid, block_hashes=tuple(removed)))
+        self.free(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks, uncached)."""
+        for pool in self.pools:
+            pool.reset_prefix_cache(record_event=False)
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
