@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{args.layers} layers, {len(plan.groups)} groups, {len(plan.pools)} pools, "
               f"{plan.num_blocks} blocks, concurrency {plan.max_concurrency:.2f}, "
               f"{plan.bytes_allocated} bytes allocated, {plan.bytes_padding} bytes padding")
-        print(f"plan:        {result['plan_seconds_median'] * 1e3:8.1f} ms (median of {args.repeat})")
+        print(f"plan:        {result['plan_seconds_median'] * 1e3:8.1f} ms "
+              f"(median of {args.repeat})")
         print(f"materialize: {result['materialize_seconds_median'] * 1e3:8.1f} ms "
               f"(median of {args.repeat})")
     return result

@@ -8,8 +8,9 @@ Traces (``--trace``): ``shared`` (default), the shared-system-prompt request tra
 Block size 16, prefix caching on, all groups sharing one pool. Models: default one
 full-attention group; ``--hybrid``: Gemma-2-like, sliding window 4096 + full attention;
 ``--mamba``: Jamba-like, a Mamba state group (the real ``MambaSpec``, ``align`` prefix
-caching) + full attention. All events are generated and the allocator built before timing starts (then the heap is
-frozen, as an engine freezes it after start-up); the timed replay includes admission hashing.
+caching) + full attention. All events are generated and the allocator built before timing
+starts (then the heap is frozen, as an engine freezes it after start-up); the timed replay
+includes admission hashing.
 
 Per event: admit = find the cached prefix + allocate slots for the whole prompt (a "not
 now" queues the request; queued requests retry after the next finish, each failed try

@@ -36,7 +36,8 @@ def measure(preset: str, prompt_len: int, shared: int, new_tokens: int) -> dict[
     model = build_model(config, seed=0)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 512, (prompt_len,), generator=generator).tolist()
-    other = prompt[:shared] + torch.randint(0, 512, (prompt_len - shared,), generator=generator).tolist()
+    other = prompt[:shared] + torch.randint(
+        0, 512, (prompt_len - shared,), generator=generator).tolist()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         reference, hf_seconds = timed(

@@ -50,7 +50,8 @@ def plot_concurrency(
     figure, axes = pyplot.subplots(figsize=(8, 5), dpi=100)
     try:
         for label, points in curves.items():
-            fitting = [(length, value) for length, value in points if value is not None and value > 0]
+            fitting = [(length, value) for length, value in points
+                       if value is not None and value > 0]
             if not fitting:
                 continue
             xs, ys = zip(*fitting, strict=True)

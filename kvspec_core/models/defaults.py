@@ -3,19 +3,24 @@
 Partial configs (trimmed presets, configs written by older tools) omit fields whose default
 lives in the model's Hugging Face config class. When transformers is installed
 (``kvspec-core[hf]``) its config class fills every such field
-(:mod:`kvspec_core.models.normalized`); the table below is what kvspec fills by itself, with
+(:mod:`kvspec_core.models.normalized`); the list below is what kvspec fills by itself, with
 or without it, so the layer typing and the plugins read the values the model really runs with.
+Per model_type, each field with its default (the published source in parentheses):
 
-| model_type | field | default | published source |
-|---|---|---|---|
-| gemma2 | sliding_window_pattern | 2 | ``Gemma2DecoderLayer``: layer i slides when ``not i % 2`` |
-| gemma3, gemma3_text | sliding_window_pattern / max_position_embeddings | 6 / 131072 | ``Gemma3TextConfig`` |
-| cohere2 | sliding_window_pattern | 4 | ``Cohere2Config`` |
-| qwen2, qwen2_moe, qwen3, qwen3_moe | use_sliding_window / max_window_layers | false / 28 | ``Qwen2Config`` & co. (``sliding_window`` unused unless switched on) |
-| jamba | attn_layer_period / attn_layer_offset | 8 / 4 | ``JambaConfig`` |
-| qwen3_next | full_attention_interval | 4 | ``Qwen3NextConfig`` |
-| llama4, llama4_text | no_rope_layer_interval | 4 | ``Llama4TextConfig`` (every 4th layer global NoPE) |
-| whisper | max_source_positions / max_target_positions | 1500 / 448 | ``WhisperConfig`` |
+* gemma2: ``sliding_window_pattern`` = 2 (``Gemma2DecoderLayer``: layer i slides when
+  ``not i % 2``)
+* gemma3, gemma3_text: ``sliding_window_pattern`` = 6, ``max_position_embeddings`` = 131072
+  (``Gemma3TextConfig``)
+* cohere2: ``sliding_window_pattern`` = 4 (``Cohere2Config``)
+* qwen2, qwen2_moe, qwen3, qwen3_moe: ``use_sliding_window`` = false,
+  ``max_window_layers`` = 28 (``Qwen2Config`` & co.; ``sliding_window`` unused unless
+  switched on)
+* jamba: ``attn_layer_period`` = 8, ``attn_layer_offset`` = 4 (``JambaConfig``)
+* qwen3_next: ``full_attention_interval`` = 4 (``Qwen3NextConfig``)
+* llama4, llama4_text: ``no_rope_layer_interval`` = 4 (``Llama4TextConfig``: every 4th
+  layer global NoPE)
+* whisper: ``max_source_positions`` = 1500, ``max_target_positions`` = 448
+  (``WhisperConfig``)
 
 Defaults every family shares (applied where the fields are read, not here):
 ``num_key_value_heads`` = ``num_attention_heads``; ``head_dim`` = ``hidden_size //

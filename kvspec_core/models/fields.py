@@ -106,7 +106,9 @@ def optional_int(
     return require_int(config, *fields, needed_for=needed_for, minimum=minimum, maximum=maximum)
 
 
-def model_dtype(config: Mapping[str, Any], fallback: Mapping[str, Any] | None = None) -> torch.dtype:
+def model_dtype(
+    config: Mapping[str, Any], fallback: Mapping[str, Any] | None = None
+) -> torch.dtype:
     """The model's dtype from ``torch_dtype``/``dtype`` of ``config`` (then ``fallback``, the
     outer config of a multimodal model); :data:`DEFAULT_MODEL_DTYPE` when neither names one."""
     found = first_present(config, *DTYPE_FIELDS)

@@ -199,7 +199,8 @@ def _missing_family(layer: LayerConfig, unclaimed: Counter[str]) -> MissingFamil
             "excludes it)"
         )
     else:
-        fix = "install the plugin that provides this layer type (`kvspec plugins` lists loaded ones)"
+        fix = ("install the plugin that provides this layer type (`kvspec plugins` lists "
+               "loaded ones)")
     return MissingFamilyError(
         f"layer {layer.name}{others} has layer type {layer.layer_type!r}, which no loaded "
         f"plugin claims; {fix}"

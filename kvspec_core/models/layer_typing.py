@@ -230,7 +230,8 @@ def _from_hybrid_forms(config: Mapping[str, Any], count: int) -> list[str | None
             raise ConfigError(
                 f"config fields 'hybrid_override_pattern' and 'layers_block_type' disagree at "
                 f"layer {index}: the pattern has {config['hybrid_override_pattern'][index]!r} "
-                f"({_describe_block(from_pattern)}), the list {config['layers_block_type'][index]!r} "
+                f"({_describe_block(from_pattern)}), the list "
+                f"{config['layers_block_type'][index]!r} "
                 f"({_describe_block(from_list)}); keep one of the two fields"
             )
     return listed

@@ -59,7 +59,8 @@ class PluginManager:
         if include_core:
             from kvspec_core.plugins import builtin
 
-            self.register(builtin, CORE_PLUGIN_NAME, distribution="kvspec-core", version=__version__)
+            self.register(builtin, CORE_PLUGIN_NAME, distribution="kvspec-core",
+                          version=__version__)
 
     # ----------------------------------------------------------------- registration
     @property
@@ -222,7 +223,9 @@ class PluginManager:
                                 contested: list[KindConflictError] | None = None) -> None:
         """Run ``plugin``'s registration hooks; with ``contested``, a kind another plugin
         (not the core) holds or claimed is skipped and its conflict appended there."""
-        def register_kind(spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None) -> None:
+        def register_kind(
+            spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None
+        ) -> None:
             try:
                 entry = self.spec_kinds.check(spec_class, name, uniform_base)
             except KindConflictError as conflict:

@@ -68,7 +68,8 @@ def test_padded_page_and_its_refusal() -> None:
     spec = FullAttentionSpec(**LLAMA_8B_LAYER, page_size_padded=70000)
     assert spec.page_size_bytes == 70000
     assert spec.unpadded_page_size_bytes == 65536
-    with pytest.raises(InvalidFieldError, match=r"page_size_padded.*>= the unpadded page size 65536"):
+    with pytest.raises(InvalidFieldError,
+                       match=r"page_size_padded.*>= the unpadded page size 65536"):
         FullAttentionSpec(**LLAMA_8B_LAYER, page_size_padded=1000)
 
 

@@ -26,7 +26,8 @@ def test_the_repository_keeps_its_import_contracts(capsys: pytest.CaptureFixture
     ("a_source", "cycle"),
     [
         ("from ringpkg.b import thing\n", True),
-        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ringpkg.b import Hint\n", True),
+        ("from typing import TYPE_CHECKING\n"
+         "if TYPE_CHECKING:\n    from ringpkg.b import Hint\n", True),
         ("def later():\n    from ringpkg.b import thing\n", True),
         ("import os\n", False),
     ],

@@ -28,9 +28,9 @@ anything = st.one_of(
     st.fractions(), st.sampled_from(BUILTIN_QUANT_MODES), st.lists(st.integers(), max_size=2),
 )
 REQUIRED = ["block_size", "num_kv_heads", "head_size", "dtype"]
-OPTIONAL = ["head_size_v", "kv_quant_mode", "dcp_sharded", "block_stride_alignment", "max_tp_shards", "page_size_padded",
-          "num_head_slots", "state_content_bytes", "tokens_per_state", "sliding_window",
-          "attention_chunk_size", "non_causal"]
+OPTIONAL = ["head_size_v", "kv_quant_mode", "dcp_sharded", "block_stride_alignment",
+          "max_tp_shards", "page_size_padded", "num_head_slots", "state_content_bytes",
+          "tokens_per_state", "sliding_window", "attention_chunk_size", "non_causal"]
 
 
 @settings(max_examples=300, deadline=None)

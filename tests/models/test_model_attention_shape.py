@@ -151,7 +151,8 @@ def test_packed_mla_formats_stay_accepted_on_mla_layers() -> None:
 
 def test_indivisible_huge_kv_head_count_is_refused_promptly() -> None:
     # A hostile num_key_value_heads near the field limit must not make the error message
-    # enumerate every candidate divisor one by one (2**40 - 1 = 3 x 5^2 x 11 x 17 x 31 x 41 x 61681).
+    # enumerate every candidate divisor one by one
+    # (2**40 - 1 = 3 x 5^2 x 11 x 17 x 31 x 41 x 61681).
     with pytest.raises(ConfigError, match=r"use a --tp that divides 1099511627775 \(1, 3, 5, "):
         kv_heads_per_rank(2**40 - 1, 2, "num_key_value_heads", "layer x")
 

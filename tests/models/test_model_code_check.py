@@ -62,9 +62,9 @@ PRESET_READINGS = {
 AGREEING_DEFAULT_TYPES = (
     "jamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_next", "qwen3_5",
     "qwen3_5_moe", "olmo_hybrid", "lara_mini", "kimi_linear", "minimax", "bailing_hybrid",
-    "bamba", "gemma2", "gemma3", "gemma3_text", "cohere2", "gpt_oss", "mistral", "mixtral", "llama4",
-    "llama4_text", "exaone4", "olmo3", "mimo_v2_flash", "deepseek_v2", "deepseek_v3", "lfm2",
-    "modernbert-decoder", "vaultgemma",
+    "bamba", "gemma2", "gemma3", "gemma3_text", "cohere2", "gpt_oss", "mistral", "mixtral",
+    "llama4", "llama4_text", "exaone4", "olmo3", "mimo_v2_flash", "deepseek_v2", "deepseek_v3",
+    "lfm2", "modernbert-decoder", "vaultgemma",
 )
 #: Default configs kvspec reads differently from the model code: refused, naming what the
 #: model builds. Each was a plausible, wrong plan (or a wrong layer count) before the check.

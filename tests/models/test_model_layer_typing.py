@@ -94,7 +94,8 @@ def test_whisper_has_encoder_self_and_cross_layers() -> None:
     model = typed(preset("whisper-large-v3"))
     assert type_string(preset("whisper-large-v3")) == "E" * 32 + "FX" * 32
     names = [layer.name for layer in model.layers]
-    assert names[32:34] == ["model.decoder.layers.0.self_attn", "model.decoder.layers.0.encoder_attn"]
+    assert names[32:34] == ["model.decoder.layers.0.self_attn",
+                            "model.decoder.layers.0.encoder_attn"]
     assert model.default_max_model_len == 448 and model.max_encoder_tokens == 1500
 
 

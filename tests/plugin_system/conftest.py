@@ -19,7 +19,8 @@ def write_distribution(root: Path, dist_name: str, entry_point: str, module: str
     (root / f"{module}.py").write_text(textwrap.dedent(source))
     info = root / f"{dist_name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
     (info / "entry_points.txt").write_text(f"[kvspec.plugins]\n{entry_point} = {module}\n")
     return root
 

@@ -60,13 +60,15 @@ def test_import_failure_is_reported_and_others_load(fake_dist, good_plugin) -> N
     assert loaded(manager) == {"good"}
     assert manager.spec_kinds.owner_of("wide") == "good"
     [failure] = manager.failures
-    assert (failure.name, failure.distribution, failure.version) == ("broken", "kvspec-broken", "1.0")
+    assert (failure.name, failure.distribution, failure.version) == (
+        "broken", "kvspec-broken", "1.0")
     assert "ImportError" in failure.error
 
 
 def test_strict_mode_makes_a_failure_an_error(fake_dist) -> None:
     fake_dist("kvspec-broken", "broken", "kvspec_broken", "raise ImportError('boom')\n")
-    with pytest.raises(PluginError, match=r"'broken'.*kvspec-broken.*boom.*KVSPEC_STRICT_PLUGINS=1"):
+    with pytest.raises(PluginError,
+                       match=r"'broken'.*kvspec-broken.*boom.*KVSPEC_STRICT_PLUGINS=1"):
         PluginManager().load_entry_points({"KVSPEC_PLUGINS": "broken",
                                            "KVSPEC_STRICT_PLUGINS": "1"})
 
@@ -78,7 +80,8 @@ def test_raising_registration_hook_keeps_nothing(fake_dist, good_plugin) -> None
         raise RuntimeError("dtype table missing")
     """)
     manager = PluginManager()
-    with pytest.warns(PluginLoadWarning, match="raised RuntimeError while registering: dtype table"):
+    with pytest.warns(PluginLoadWarning,
+                      match="raised RuntimeError while registering: dtype table"):
         manager.load_entry_points({"KVSPEC_PLUGINS": "half"})
     assert "half_kind" not in manager.spec_kinds
     assert loaded(manager) == set()
@@ -110,11 +113,14 @@ def test_kind_owned_by_another_plugin_is_refused_naming_both(fake_dist, good_plu
     assert manager.spec_kinds.owner_of("full_attention") == "core"
 
 
-def test_two_distributions_with_one_entry_point_name_are_not_shadowed(fake_dist, good_plugin) -> None:
+def test_two_distributions_with_one_entry_point_name_are_not_shadowed(
+    fake_dist, good_plugin
+) -> None:
     fake_dist("kvspec-twin-a", "twin", "kvspec_twin_a", good_plugin("twin_a"))
     fake_dist("kvspec-twin-b", "twin", "kvspec_twin_b", good_plugin("twin_b"))
     manager = PluginManager()
-    with pytest.warns(PluginLoadWarning, match="several distributions.*kvspec-twin-a.*kvspec-twin-b"):
+    with pytest.warns(PluginLoadWarning,
+                      match="several distributions.*kvspec-twin-a.*kvspec-twin-b"):
         manager.load_entry_points({"KVSPEC_PLUGINS": "twin"})
     assert loaded(manager) == set()
 

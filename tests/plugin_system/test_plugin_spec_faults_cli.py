@@ -87,7 +87,8 @@ def test_plan_names_the_plugin_whose_spec_answered_an_unusable_value(
     TypeError traceback, -3 in a plan of more requests than fit."""
     status, error = _plan_faulty(fake_dist, tmp_path, capsys, method)
     assert status == EXIT_USAGE
-    assert error.startswith(f"kvspec: error: plugin 'faulty' (distribution kvspec-faulty): {answer}")
+    assert error.startswith(
+        f"kvspec: error: plugin 'faulty' (distribution kvspec-faulty): {answer}")
     assert "but it must be" in error and "KVSPEC_PLUGINS" in error
     assert "Traceback" not in error and len(error.splitlines()) == 1
 

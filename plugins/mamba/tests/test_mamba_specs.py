@@ -148,7 +148,8 @@ def test_merge_refusal_names_field_values_and_layers(field: str, other: object) 
 
 def test_merge_refuses_an_attention_layer() -> None:
     attention = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=BF16)
-    with pytest.raises(MergeError, match=re.escape("model.layers.4 is a FullAttentionSpec, not a MambaSpec")):
+    with pytest.raises(MergeError, match=re.escape(
+            "model.layers.4 is a FullAttentionSpec, not a MambaSpec")):
         MambaSpec.merge([jamba(), attention], ["model.layers.0", "model.layers.4"])  # type: ignore[list-item]
 
 

@@ -159,7 +159,8 @@ def test_sliding_mla_layers() -> None:
     assert isinstance(spec, SlidingWindowMLASpec)
     assert (spec.sliding_window, spec.head_size, spec.page_size_bytes) == (128, 576, 16 * 656)
     del config["sliding_window"]
-    with pytest.raises(ConfigError, match=r"'sliding_window'.*model.layers.0|model.layers.0.*'sliding_window'"):
+    with pytest.raises(ConfigError, match=r"'sliding_window'.*model.layers.0"
+                                          r"|model.layers.0.*'sliding_window'"):
         mla_plugin.kvspec_layer_spec(mla_layer(config, layer_type="sliding_mla_attention"))
 
 

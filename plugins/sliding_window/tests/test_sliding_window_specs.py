@@ -32,7 +32,8 @@ def test_page_size_padded_replaces_the_real_size() -> None:
 
 
 def test_padding_below_the_real_page_is_refused_naming_the_field() -> None:
-    with pytest.raises(InvalidFieldError, match=re.escape("SlidingWindowSpec.page_size_padded=65535")):
+    with pytest.raises(InvalidFieldError,
+                       match=re.escape("SlidingWindowSpec.page_size_padded=65535")):
         SlidingWindowSpec(**swa_fields(page_size_padded=MISTRAL_PAGE - 1))
 
 

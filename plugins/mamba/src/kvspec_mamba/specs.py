@@ -169,7 +169,8 @@ class MambaSpec(KVSpec):
         """
         owner = "MambaSpec.state_views"
         content = self.state_content_size_bytes
-        expected = f"this layer's materialised view: a torch.uint8 tensor [num_blocks, 1, 1, {content}]"
+        expected = ("this layer's materialised view: a torch.uint8 tensor "
+                    f"[num_blocks, 1, 1, {content}]")
         if not isinstance(layer_view, torch.Tensor):
             raise InvalidFieldTypeError(owner, "layer_view", type(layer_view).__name__,
                                         f"expected {expected}")
