@@ -214,8 +214,30 @@ def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: in
 
 def use_pure_python(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn the compiled kernels (``kvspec_core.runtime._native``) off in every module that
-    takes them, so the pure-Python code they mirror runs."""
-    from kvspec_core.runtime import fast_paths, hashing, pool, rules, stepping
+    takes them, so the pure-Python code they mirror runs.
 
-    for module in (hashing, pool, fast_paths, stepping, rules):
-        monkeypatch.setattr(module, "native", None)
+    Every runtime module holding a ``native`` binding is patched, found by walking the
+    package: a module that starts reading the kernels is covered without editing a list (a
+    forgotten one would make the pure-Python runs silently test the kernels)."""
+    import importlib
+    import pkgutil
+
+    import kvspec_core.runtime as runtime_package
+
+    kernels_built = _kernels_built()
+    patched = []
+    for info in pkgutil.iter_modules(runtime_package.__path__):
+        module = importlib.import_module(f"{runtime_package.__name__}.{info.name}")
+        if getattr(module, "native", None) is not None:
+            monkeypatch.setattr(module, "native", None)
+            patched.append(info.name)
+    if kernels_built:
+        # The modules that run kernels by themselves must be among them.
+        missing = {"fast_paths", "hashing", "pool", "rules", "stepping"} - set(patched)
+        assert not missing, f"use_pure_python did not find {sorted(missing)}"
+
+
+def _kernels_built() -> bool:
+    from kvspec_core.runtime import native as native_module
+
+    return native_module.native is not None
