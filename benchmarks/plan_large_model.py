@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     manager = load_plugins({"KVSPEC_PLUGINS": "sliding_window,mamba"})
     specs = build_model(args.layers)
-    ctx = SizingContext(max_model_len=args.max_model_len, max_in_flight_tokens=256,
-                        mamba_cache_mode="align")
+    ctx = SizingContext(
+        max_model_len=args.max_model_len, max_in_flight_tokens=256, mamba_cache_mode="align"
+    )
     budget = args.budget_mib << 20
 
     plan_times, view_times = [], []
@@ -66,8 +67,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "budget_bytes": budget,
         "max_model_len": args.max_model_len,
         "groups": len(plan.groups),
-        "pools": [{"num_blocks": p.num_blocks, "block_bytes": p.block_bytes,
-                   "groups": len(p.groups)} for p in plan.pools],
+        "pools": [
+            {"num_blocks": p.num_blocks, "block_bytes": p.block_bytes, "groups": len(p.groups)}
+            for p in plan.pools
+        ],
         "num_blocks": plan.num_blocks,
         "max_concurrency": plan.max_concurrency,
         "bytes_allocated": plan.bytes_allocated,
@@ -79,13 +82,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{args.layers} layers, {len(plan.groups)} groups, {len(plan.pools)} pools, "
-              f"{plan.num_blocks} blocks, concurrency {plan.max_concurrency:.2f}, "
-              f"{plan.bytes_allocated} bytes allocated, {plan.bytes_padding} bytes padding")
-        print(f"plan:        {result['plan_seconds_median'] * 1e3:8.1f} ms "
-              f"(median of {args.repeat})")
-        print(f"materialize: {result['materialize_seconds_median'] * 1e3:8.1f} ms "
-              f"(median of {args.repeat})")
+        print(
+            f"{args.layers} layers, {len(plan.groups)} groups, {len(plan.pools)} pools, "
+            f"{plan.num_blocks} blocks, concurrency {plan.max_concurrency:.2f}, "
+            f"{plan.bytes_allocated} bytes allocated, {plan.bytes_padding} bytes padding"
+        )
+        print(
+            f"plan:        {result['plan_seconds_median'] * 1e3:8.1f} ms (median of {args.repeat})"
+        )
+        print(
+            f"materialize: {result['materialize_seconds_median'] * 1e3:8.1f} ms "
+            f"(median of {args.repeat})"
+        )
     return result
 
 

@@ -69,16 +69,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps.setdefault("plan_report", []).append(seconds)
     medians = {step: statistics.median(times) for step, times in steps.items()}
     report = {
-        "preset": args.preset, "layers": args.layers, "groups": len(plan.groups),
-        "pools": len(plan.pools), "num_blocks": plan.num_blocks,
-        "median_cpu_seconds": medians, "total_median_seconds": sum(medians.values()),
+        "preset": args.preset,
+        "layers": args.layers,
+        "groups": len(plan.groups),
+        "pools": len(plan.pools),
+        "num_blocks": plan.num_blocks,
+        "median_cpu_seconds": medians,
+        "total_median_seconds": sum(medians.values()),
     }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{args.preset} stretched to {args.layers:,} layers: {len(plan.groups)} groups, "
-              f"{len(plan.pools)} pools, {plan.num_blocks:,} blocks "
-              f"(CPU time, median of {args.repeat} runs)")
+        print(
+            f"{args.preset} stretched to {args.layers:,} layers: {len(plan.groups)} groups, "
+            f"{len(plan.pools)} pools, {plan.num_blocks:,} blocks "
+            f"(CPU time, median of {args.repeat} runs)"
+        )
         for step, seconds in medians.items():
             print(f"  {step:<14} {seconds * 1000:10.1f} ms")
         print(f"  {'total':<14} {report['total_median_seconds'] * 1000:10.1f} ms")

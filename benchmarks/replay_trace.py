@@ -78,8 +78,14 @@ def build_allocator(
 
         manager.register(mamba_plugin, "mamba")
         # Jamba-1.5-Mini's per-layer state: conv (d_inner, d_conv - 1), SSM (d_inner, d_state).
-        specs.append(MambaSpec(block_size=BLOCK_SIZE, shapes=((8192, 3), (8192, 16)),
-                               dtypes=(torch.bfloat16, torch.float32), mamba_type="mamba1"))
+        specs.append(
+            MambaSpec(
+                block_size=BLOCK_SIZE,
+                shapes=((8192, 3), (8192, 16)),
+                dtypes=(torch.bfloat16, torch.float32),
+                mamba_type="mamba1",
+            )
+        )
         mamba_cache_mode = "align"
     elif model != "full_attention":
         raise ValueError(f"model={model!r} must be one of {MODELS}")
@@ -227,21 +233,42 @@ def ideal_hit_tokens(events: list[tuple]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", choices=tuple(TRACES), default="shared",
-                        help="shared system prompts (default) or multi-turn chat")
+    parser.add_argument(
+        "--trace",
+        choices=tuple(TRACES),
+        default="shared",
+        help="shared system prompts (default) or multi-turn chat",
+    )
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--hybrid", action="store_true",
-                       help="sliding window 4096 + full attention sharing one pool")
-    model.add_argument("--mamba", action="store_true",
-                       help="Mamba state (align mode) + full attention sharing one pool")
+    model.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="sliding window 4096 + full attention sharing one pool",
+    )
+    model.add_argument(
+        "--mamba",
+        action="store_true",
+        help="Mamba state (align mode) + full attention sharing one pool",
+    )
     parser.add_argument("--blocks", type=int, default=32768)
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests in the trace (default: 2000 shared, 3000 chat)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests in the trace (default: 2000 shared, 3000 chat)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
-                        help=f"cached-block eviction order (default: {DEFAULT_EVICTION})")
-    parser.add_argument("--batched", action="store_true",
-                        help="decode steps through decode_step, one call per engine step")
+    parser.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default=DEFAULT_EVICTION,
+        help=f"cached-block eviction order (default: {DEFAULT_EVICTION})",
+    )
+    parser.add_argument(
+        "--batched",
+        action="store_true",
+        help="decode steps through decode_step, one call per engine step",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()
@@ -266,8 +293,13 @@ def main() -> None:
     else:
         figures = replay(events, allocator, args.batched)
     ideal = ideal_hit_tokens(events)
-    figures.update(mode=model_name, trace=args.trace, blocks=args.blocks,
-                   eviction=args.eviction, ideal_hit_tokens=ideal)
+    figures.update(
+        mode=model_name,
+        trace=args.trace,
+        blocks=args.blocks,
+        eviction=args.eviction,
+        ideal_hit_tokens=ideal,
+    )
     if args.json:
         print(json.dumps(figures))
         return

@@ -36,8 +36,10 @@ def measure(preset: str, prompt_len: int, shared: int, new_tokens: int) -> dict[
     model = build_model(config, seed=0)
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 512, (prompt_len,), generator=generator).tolist()
-    other = prompt[:shared] + torch.randint(
-        0, 512, (prompt_len - shared,), generator=generator).tolist()
+    other = (
+        prompt[:shared]
+        + torch.randint(0, 512, (prompt_len - shared,), generator=generator).tolist()
+    )
     ids = torch.tensor([prompt])
     with torch.no_grad():
         reference, hf_seconds = timed(
@@ -74,8 +76,16 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     print(f"prompt {args.prompt} tokens, {args.new} generated; second request shares {args.shared}")
-    header = ("model", "identical", "transformers s", "engine s", "hit tokens",
-              "prefill tokens", "prefill s (hit)", "prefill s (no cache)")
+    header = (
+        "model",
+        "identical",
+        "transformers s",
+        "engine s",
+        "hit tokens",
+        "prefill tokens",
+        "prefill s (hit)",
+        "prefill s (no cache)",
+    )
     print("  ".join(f"{h:>14}" for h in header))
     for row in rows:
         print("  ".join(f"{value!s:>14}" for value in row.values()))

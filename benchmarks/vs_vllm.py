@@ -137,36 +137,53 @@ def build_vllm_manager(
     attention = dict(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=256, dtype=torch.bfloat16)
     extra: dict[str, Any] = {}
     if model == "mamba_hybrid":
-        state = MambaSpec(block_size=BLOCK_SIZE, shapes=MAMBA_SHAPES, dtypes=MAMBA_DTYPES,
-                          mamba_type=MambaAttentionBackendEnum.MAMBA1, mamba_cache_mode="align")
+        state = MambaSpec(
+            block_size=BLOCK_SIZE,
+            shapes=MAMBA_SHAPES,
+            dtypes=MAMBA_DTYPES,
+            mamba_type=MambaAttentionBackendEnum.MAMBA1,
+            mamba_cache_mode="align",
+        )
         # The attention page padded to the (larger) state page: one page size per pool.
         groups = [
-            KVCacheGroupSpec(["model.layers.1.self_attn"], FullAttentionSpec(
-                page_size_padded=state.page_size_bytes, **attention)),
+            KVCacheGroupSpec(
+                ["model.layers.1.self_attn"],
+                FullAttentionSpec(page_size_padded=state.page_size_bytes, **attention),
+            ),
             KVCacheGroupSpec(["model.layers.0.mamba"], state),
         ]
         extra["prefix_cache_retention_interval"] = retention_interval
     else:
         groups = [KVCacheGroupSpec(["model.layers.1.self_attn"], FullAttentionSpec(**attention))]
     if model == "hybrid":
-        groups.append(KVCacheGroupSpec(
-            ["model.layers.0.self_attn"],
-            SlidingWindowSpec(sliding_window=SLIDING_WINDOW, **attention),
-        ))
+        groups.append(
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn"],
+                SlidingWindowSpec(sliding_window=SLIDING_WINDOW, **attention),
+            )
+        )
     page = groups[0].kv_cache_spec.page_size_bytes
     # One backing tensor shared by one layer of each group (the groups' pages are the same
     # size), as vLLM lays out a hybrid model's groups over one pool of blocks.
-    tensor = KVCacheTensor(size=page * num_blocks,
-                           layers=[group.layer_names[0] for group in groups],
-                           layer_stride=0, block_stride=page)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
-                           kv_cache_groups=groups, **extra)
+    tensor = KVCacheTensor(
+        size=page * num_blocks,
+        layers=[group.layer_names[0] for group in groups],
+        layer_stride=0,
+        block_stride=page,
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=groups, **extra
+    )
     hash_fn = get_hash_fn_by_name(hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
-    manager = KVCacheManager(config, max_model_len=MAX_MODEL_LEN,
-                             scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
-                             enable_caching=True)
+    manager = KVCacheManager(
+        config,
+        max_model_len=MAX_MODEL_LEN,
+        scheduler_block_size=BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+        enable_caching=True,
+    )
     return manager, hasher
 
 
@@ -178,22 +195,24 @@ def mamba_align_split(manager: Any, max_num_batched_tokens: int) -> Callable[...
     from vllm.v1.kv_cache_interface import MambaSpec
 
     groups = manager.kv_cache_config.kv_cache_groups
-    states = [group.kv_cache_spec for group in groups
-              if isinstance(group.kv_cache_spec, MambaSpec)]
+    states = [group.kv_cache_spec for group in groups if isinstance(group.kv_cache_spec, MambaSpec)]
     if not states or any(spec.mamba_cache_mode != "align" for spec in states):
         raise ValueError("mamba_align_split needs Mamba groups in align mode")
     hash_block_size = manager.block_pool.hash_block_size
-    partial_cache_hit = (hash_block_size < BLOCK_SIZE
-                         and manager.coordinator.enable_partial_hash_hits)
+    partial_cache_hit = (
+        hash_block_size < BLOCK_SIZE and manager.coordinator.enable_partial_hash_hits
+    )
     stand_in = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
         block_size=BLOCK_SIZE,
         hash_block_size=hash_block_size,
         mamba_partial_cache_hit=partial_cache_hit,
-        mamba_shared_prefix_checkpoint=(partial_cache_hit
-                                        and manager.mamba_shared_prefix_checkpoint),
+        mamba_shared_prefix_checkpoint=(
+            partial_cache_hit and manager.mamba_shared_prefix_checkpoint
+        ),
         mamba_has_prefill_checkpoint_blocks=all(
-            spec.num_prefill_checkpoint_blocks > 0 for spec in states),
+            spec.num_prefill_checkpoint_blocks > 0 for spec in states
+        ),
         mamba_prefill_checkpoint_alignment=states[0].prefill_checkpoint_alignment,
         use_eagle_block_drop=False,
         num_hash_lookahead_tokens=0,
@@ -204,7 +223,9 @@ def mamba_align_split(manager: Any, max_num_batched_tokens: int) -> Callable[...
 
 
 def replay_vllm(
-    events: list[tuple], manager: Any, hasher: Callable,
+    events: list[tuple],
+    manager: Any,
+    hasher: Callable,
     max_num_batched_tokens: int | None = None,
 ) -> dict[str, float | int]:
     """The events through vLLM's manager (see the module docstring), same loop as kvspec's.
@@ -222,8 +243,11 @@ def replay_vllm(
     allocate_slots = manager.allocate_slots
     new_step_starts = manager.new_step_starts
     running = RequestStatus.RUNNING
-    split = (None if max_num_batched_tokens is None
-             else mamba_align_split(manager, max_num_batched_tokens))
+    split = (
+        None
+        if max_num_batched_tokens is None
+        else mamba_align_split(manager, max_num_batched_tokens)
+    )
     hit_tokens = prompt_tokens = peak = waits = dropped = decode_stalls = 0
 
     def prefill_chunks(request: Any, blocks: Any, hit: int) -> bool:
@@ -232,17 +256,24 @@ def replay_vllm(
         # Running requests' decodes are scheduled first in a step.
         budget = max_num_batched_tokens - len(requests)
         num_new = split(request, min(request.num_tokens - hit, budget), hit, 0)
-        if num_new == 0 or allocate_slots(
-            request, num_new, num_new_computed_tokens=hit, new_computed_blocks=blocks,
-            full_sequence_must_fit=True, has_scheduled_reqs=bool(requests),
-        ) is None:
+        if (
+            num_new == 0
+            or allocate_slots(
+                request,
+                num_new,
+                num_new_computed_tokens=hit,
+                new_computed_blocks=blocks,
+                full_sequence_must_fit=True,
+                has_scheduled_reqs=bool(requests),
+            )
+            is None
+        ):
             return False
         request.status = running
         request.num_computed_tokens = hit + num_new
         while request.num_computed_tokens < request.num_tokens:
             new_step_starts()
-            num_new = split(request, min(request.num_tokens - request.num_computed_tokens,
-                                         budget))
+            num_new = split(request, min(request.num_tokens - request.num_computed_tokens, budget))
             if num_new == 0 or allocate_slots(request, num_new) is None:
                 # The scheduler would preempt it: freed, computed tokens reset, queued.
                 manager.free(request)
@@ -256,9 +287,17 @@ def replay_vllm(
         nonlocal hit_tokens, peak
         if split is None:
             blocks, hit, _ = get_computed_blocks(request)
-            if allocate_slots(request, request.num_tokens - hit, num_new_computed_tokens=hit,
-                              new_computed_blocks=blocks, full_sequence_must_fit=True,
-                              has_scheduled_reqs=bool(requests)) is None:
+            if (
+                allocate_slots(
+                    request,
+                    request.num_tokens - hit,
+                    num_new_computed_tokens=hit,
+                    new_computed_blocks=blocks,
+                    full_sequence_must_fit=True,
+                    has_scheduled_reqs=bool(requests),
+                )
+                is None
+            ):
                 return False
             request.status = running
             request.num_computed_tokens = request.num_tokens
@@ -343,7 +382,8 @@ def _retention_interval(value: str) -> int | None:
     interval = int(value)
     if interval < 0 or interval % BLOCK_SIZE:
         raise argparse.ArgumentTypeError(
-            f"must be 'dense' or a non-negative multiple of {BLOCK_SIZE}")
+            f"must be 'dense' or a non-negative multiple of {BLOCK_SIZE}"
+        )
     return interval
 
 
@@ -353,16 +393,24 @@ def compare(events: list[tuple], args: argparse.Namespace) -> dict[str, Any]:
     chunked = model == "mamba_hybrid"
     # Per side: build the allocator / manager, then the replay of it.
     sides: dict[str, tuple[Callable[[], Any], Callable[[Any], dict[str, Any]]]] = {
-        "kvspec": (lambda: build_allocator(args.blocks, model),
-                   lambda allocator: replay(events, allocator)),
-        "vllm": (lambda: build_vllm_manager(args.blocks, model, args.vllm_hash_algo,
-                                            args.vllm_retention_interval),
-                 lambda built: replay_vllm(events, *built,
-                                           args.vllm_max_num_batched_tokens if chunked else None)),
+        "kvspec": (
+            lambda: build_allocator(args.blocks, model),
+            lambda allocator: replay(events, allocator),
+        ),
+        "vllm": (
+            lambda: build_vllm_manager(
+                args.blocks, model, args.vllm_hash_algo, args.vllm_retention_interval
+            ),
+            lambda built: replay_vllm(
+                events, *built, args.vllm_max_num_batched_tokens if chunked else None
+            ),
+        ),
     }
     if args.batched:
-        sides["kvspec_batched"] = (lambda: build_allocator(args.blocks, model),
-                                   lambda allocator: replay(events, allocator, batched=True))
+        sides["kvspec_batched"] = (
+            lambda: build_allocator(args.blocks, model),
+            lambda allocator: replay(events, allocator, batched=True),
+        )
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     for _ in range(args.repeat):
         for name, (build, run) in sides.items():
@@ -399,27 +447,50 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", choices=tuple(TRACES), default="shared")
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--hybrid", action="store_true",
-                       help="sliding window 4096 + full attention sharing one pool")
-    model.add_argument("--mamba", action="store_true",
-                       help="Mamba-1 state (align mode) + full attention sharing one pool")
-    parser.add_argument("--batched", action="store_true",
-                        help="also replay kvspec through decode_step, one call per step")
+    model.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="sliding window 4096 + full attention sharing one pool",
+    )
+    model.add_argument(
+        "--mamba",
+        action="store_true",
+        help="Mamba-1 state (align mode) + full attention sharing one pool",
+    )
+    parser.add_argument(
+        "--batched",
+        action="store_true",
+        help="also replay kvspec through decode_step, one call per step",
+    )
     parser.add_argument("--blocks", type=int, default=32768)
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests in the trace (default: the trace's own)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests in the trace (default: the trace's own)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=5, help="runs of each side (median)")
-    parser.add_argument("--vllm-hash-algo", default="sha256",
-                        help="vLLM's prefix_caching_hash_algo (default: vLLM's own, sha256)")
-    parser.add_argument("--vllm-max-num-batched-tokens", type=int,
-                        default=MAX_NUM_BATCHED_TOKENS,
-                        help="--mamba: vLLM's token budget per step, chunking prefills "
-                             f"(default {MAX_NUM_BATCHED_TOKENS}, the H100/H200 server's)")
-    parser.add_argument("--vllm-retention-interval", type=_retention_interval, default=0,
-                        help="--mamba: vLLM's prefix_cache_retention_interval, 'dense' for "
-                             "None (default 0, vLLM's: states at replay boundaries and "
-                             "shared-prefix junctions only)")
+    parser.add_argument(
+        "--vllm-hash-algo",
+        default="sha256",
+        help="vLLM's prefix_caching_hash_algo (default: vLLM's own, sha256)",
+    )
+    parser.add_argument(
+        "--vllm-max-num-batched-tokens",
+        type=int,
+        default=MAX_NUM_BATCHED_TOKENS,
+        help="--mamba: vLLM's token budget per step, chunking prefills "
+        f"(default {MAX_NUM_BATCHED_TOKENS}, the H100/H200 server's)",
+    )
+    parser.add_argument(
+        "--vllm-retention-interval",
+        type=_retention_interval,
+        default=0,
+        help="--mamba: vLLM's prefix_cache_retention_interval, 'dense' for "
+        "None (default 0, vLLM's: states at replay boundaries and "
+        "shared-prefix junctions only)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.repeat < 1 or args.blocks < 2:
@@ -432,16 +503,26 @@ def main() -> None:
     events = list(make_trace(seed=args.seed, num_requests=requests))
     summary = compare(events, args)
     model = model_name(args)
-    header = {"trace": args.trace, "model": model, "blocks": args.blocks, "events": len(events),
-              "repeat": args.repeat, "vllm_version": vllm.__version__,
-              "vllm_hash_algo": args.vllm_hash_algo}
+    header = {
+        "trace": args.trace,
+        "model": model,
+        "blocks": args.blocks,
+        "events": len(events),
+        "repeat": args.repeat,
+        "vllm_version": vllm.__version__,
+        "vllm_hash_algo": args.vllm_hash_algo,
+    }
     setting = ""
     if model == "mamba_hybrid":
         retention = args.vllm_retention_interval
-        header.update(vllm_max_num_batched_tokens=args.vllm_max_num_batched_tokens,
-                      vllm_retention_interval=retention)
-        setting = (f", {args.vllm_max_num_batched_tokens:,} tokens per step, retention "
-                   f"{'dense' if retention is None else retention}")
+        header.update(
+            vllm_max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+            vllm_retention_interval=retention,
+        )
+        setting = (
+            f", {args.vllm_max_num_batched_tokens:,} tokens per step, retention "
+            f"{'dense' if retention is None else retention}"
+        )
     base = summary["vllm"]
     for figures in summary.values():
         figures["speedup_wall"] = figures["events_per_s"] / base["events_per_s"]
@@ -449,21 +530,28 @@ def main() -> None:
         # Each round's runs are adjacent in time, so a change of the machine's load between
         # rounds moves both sides of a round alike: the median of the rounds' ratios.
         figures["speedup_cpu_rounds"] = statistics.median(
-            run / vllm_run for run, vllm_run in
-            zip(figures["runs_events_per_cpu_s"], base["runs_events_per_cpu_s"], strict=True))
+            run / vllm_run
+            for run, vllm_run in zip(
+                figures["runs_events_per_cpu_s"], base["runs_events_per_cpu_s"], strict=True
+            )
+        )
     if args.json:
         print(json.dumps({**header, **summary}))
         return
-    print(f"{model} on {args.trace} trace ({len(events):,} events), {args.blocks:,} blocks, "
-          f"vLLM {vllm.__version__} ({args.vllm_hash_algo}{setting}); median of {args.repeat} "
-          "interleaved runs:")
+    print(
+        f"{model} on {args.trace} trace ({len(events):,} events), {args.blocks:,} blocks, "
+        f"vLLM {vllm.__version__} ({args.vllm_hash_algo}{setting}); median of {args.repeat} "
+        "interleaved runs:"
+    )
     for name, figures in summary.items():
-        print(f"  {name:15} {figures['events_per_s']:>10,.0f} events/s "
-              f"{figures['events_per_cpu_s']:>10,.0f} per CPU s  "
-              f"x{figures['speedup_wall']:5.2f} wall x{figures['speedup_cpu']:5.2f} CPU "
-              f"(x{figures['speedup_cpu_rounds']:5.2f} per round)  "
-              f"hit tokens {figures['hit_tokens']:,}  peak blocks {figures['peak_blocks']:,}  "
-              f"waits {figures['waits']}")
+        print(
+            f"  {name:15} {figures['events_per_s']:>10,.0f} events/s "
+            f"{figures['events_per_cpu_s']:>10,.0f} per CPU s  "
+            f"x{figures['speedup_wall']:5.2f} wall x{figures['speedup_cpu']:5.2f} CPU "
+            f"(x{figures['speedup_cpu_rounds']:5.2f} per round)  "
+            f"hit tokens {figures['hit_tokens']:,}  peak blocks {figures['peak_blocks']:,}  "
+            f"waits {figures['waits']}"
+        )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,14 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 #: Names model configs use for the same dtypes.
-_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16",
-            "bf16": "bfloat16", "double": "float64"}
+_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "double": "float64",
+}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -33,9 +33,7 @@ class InvalidFieldTypeError(KVSpecError, TypeError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(
-            f"{owner}.{field}={value!r} has type {type(value).__name__}: {allowed}"
-        )
+        super().__init__(f"{owner}.{field}={value!r} has type {type(value).__name__}: {allowed}")
 
 
 class MergeError(KVSpecError, ValueError):

@@ -80,12 +80,27 @@ NO_QUANT = KVQuantMode(name="none")
 BUILTIN_QUANT_MODES: tuple[KVQuantMode, ...] = (
     NO_QUANT,
     KVQuantMode(name="fp8_per_tensor", key_bits=8, value_bits=8),
-    KVQuantMode(name="int8_per_token_head", key_bits=8, value_bits=8,
-                scale_bytes_per_token_head=8, per_token_head=True),
-    KVQuantMode(name="fp8_per_token_head", key_bits=8, value_bits=8,
-                scale_bytes_per_token_head=8, per_token_head=True),
-    KVQuantMode(name="int4_per_token_head", key_bits=4, value_bits=4,
-                scale_bytes_per_token_head=8, per_token_head=True),
+    KVQuantMode(
+        name="int8_per_token_head",
+        key_bits=8,
+        value_bits=8,
+        scale_bytes_per_token_head=8,
+        per_token_head=True,
+    ),
+    KVQuantMode(
+        name="fp8_per_token_head",
+        key_bits=8,
+        value_bits=8,
+        scale_bytes_per_token_head=8,
+        per_token_head=True,
+    ),
+    KVQuantMode(
+        name="int4_per_token_head",
+        key_bits=4,
+        value_bits=4,
+        scale_bytes_per_token_head=8,
+        per_token_head=True,
+    ),
     # 4 data bits + one 8-bit scale per 16 elements = 4.5 bits per element.
     KVQuantMode(name="nvfp4", key_bits=Fraction(9, 2), value_bits=Fraction(9, 2)),
     KVQuantMode(name="turboquant_k8v4", key_bits=8, value_bits=4, scale_bytes_per_token_head=4),
@@ -130,23 +145,34 @@ BUILTIN_KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = (
     KVCacheDtype(name="bfloat16", storage_dtype=torch.bfloat16, aliases=("bf16",)),
     KVCacheDtype(name="float16", storage_dtype=torch.float16, aliases=("half", "fp16")),
     KVCacheDtype(name="float32", storage_dtype=torch.float32, aliases=("float", "fp32")),
-    KVCacheDtype(name="fp8", storage_dtype=torch.float8_e4m3fn, quant_mode=BUILTIN_QUANT_MODES[1],
-                 aliases=("fp8_e4m3",)),
-    KVCacheDtype(name="fp8_e5m2", storage_dtype=torch.float8_e5m2,
-                 quant_mode=BUILTIN_QUANT_MODES[1]),
-    KVCacheDtype(name="int8_per_token_head", storage_dtype=torch.int8,
-                 quant_mode=BUILTIN_QUANT_MODES[2]),
-    KVCacheDtype(name="fp8_per_token_head", storage_dtype=torch.float8_e4m3fn,
-                 quant_mode=BUILTIN_QUANT_MODES[3]),
-    KVCacheDtype(name="int4_per_token_head", storage_dtype=torch.uint8,
-                 quant_mode=BUILTIN_QUANT_MODES[4]),
+    KVCacheDtype(
+        name="fp8",
+        storage_dtype=torch.float8_e4m3fn,
+        quant_mode=BUILTIN_QUANT_MODES[1],
+        aliases=("fp8_e4m3",),
+    ),
+    KVCacheDtype(
+        name="fp8_e5m2", storage_dtype=torch.float8_e5m2, quant_mode=BUILTIN_QUANT_MODES[1]
+    ),
+    KVCacheDtype(
+        name="int8_per_token_head", storage_dtype=torch.int8, quant_mode=BUILTIN_QUANT_MODES[2]
+    ),
+    KVCacheDtype(
+        name="fp8_per_token_head",
+        storage_dtype=torch.float8_e4m3fn,
+        quant_mode=BUILTIN_QUANT_MODES[3],
+    ),
+    KVCacheDtype(
+        name="int4_per_token_head", storage_dtype=torch.uint8, quant_mode=BUILTIN_QUANT_MODES[4]
+    ),
     KVCacheDtype(name="nvfp4", storage_dtype=torch.uint8, quant_mode=BUILTIN_QUANT_MODES[5]),
     *(
         KVCacheDtype(name=mode.name, storage_dtype=torch.uint8, quant_mode=mode)
         for mode in BUILTIN_QUANT_MODES[6:10]
     ),
-    KVCacheDtype(name="nvfp4_ds_mla", storage_dtype=torch.uint8,
-                 quant_mode=BUILTIN_QUANT_MODES[10]),
+    KVCacheDtype(
+        name="nvfp4_ds_mla", storage_dtype=torch.uint8, quant_mode=BUILTIN_QUANT_MODES[10]
+    ),
 )
 
 

@@ -92,8 +92,9 @@ def check_spec_protocol(
     try:
         check_spec_answers(spec, "the spec under test")
         for max_len in max_model_lens:
-            checked_blocks_per_request(spec, SizingContext(max_model_len=max_len),
-                                       "the spec under test")
+            checked_blocks_per_request(
+                spec, SizingContext(max_model_len=max_len), "the spec under test"
+            )
     except SpecAnswerError as error:
         raise AssertionError(str(error)) from error
 
@@ -209,8 +210,11 @@ def plugins_cli_report(allowed: str, *, timeout: float = 120) -> dict[str, Any]:
     ``subprocess.CalledProcessError`` when the command fails."""
     result = subprocess.run(
         [sys.executable, "-m", "kvspec_core", "plugins", "--json"],
-        capture_output=True, text=True, env={**os.environ, "KVSPEC_PLUGINS": allowed},
-        timeout=timeout, check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVSPEC_PLUGINS": allowed},
+        timeout=timeout,
+        check=True,
     )
     return json.loads(result.stdout)
 

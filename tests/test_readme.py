@@ -51,7 +51,7 @@ def _console_examples() -> list[tuple[str, str]]:
     for block in re.findall(r"```console\n(.*?)```", README, re.S):
         command, _, output = block.partition("\n")
         assert command.startswith("$ kvspec "), command
-        examples.append((command[len("$ kvspec "):], output))
+        examples.append((command[len("$ kvspec ") :], output))
     return examples
 
 
@@ -59,11 +59,15 @@ def _console_examples() -> list[tuple[str, str]]:
 _TIMING = re.compile(r"in \d+(\.\d+)? s\b")
 
 
-@pytest.mark.parametrize(("arguments", "expected"), _console_examples(),
-                         ids=[a for a, _ in _console_examples()])
-def test_cli_examples_show_real_output(arguments: str, expected: str,
-                                       capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("arguments", "expected"), _console_examples(), ids=[a for a, _ in _console_examples()]
+)
+def test_cli_examples_show_real_output(
+    arguments: str,
+    expected: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvspec_core.cli.main import main
 
     for name in ("KVSPEC_PLUGINS", "KVSPEC_STRICT_PLUGINS"):
@@ -125,8 +129,11 @@ def _guide_imports() -> list[tuple[str, str]]:
     """``(module, name)`` of every ``from kvspec_core... import name`` in the guide's Python
     blocks (the one-line hook signatures are not code) and in its inline code."""
     found = []
-    sources = [block for block in re.findall(r"```python\n(.*?)```", _plugin_guide(), re.S)
-               if not block.startswith("def kvspec_")]
+    sources = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", _plugin_guide(), re.S)
+        if not block.startswith("def kvspec_")
+    ]
     sources += re.findall(r"`(from kvspec_core[\w.]* import [\w, ]+)`", _plugin_guide())
     for source in sources:
         for node in ast.walk(ast.parse(source)):

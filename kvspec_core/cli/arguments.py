@@ -29,7 +29,8 @@ def seed(text: str) -> int:
     if value is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not an integer written with the ASCII digits 0-9 (a leading '-' "
-            "allowed; no '_' or other digits)")
+            "allowed; no '_' or other digits)"
+        )
     return value
 
 
@@ -38,7 +39,8 @@ def plot_file(text: str) -> str:
     plot nothing and succeed)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(
-            f"{text!r} is an empty file name; give the PNG file to write, such as plot.png")
+            f"{text!r} is an empty file name; give the PNG file to write, such as plot.png"
+        )
     if "\0" in text:
         raise argparse.ArgumentTypeError(f"{text!r} holds a NUL character; no file has one")
     return text
@@ -64,43 +66,77 @@ def layer_partition(text: str) -> list[int]:
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """``--pp`` (pipeline stages) and ``--pp-partition`` (explicit layers per stage)."""
-    parser.add_argument("--pp", type=positive_int, default=1, metavar="N",
-                        help="pipeline parallel size: layers split over N stages as vLLM splits "
-                        "them, each planned on its own GPU with the same --memory (default 1)")
-    parser.add_argument("--pp-partition", type=layer_partition, metavar="A,B,...",
-                        help="layers per pipeline stage, overriding the even split (as vLLM's "
-                        "VLLM_PP_LAYER_PARTITION); one count per --pp stage")
+    parser.add_argument(
+        "--pp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="pipeline parallel size: layers split over N stages as vLLM splits "
+        "them, each planned on its own GPU with the same --memory (default 1)",
+    )
+    parser.add_argument(
+        "--pp-partition",
+        type=layer_partition,
+        metavar="A,B,...",
+        help="layers per pipeline stage, overriding the even split (as vLLM's "
+        "VLLM_PP_LAYER_PARTITION); one count per --pp stage",
+    )
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, kv_dtype_help: str,
-                        repeatable_kv_dtype: bool = False) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, kv_dtype_help: str, repeatable_kv_dtype: bool = False
+) -> None:
     """MODEL, ``--memory`` and the planning options (block size, KV dtype, TP, DCP, lengths),
     plus ``--json``."""
     parser.add_argument(
-        "model", metavar="MODEL",
+        "model",
+        metavar="MODEL",
         help="a preset name (see `kvspec models`), a config.json path, a folder holding one, "
         "or a Hugging Face hub id (org/name[@revision]; needs kvspec-core[hf]; read from the "
         "hub cache, HF_HUB_OFFLINE=1 honoured)",
     )
-    parser.add_argument("--memory", required=True, metavar="SIZE",
-                        help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes")
-    parser.add_argument("--max-model-len", type=positive_int, metavar="N",
-                        help="longest request in tokens (default: the config's "
-                        "max_position_embeddings)")
-    parser.add_argument("--block-size", type=positive_int, default=16, metavar="N",
-                        help="tokens per attention block (default 16; never inflated)")
+    parser.add_argument(
+        "--memory",
+        required=True,
+        metavar="SIZE",
+        help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        metavar="N",
+        help="longest request in tokens (default: the config's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="tokens per attention block (default 16; never inflated)",
+    )
     if repeatable_kv_dtype:
         parser.add_argument("--kv-cache-dtype", action="append", metavar="D", help=kv_dtype_help)
     else:
-        parser.add_argument("--kv-cache-dtype", default=DEFAULT_KV_CACHE_DTYPE, metavar="D",
-                            help=kv_dtype_help)
-    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
-                        help="tensor parallel size (default 1)")
-    parser.add_argument("--dcp", type=positive_int, default=1, metavar="N",
-                        help="decode context parallel size (default 1)")
-    parser.add_argument("--max-in-flight-tokens", type=positive_int,
-                        default=DEFAULT_MAX_IN_FLIGHT_TOKENS, metavar="N",
-                        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})")
+        parser.add_argument(
+            "--kv-cache-dtype", default=DEFAULT_KV_CACHE_DTYPE, metavar="D", help=kv_dtype_help
+        )
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, metavar="N", help="tensor parallel size (default 1)"
+    )
+    parser.add_argument(
+        "--dcp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="decode context parallel size (default 1)",
+    )
+    parser.add_argument(
+        "--max-in-flight-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_IN_FLIGHT_TOKENS,
+        metavar="N",
+        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

@@ -73,8 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _discard_further_output(real_stdout)
         if isinstance(failure.cause, BrokenPipeError):
             return EXIT_BROKEN_PIPE
-        print(f"kvspec: error: cannot write the output to standard output: {failure.cause}",
-              file=sys.stderr)
+        print(
+            f"kvspec: error: cannot write the output to standard output: {failure.cause}",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     finally:
         sys.stdout = real_stdout
@@ -98,12 +100,15 @@ def _plugin_warnings_as_lines(show: Callable[..., None]) -> Callable[..., None]:
     """A ``warnings.showwarning`` that prints a :class:`PluginHookWarning` (a plugin's hook
     failed where another plugin's answer stands) as one ``kvspec: warning:`` line and hands
     every other warning to ``show``."""
-    def show_warning(message: Warning | str, category: type[Warning], *rest: Any,
-                     **options: Any) -> None:
+
+    def show_warning(
+        message: Warning | str, category: type[Warning], *rest: Any, **options: Any
+    ) -> None:
         if issubclass(category, PluginHookWarning):
             print(f"kvspec: warning: {message}", file=sys.stderr)
         else:
             show(message, category, *rest, **options)
+
     return show_warning
 
 

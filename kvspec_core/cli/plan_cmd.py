@@ -53,14 +53,19 @@ def add_parser(subparsers: Any) -> None:
         "padding and how many max-length requests fit at once.",
     )
     add_model_arguments(
-        parser, repeatable_kv_dtype=True,
+        parser,
+        repeatable_kv_dtype=True,
         kv_dtype_help="KV-cache dtype (default auto: the model's dtype); repeat to plot "
         "several, the plan uses the first",
     )
     add_pipeline_arguments(parser)
-    parser.add_argument("--plot", type=plot_file, metavar="FILE",
-                        help="write a PNG of max concurrency against context length, one "
-                        "curve per --kv-cache-dtype (needs kvspec-core[plot])")
+    parser.add_argument(
+        "--plot",
+        type=plot_file,
+        metavar="FILE",
+        help="write a PNG of max concurrency against context length, one "
+        "curve per --kv-cache-dtype (needs kvspec-core[plot])",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -182,14 +187,27 @@ def describe_layers(names: Sequence[str]) -> str:
 
 def _human(report: dict[str, Any]) -> str:
     group_rows = [
-        [g["id"], g["kind"], describe_layers(g["layers"]), g["block_size"],
-         f"{g['page_size_bytes']:,}", f"{g['blocks_per_request']:,}",
-         "-" if g["tokens_per_request"] is None else f"{g['tokens_per_request']:,}", g["pool"]]
+        [
+            g["id"],
+            g["kind"],
+            describe_layers(g["layers"]),
+            g["block_size"],
+            f"{g['page_size_bytes']:,}",
+            f"{g['blocks_per_request']:,}",
+            "-" if g["tokens_per_request"] is None else f"{g['tokens_per_request']:,}",
+            g["pool"],
+        ]
         for g in report["groups"]
     ]
     pool_rows = [
-        [p["id"], f"{p['num_blocks']:,}", f"{p['block_bytes']:,}", f"{p['blocks_per_request']:,}",
-         f"{p['max_concurrency']:.2f}", "host" if p["host_resident"] else "device"]
+        [
+            p["id"],
+            f"{p['num_blocks']:,}",
+            f"{p['block_bytes']:,}",
+            f"{p['blocks_per_request']:,}",
+            f"{p['max_concurrency']:.2f}",
+            "host" if p["host_resident"] else "device",
+        ]
         for p in report["pools"]
     ]
     budget = report["kv_budget_bytes"]
@@ -205,22 +223,35 @@ def _human(report: dict[str, Any]) -> str:
         + (f"; PP {report['pipeline_parallel_size']}" if pipelined else ""),
         f"max model len    {report['max_model_len']:,} tokens; in-flight tokens "
         f"{report['max_in_flight_tokens']:,}"
-        + (f"; encoder tokens {report['max_encoder_tokens']:,}"
-           if report["max_encoder_tokens"] else ""),
+        + (
+            f"; encoder tokens {report['max_encoder_tokens']:,}"
+            if report["max_encoder_tokens"]
+            else ""
+        ),
         "",
     ]
     if pipelined:
         lines += _stage_lines(report)
     lines += [
         render_table(
-            ["group", "kind", "layers", "block", "page bytes", "blocks/request",
-             "tokens/request", "pool"],
-            group_rows, align_right=(3, 4, 5, 6),
+            [
+                "group",
+                "kind",
+                "layers",
+                "block",
+                "page bytes",
+                "blocks/request",
+                "tokens/request",
+                "pool",
+            ],
+            group_rows,
+            align_right=(3, 4, 5, 6),
         ),
         "",
         render_table(
             ["pool", "blocks", "block bytes", "blocks/request", "max concurrency", "memory"],
-            pool_rows, align_right=(1, 2, 3, 4),
+            pool_rows,
+            align_right=(1, 2, 3, 4),
         ),
         "",
         f"blocks           {report['num_blocks']:,} (one null block per pool included)",
@@ -240,35 +271,66 @@ def _human(report: dict[str, Any]) -> str:
 def _stage_lines(report: dict[str, Any]) -> list[str]:
     """The per-stage table of a pipelined plan, then a line introducing the tightest stage."""
     rows = [
-        [stage["stage"], f"{stage['layer_range'][0]}..{stage['layer_range'][1] - 1}",
-         stage["cache_layers"], f"{stage['num_blocks']:,}",
-         format_size(stage["bytes_allocated"]), format_size(stage["kv_bytes_per_request"]),
-         f"{stage['max_concurrency']:.2f}"]
+        [
+            stage["stage"],
+            f"{stage['layer_range'][0]}..{stage['layer_range'][1] - 1}",
+            stage["cache_layers"],
+            f"{stage['num_blocks']:,}",
+            format_size(stage["bytes_allocated"]),
+            format_size(stage["kv_bytes_per_request"]),
+            f"{stage['max_concurrency']:.2f}",
+        ]
         for stage in report["pipeline_stages"]
     ]
     table = render_table(
-        ["stage", "layers", "cache layers", "blocks", "memory used", "KV per request",
-         "max concurrency"],
-        rows, align_right=(2, 3, 4, 5, 6),
+        [
+            "stage",
+            "layers",
+            "cache layers",
+            "blocks",
+            "memory used",
+            "KV per request",
+            "max concurrency",
+        ],
+        rows,
+        align_right=(2, 3, 4, 5, 6),
     )
-    return [table, "", f"stage {report['bottleneck_stage']} admits the fewest requests; its "
-            "plan:", ""]
+    return [
+        table,
+        "",
+        f"stage {report['bottleneck_stage']} admits the fewest requests; its plan:",
+        "",
+    ]
 
 
-def _write_plot(args: argparse.Namespace, name: str, config: ModelConfig, budget: int,
-                result: ModelPlan, dtypes: list[str], manager: PluginManager) -> None:
+def _write_plot(
+    args: argparse.Namespace,
+    name: str,
+    config: ModelConfig,
+    budget: int,
+    result: ModelPlan,
+    dtypes: list[str],
+    manager: PluginManager,
+) -> None:
     from kvspec_core.cli.plot import plot_concurrency
 
     lengths = context_lengths(result.context.max_model_len, args.block_size)
     curves = {
         dtype: concurrency_curve(
-            config, budget, plan_options(args, dtype), manager, lengths,
-            name=name, max_in_flight_tokens=args.max_in_flight_tokens,
+            config,
+            budget,
+            plan_options(args, dtype),
+            manager,
+            lengths,
+            name=name,
+            max_in_flight_tokens=args.max_in_flight_tokens,
         )
         for dtype in dtypes
     }
-    title = (f"{name}: {format_size(budget)} KV budget, block {args.block_size}, "
-             f"TP {args.tp}, DCP {args.dcp}")
+    title = (
+        f"{name}: {format_size(budget)} KV budget, block {args.block_size}, "
+        f"TP {args.tp}, DCP {args.dcp}"
+    )
     plot_concurrency(curves, args.plot, title=title, max_model_len=result.context.max_model_len)
 
 
@@ -277,16 +339,20 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     dtypes = list(dict.fromkeys(args.kv_cache_dtype or [DEFAULT_KV_CACHE_DTYPE]))
     if args.plot is not None:
         if args.pp > 1 or args.pp_partition is not None:
-            raise ConfigError("--plot draws single-stage plans; drop --pp / --pp-partition, "
-                              "or --plot")
+            raise ConfigError(
+                "--plot draws single-stage plans; drop --pp / --pp-partition, or --plot"
+            )
         from kvspec_core.cli.plot import load_pyplot
 
         load_pyplot()  # fail before planning when matplotlib is missing
     resolved = resolve_model(args.model)
     config = normalize_config(resolved.config)
     prepared = prepare_model(
-        config, plan_options(args, dtypes[0]), manager,
-        name=resolved.name, max_model_len=args.max_model_len,
+        config,
+        plan_options(args, dtypes[0]),
+        manager,
+        name=resolved.name,
+        max_model_len=args.max_model_len,
         max_in_flight_tokens=args.max_in_flight_tokens,
     )
     stages = split_stages(prepared, args.pp, args.pp_partition)

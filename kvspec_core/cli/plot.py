@@ -50,15 +50,21 @@ def plot_concurrency(
     figure, axes = pyplot.subplots(figsize=(8, 5), dpi=100)
     try:
         for label, points in curves.items():
-            fitting = [(length, value) for length, value in points
-                       if value is not None and value > 0]
+            fitting = [
+                (length, value) for length, value in points if value is not None and value > 0
+            ]
             if not fitting:
                 continue
             xs, ys = zip(*fitting, strict=True)
             axes.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=label)
         if max_model_len is not None:
-            axes.axvline(max_model_len, color="grey", linestyle=":", linewidth=1,
-                         label=f"max model len {max_model_len:,}")
+            axes.axvline(
+                max_model_len,
+                color="grey",
+                linestyle=":",
+                linewidth=1,
+                label=f"max model len {max_model_len:,}",
+            )
         axes.axhline(1.0, color="red", linestyle="--", linewidth=0.8, label="one request")
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
@@ -76,4 +82,3 @@ def plot_concurrency(
     finally:
         pyplot.close(figure)
     return target
-

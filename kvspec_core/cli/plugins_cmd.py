@@ -63,8 +63,12 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     core = report["core"]
     rows = [["(core)", core["distribution"], core["version"], ", ".join(core["spec_kinds"])]]
     rows += [
-        [p["name"], p["distribution"] or "-", p["version"] or "-",
-         ", ".join(p["spec_kinds"]) or "-"]
+        [
+            p["name"],
+            p["distribution"] or "-",
+            p["version"] or "-",
+            ", ".join(p["spec_kinds"]) or "-",
+        ]
         for p in report["plugins"]
     ]
     print(render_table(["plugin", "distribution", "version", "spec kinds"], rows))

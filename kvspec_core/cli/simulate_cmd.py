@@ -36,14 +36,20 @@ def add_parser(subparsers: Any) -> None:
     )
     add_model_arguments(parser, kv_dtype_help="KV-cache dtype (default auto: the model's dtype)")
     parser.add_argument("--seed", type=seed, default=0, metavar="S", help="trace seed (0)")
-    parser.add_argument("--requests", type=positive_int, default=2000, metavar="N",
-                        help="requests in the trace (default 2000)")
+    parser.add_argument(
+        "--requests",
+        type=positive_int,
+        default=2000,
+        metavar="N",
+        help="requests in the trace (default 2000)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
 
 
-def _progress(total: int | None, enabled: bool
-              ) -> tuple[Callable[[], None] | None, Callable[[], None]]:
+def _progress(
+    total: int | None, enabled: bool
+) -> tuple[Callable[[], None] | None, Callable[[], None]]:
     """(per-event tick, close): tqdm on stderr when installed, else a plain counter."""
     if not enabled:
         return None, lambda: None
@@ -71,8 +77,12 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     resolved = resolve_model(args.model)
     options = plan_options(args, args.kv_cache_dtype)
     prepared = prepare_model(
-        resolved.config, options, manager, name=resolved.name,
-        max_model_len=args.max_model_len, max_in_flight_tokens=args.max_in_flight_tokens,
+        resolved.config,
+        options,
+        manager,
+        name=resolved.name,
+        max_model_len=args.max_model_len,
+        max_in_flight_tokens=args.max_in_flight_tokens,
     )
     planned = prepared.plan(budget, manager)
     allocator = KVCacheAllocator.from_plan(planned.plan, manager)
@@ -82,7 +92,9 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     start = time.perf_counter()
     try:
         report = simulate(
-            allocator, events, num_encoder_tokens=planned.context.max_encoder_tokens,
+            allocator,
+            events,
+            num_encoder_tokens=planned.context.max_encoder_tokens,
             on_event=tick,
         )
     finally:
@@ -107,16 +119,27 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         ("KV budget", format_size(budget)),
         ("groups", ", ".join(document["groups"])),
         ("blocks (all pools)", f"{document['num_blocks']:,}"),
-        ("requests", f"{report.requests:,} ({report.admitted:,} admitted, "
-                     f"{report.never_admitted:,} never admitted, {report.rejected:,} over "
-                     "max_model_len)"),
+        (
+            "requests",
+            f"{report.requests:,} ({report.admitted:,} admitted, "
+            f"{report.never_admitted:,} never admitted, {report.rejected:,} over "
+            "max_model_len)",
+        ),
         ("events replayed", f"{report.events:,} in {elapsed:.2f} s"),
-        ("prefix-hit rate", f"{report.prefix_hit_rate:.1%} ({report.hit_tokens:,} of "
-                            f"{report.prompt_tokens:,} prompt tokens)"),
-        ("peak usage", f"{report.peak_usage:.1%} ({report.peak_used_blocks:,} of "
-                       f"{report.usable_blocks:,} blocks)"),
-        ("admissions that waited", f"{report.waited_admissions:,} "
-                                   f"({report.wait_retries:,} retries)"),
+        (
+            "prefix-hit rate",
+            f"{report.prefix_hit_rate:.1%} ({report.hit_tokens:,} of "
+            f"{report.prompt_tokens:,} prompt tokens)",
+        ),
+        (
+            "peak usage",
+            f"{report.peak_usage:.1%} ({report.peak_used_blocks:,} of "
+            f"{report.usable_blocks:,} blocks)",
+        ),
+        (
+            "admissions that waited",
+            f"{report.waited_admissions:,} ({report.wait_retries:,} retries)",
+        ),
         ("preemptions", f"{report.preemptions:,}"),
     ]
     print(render_table(("figure", "value"), rows))

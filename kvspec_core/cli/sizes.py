@@ -11,8 +11,14 @@ from kvspec_core.errors import KVSpecError
 #: as the IEC and SI define them; units are matched case-insensitively.
 UNITS: dict[str, int] = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 #: Largest size accepted (1 EiB): beyond any machine, far below integer trouble downstream.
 MAX_SIZE_BYTES = 2**60
@@ -34,8 +40,10 @@ def parse_size(text: str, *, what: str = "--memory") -> int:
     Refuses, naming ``what`` and the accepted forms: malformed text, unknown units, zero,
     negative sizes and sizes above :data:`MAX_SIZE_BYTES`.
     """
-    forms = ("a positive size such as 40GiB, 512MiB, 80GB or a number of bytes, written with "
-             "the ASCII digits 0-9")
+    forms = (
+        "a positive size such as 40GiB, 512MiB, 80GB or a number of bytes, written with "
+        "the ASCII digits 0-9"
+    )
     if text.strip().startswith("-"):
         raise SizeError(f"{what} {text!r} is negative; give {forms}")
     start = len(text) - len(text.lstrip(" \t"))
@@ -54,4 +62,3 @@ def parse_size(text: str, *, what: str = "--memory") -> int:
     if value > MAX_SIZE_BYTES:
         raise SizeError(f"{what} {text!r} exceeds the largest size accepted (1 EiB)")
     return value
-

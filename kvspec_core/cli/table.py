@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
-                 align_right: Sequence[int] = ()) -> str:
+def render_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], align_right: Sequence[int] = ()
+) -> str:
     """Columns padded to their widest cell; columns in ``align_right`` are right-aligned."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]

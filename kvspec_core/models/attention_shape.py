@@ -65,7 +65,9 @@ def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -
     found = first_present(config, *fields.heads)
     if found is None:
         raise missing_field(
-            *fields.kv_heads, *fields.heads, needed_for=where,
+            *fields.kv_heads,
+            *fields.heads,
+            needed_for=where,
             fix="add the number of KV heads to the model config",
         )
     field, value = found

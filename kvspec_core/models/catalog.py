@@ -123,13 +123,13 @@ def resolve_model(model: str) -> ResolvedModel:
     if model in PRESET_SOURCES:
         return ResolvedModel(name=model, config=load_preset(model), preset=True, source="preset")
     if _is_existing_path(model):
-        return ResolvedModel(name=model, config=read_config(model), preset=False,
-                             path=Path(model))
+        return ResolvedModel(name=model, config=read_config(model), preset=False, path=Path(model))
     hub_id = None if model.endswith(".json") else parse_hub_id(model)
     if hub_id is not None:
         path = hub_config_path(*hub_id)
-        return ResolvedModel(name=model, config=read_config(path), preset=False,
-                             source="hub cache", path=path)
+        return ResolvedModel(
+            name=model, config=read_config(path), preset=False, source="hub cache", path=path
+        )
     if model.endswith(".json") or "/" in model:
         raise ConfigError(
             f"model config {model} does not exist; pass a config.json path, a folder holding "

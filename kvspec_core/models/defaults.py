@@ -40,21 +40,23 @@ _LLAMA4 = MappingProxyType({"no_rope_layer_interval": 4})
 _QWEN = MappingProxyType({"use_sliding_window": False, "max_window_layers": 28})
 
 #: model_type -> field defaults of its published config class.
-PUBLISHED_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    "gemma2": MappingProxyType({"sliding_window_pattern": 2}),
-    "gemma3": _GEMMA3,
-    "gemma3_text": _GEMMA3,
-    "cohere2": MappingProxyType({"sliding_window_pattern": 4}),
-    "qwen2": _QWEN,
-    "qwen2_moe": _QWEN,
-    "qwen3": _QWEN,
-    "qwen3_moe": _QWEN,
-    "jamba": MappingProxyType({"attn_layer_period": 8, "attn_layer_offset": 4}),
-    "qwen3_next": MappingProxyType({"full_attention_interval": 4}),
-    "llama4": _LLAMA4,
-    "llama4_text": _LLAMA4,
-    "whisper": MappingProxyType({"max_source_positions": 1500, "max_target_positions": 448}),
-})
+PUBLISHED_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "gemma2": MappingProxyType({"sliding_window_pattern": 2}),
+        "gemma3": _GEMMA3,
+        "gemma3_text": _GEMMA3,
+        "cohere2": MappingProxyType({"sliding_window_pattern": 4}),
+        "qwen2": _QWEN,
+        "qwen2_moe": _QWEN,
+        "qwen3": _QWEN,
+        "qwen3_moe": _QWEN,
+        "jamba": MappingProxyType({"attn_layer_period": 8, "attn_layer_offset": 4}),
+        "qwen3_next": MappingProxyType({"full_attention_interval": 4}),
+        "llama4": _LLAMA4,
+        "llama4_text": _LLAMA4,
+        "whisper": MappingProxyType({"max_source_positions": 1500, "max_target_positions": 448}),
+    }
+)
 
 #: Interval of global (NoPE, full-attention) layers in a chunked-attention model whose config
 #: says nothing else: Llama-4's published default.

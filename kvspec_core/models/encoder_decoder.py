@@ -33,31 +33,56 @@ def encoder_decoder_slots(config: Mapping[str, Any]) -> list[LayerSlot]:
     """Encoder layers (``encoder_only``), then per decoder layer its self-attention
     (``full_attention``) and cross-attention (``cross_attention``)."""
     encoder_layers = require_int(
-        config, "encoder_layers", "num_layers", needed_for="the encoder's layer count",
+        config,
+        "encoder_layers",
+        "num_layers",
+        needed_for="the encoder's layer count",
         maximum=MAX_LAYERS,
     )
     decoder_layers = require_int(
-        config, "decoder_layers", "num_decoder_layers", "num_layers",
-        needed_for="the decoder's layer count", maximum=MAX_LAYERS,
+        config,
+        "decoder_layers",
+        "num_decoder_layers",
+        "num_layers",
+        needed_for="the decoder's layer count",
+        maximum=MAX_LAYERS,
     )
     slots = [
-        LayerSlot(index=i, name=f"model.encoder.layers.{i}.self_attn", layer_type=ENCODER_ONLY,
-                  head_fields=ENCODER_FIELDS)
+        LayerSlot(
+            index=i,
+            name=f"model.encoder.layers.{i}.self_attn",
+            layer_type=ENCODER_ONLY,
+            head_fields=ENCODER_FIELDS,
+        )
         for i in range(encoder_layers)
     ]
     for i in range(decoder_layers):
         prefix = f"model.decoder.layers.{i}"
-        slots.append(LayerSlot(index=i, name=f"{prefix}.self_attn", layer_type=FULL_ATTENTION,
-                               head_fields=DECODER_FIELDS))
-        slots.append(LayerSlot(index=i, name=f"{prefix}.encoder_attn",
-                               layer_type=CROSS_ATTENTION, head_fields=DECODER_FIELDS))
+        slots.append(
+            LayerSlot(
+                index=i,
+                name=f"{prefix}.self_attn",
+                layer_type=FULL_ATTENTION,
+                head_fields=DECODER_FIELDS,
+            )
+        )
+        slots.append(
+            LayerSlot(
+                index=i,
+                name=f"{prefix}.encoder_attn",
+                layer_type=CROSS_ATTENTION,
+                head_fields=DECODER_FIELDS,
+            )
+        )
     return slots
 
 
 def decoder_max_len(config: Mapping[str, Any]) -> int | None:
     """The longest decoder sequence the config declares, or ``None``."""
     return optional_int(
-        config, "max_target_positions", "max_position_embeddings",
+        config,
+        "max_target_positions",
+        "max_position_embeddings",
         needed_for="the default max model length",
     )
 
@@ -65,6 +90,8 @@ def decoder_max_len(config: Mapping[str, Any]) -> int | None:
 def encoder_max_len(config: Mapping[str, Any]) -> int | None:
     """The encoder length cross-attention layers hold, or ``None``."""
     return optional_int(
-        config, "max_source_positions", "max_position_embeddings",
+        config,
+        "max_source_positions",
+        "max_position_embeddings",
         needed_for="the encoder length cross-attention holds",
     )

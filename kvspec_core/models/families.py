@@ -64,21 +64,28 @@ def model_families(
     """The families ``config`` needs at default options, and whether ``manager`` has them."""
     model = model_layers(config, PlanOptions(), manager, name=name)
     types = Counter(layer.layer_type for layer in model.layers)
-    distributions = tuple(dict.fromkeys(
-        distribution_of_layer_type(t) or f"(unknown: {t})" for t in types
-    ))
+    distributions = tuple(
+        dict.fromkeys(distribution_of_layer_type(t) or f"(unknown: {t})" for t in types)
+    )
     loaded = {info.distribution for info in manager.plugins}
     missing = tuple(d for d in distributions if d not in loaded)
     try:
         specs = layer_specs(model, manager)
     except KVSpecError as error:
         return ModelFamilies(
-            layer_types=dict(types), distributions=distributions, spec_kinds={},
-            missing=missing, error=str(error),
+            layer_types=dict(types),
+            distributions=distributions,
+            spec_kinds={},
+            missing=missing,
+            error=str(error),
             default_max_model_len=model.default_max_model_len,
         )
     kinds = Counter(spec.kind for spec in specs.values())
     return ModelFamilies(
-        layer_types=dict(types), distributions=distributions, spec_kinds=dict(kinds),
-        missing=missing, error=None, default_max_model_len=model.default_max_model_len,
+        layer_types=dict(types),
+        distributions=distributions,
+        spec_kinds=dict(kinds),
+        missing=missing,
+        error=None,
+        default_max_model_len=model.default_max_model_len,
     )

@@ -36,9 +36,9 @@ class MissingConfigFieldError(ConfigError):
         self.fields = fields
 
 
-def missing_field(*fields: str, needed_for: str, fix: str = "add it to the model config") -> (
-    MissingConfigFieldError
-):
+def missing_field(
+    *fields: str, needed_for: str, fix: str = "add it to the model config"
+) -> MissingConfigFieldError:
     """The error for a config that sets none of ``fields`` (needed for ``needed_for``)."""
     names = " or ".join(repr(f) for f in fields)
     return MissingConfigFieldError(

@@ -111,12 +111,16 @@ def hub_config_path(repo_id: str, revision: str | None = None) -> Path:
     try:
         with _quiet_hub():
             path = hf_hub_download(
-                repo_id, HUB_CONFIG_FILE, revision=revision, cache_dir=cache,
+                repo_id,
+                HUB_CONFIG_FILE,
+                revision=revision,
+                cache_dir=cache,
                 local_files_only=offline,
             )
     except LocalEntryNotFoundError:
-        why = ("HF_HUB_OFFLINE=1 forbids downloading it" if offline
-               else "the hub could not be reached")
+        why = (
+            "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the hub could not be reached"
+        )
         pinned = "" if revision is None else f" --revision {revision}"
         raise ConfigError(
             f"MODEL {shown!r} reads as a Hugging Face hub id, but its {HUB_CONFIG_FILE} is not "

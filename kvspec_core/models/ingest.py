@@ -158,24 +158,33 @@ def _typed_layers(
         key = (slot.layer_type, slot.head_fields)
         if key not in shapes:
             shapes[key] = _attention_shape(slot, text, options, kv_dtype, source.dtype)
-        layers.append(LayerConfig(
-            index=slot.index,
-            name=slot.name,
-            layer_type=slot.layer_type,
-            config=text,
-            options=options,
-            model_dtype=source.dtype,
-            attention=shapes[key],
-        ))
+        layers.append(
+            LayerConfig(
+                index=slot.index,
+                name=slot.name,
+                layer_type=slot.layer_type,
+                config=text,
+                options=options,
+                model_dtype=source.dtype,
+                attention=shapes[key],
+            )
+        )
     if not layers:
         raise ConfigError(
             f"model {name} has no layer that holds a KV cache (every layer of its pattern is "
             "MLP-only); check 'num_hidden_layers' and the layer pattern fields"
         )
     encoder_decoder = is_encoder_decoder(text)
-    max_len = decoder_max_len(text) if encoder_decoder else optional_int(
-        text, "max_position_embeddings", "n_positions", "max_sequence_length",
-        needed_for="the default max model length",
+    max_len = (
+        decoder_max_len(text)
+        if encoder_decoder
+        else optional_int(
+            text,
+            "max_position_embeddings",
+            "n_positions",
+            "max_sequence_length",
+            needed_for="the default max model length",
+        )
     )
     return ModelLayers(
         name=name,
@@ -199,8 +208,9 @@ def _missing_family(layer: LayerConfig, unclaimed: Counter[str]) -> MissingFamil
             "excludes it)"
         )
     else:
-        fix = ("install the plugin that provides this layer type (`kvspec plugins` lists "
-               "loaded ones)")
+        fix = (
+            "install the plugin that provides this layer type (`kvspec plugins` lists loaded ones)"
+        )
     return MissingFamilyError(
         f"layer {layer.name}{others} has layer type {layer.layer_type!r}, which no loaded "
         f"plugin claims; {fix}"

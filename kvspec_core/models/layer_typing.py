@@ -61,16 +61,30 @@ ENCODER_ONLY = "encoder_only"
 
 #: Every layer type the core normalises to.
 NORMALISED_LAYER_TYPES = (
-    FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MLA_ATTENTION, SLIDING_MLA_ATTENTION,
-    LINEAR_ATTENTION, MAMBA, CROSS_ATTENTION, ENCODER_ONLY,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    CHUNKED_ATTENTION,
+    MLA_ATTENTION,
+    SLIDING_MLA_ATTENTION,
+    LINEAR_ATTENTION,
+    MAMBA,
+    CROSS_ATTENTION,
+    ENCODER_ONLY,
 )
 #: Layer types whose cache is a fixed-size recurrent state rather than per-token K/V.
 STATE_LAYER_TYPES = frozenset({MAMBA, LINEAR_ATTENTION})
 #: Layer types whose geometry is attention heads (the core resolves an AttentionShape).
-ATTENTION_LAYER_TYPES = frozenset({
-    FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MLA_ATTENTION, SLIDING_MLA_ATTENTION,
-    CROSS_ATTENTION, ENCODER_ONLY,
-})
+ATTENTION_LAYER_TYPES = frozenset(
+    {
+        FULL_ATTENTION,
+        SLIDING_ATTENTION,
+        CHUNKED_ATTENTION,
+        MLA_ATTENTION,
+        SLIDING_MLA_ATTENTION,
+        CROSS_ATTENTION,
+        ENCODER_ONLY,
+    }
+)
 
 #: ``layer_types`` spellings published configs use for the normalised types.
 LAYER_TYPE_ALIASES: Mapping[str, str] = {
@@ -86,13 +100,23 @@ MAMBA_NAMED_LINEAR_ATTENTION = frozenset({"granitemoehybrid"})
 
 #: model_types whose every layer is a recurrent block kvspec has no layer typing for (their
 #: configs carry no pattern field, so they would otherwise read as full attention).
-STATE_SPACE_ONLY_MODEL_TYPES = frozenset({
-    "mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma",
-})
+STATE_SPACE_ONLY_MODEL_TYPES = frozenset(
+    {
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "rwkv",
+        "xlstm",
+        "recurrent_gemma",
+    }
+)
 
 #: Nemotron-H ``hybrid_override_pattern`` characters; ``None`` = no cache (no layer).
 HYBRID_PATTERN_CHARS: Mapping[str, str | None] = {
-    "M": MAMBA, "*": "attention", "-": None, "E": None,
+    "M": MAMBA,
+    "*": "attention",
+    "-": None,
+    "E": None,
 }
 
 #: model_type -> the state mixer each decoder layer runs in parallel with its attention (the
@@ -107,8 +131,12 @@ _ATTENTION = "attention"
 #: blocks ``linear_attention`` in this field: its Nemotron-H / Zamba models build a Mamba-2
 #: mixer for them, not a linear-attention one.
 BLOCK_TYPE_ENTRIES: Mapping[str, str | None] = {
-    "mamba": MAMBA, "linear_attention": MAMBA, "attention": _ATTENTION,
-    "full_attention": _ATTENTION, "mlp": None, "moe": None,
+    "mamba": MAMBA,
+    "linear_attention": MAMBA,
+    "attention": _ATTENTION,
+    "full_attention": _ATTENTION,
+    "mlp": None,
+    "moe": None,
 }
 
 
@@ -147,8 +175,12 @@ def num_layers(config: Mapping[str, Any]) -> int:
     length of ``layer_types`` (or ``layers_block_type`` / ``hybrid_override_pattern``, which
     transformers 5 counts Nemotron-H's layers from); bounded by :data:`MAX_LAYERS`."""
     declared = optional_int(
-        config, "num_hidden_layers", "n_layer", "num_layers",
-        needed_for="the number of layers", maximum=MAX_LAYERS,
+        config,
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+        needed_for="the number of layers",
+        maximum=MAX_LAYERS,
     )
     if declared is not None:
         return declared
@@ -263,8 +295,14 @@ def _from_attn_layer_indices(config: Mapping[str, Any], count: int) -> list[str 
         )
     attention: set[int] = set()
     for position, index in enumerate(indices):
-        int_field(config, f"attn_layer_indices[{position}]", index, minimum=0,
-                  maximum=count - 1, needed_for="which layers use attention")
+        int_field(
+            config,
+            f"attn_layer_indices[{position}]",
+            index,
+            minimum=0,
+            maximum=count - 1,
+            needed_for="which layers use attention",
+        )
         if index in attention:
             raise ConfigError(
                 f"config field 'attn_layer_indices' lists layer {index} twice; list each "
@@ -280,7 +318,10 @@ def _pattern_int(config: Mapping[str, Any], *fields: str, maximum: int | None = 
     found = first_present(config, *fields)
     minimum, table_maximum, needed_for = PATTERN_INT_FIELDS[found[0] if found else fields[0]]
     return require_int(
-        config, *fields, needed_for=needed_for, minimum=minimum,
+        config,
+        *fields,
+        needed_for=needed_for,
+        minimum=minimum,
         maximum=table_maximum if maximum is None else maximum,
     )
 
@@ -321,13 +362,14 @@ def _mixers(config: Mapping[str, Any], count: int) -> list[str | None]:
     """Per layer: a final type, ``_ATTENTION`` (variant still open) or ``None`` (no cache)."""
     if config.get("layer_types") is not None:
         return _from_layer_types(config, count)
-    if (config.get("hybrid_override_pattern") is not None
-            or config.get("layers_block_type") is not None):
+    if (
+        config.get("hybrid_override_pattern") is not None
+        or config.get("layers_block_type") is not None
+    ):
         return _from_hybrid_forms(config, count)
     if config.get("attn_type_list") is not None:
         return _from_attn_type_list(config, count)
-    if (config.get("attn_layer_indices") is not None
-            or config.get("model_type") == "bamba"):
+    if config.get("attn_layer_indices") is not None or config.get("model_type") == "bamba":
         return _from_attn_layer_indices(config, count)
     if config.get("attn_layer_period") is not None:
         return _from_period(config, count)

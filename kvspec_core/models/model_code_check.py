@@ -121,9 +121,9 @@ def _label(layer_type: str, window: object = None) -> str:
     return layer_type if window is None else f"{layer_type} (window {window})"
 
 
-def kvspec_labels(slots: Sequence[LayerSlot], fields: Mapping[str, Any], count: int) -> (
-    list[tuple[str, ...] | None]
-):
+def kvspec_labels(
+    slots: Sequence[LayerSlot], fields: Mapping[str, Any], count: int
+) -> list[tuple[str, ...] | None]:
     """kvspec's reading per decoder layer, as :class:`ModelCodeReading` labels; ``None`` for
     a layer holding a type only a third-party plugin knows (not compared)."""
     labels: list[list[str] | None] = [[] for _ in range(count)]
@@ -196,8 +196,10 @@ def _cache_types(text_config: Any, count: int) -> list[tuple[str, Any]]:
 
     layer_types, kwargs = get_layer_types_and_kwargs(text_config)
     # Paired as DynamicCache pairs them (transformers zips the two lists, so does this).
-    types = [(str(kind), extra.get("sliding_window"))
-             for kind, extra in zip(layer_types, kwargs, strict=False)]
+    types = [
+        (str(kind), extra.get("sliding_window"))
+        for kind, extra in zip(layer_types, kwargs, strict=False)
+    ]
     return types + [(FULL_ATTENTION, None)] * (count - len(types))
 
 
@@ -222,16 +224,23 @@ def _decoder_layers(model: Any, count: int) -> Sequence[Any]:
     experts that happens to have as many entries."""
     import torch
 
-    lists = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, torch.nn.ModuleList)]
+    lists = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList)
+    ]
     fitting = [(name, layers) for name, layers in lists if len(layers) == count]
     fitting.sort(key=lambda item: item[0].rsplit(".", 1)[-1] not in _LAYER_LIST_NAMES)
     if fitting:
         return list(fitting[0][1])
-    found = ", ".join(
-        f"{name} ({len(layers)})" for name, layers in lists
-        if name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES
-    ) or "none"
+    found = (
+        ", ".join(
+            f"{name} ({len(layers)})"
+            for name, layers in lists
+            if name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES
+        )
+        or "none"
+    )
     raise ConfigError(
         f"the config declares {count} decoder layers but transformers' {type(model).__name__} "
         f"built no layer list of that length (layer lists: {found}); check "
@@ -243,8 +252,9 @@ def _labels(value: object, count: int) -> tuple[tuple[str, ...], ...] | None:
     """``value`` (a stored entry's field) as ``count`` tuples of strings, else ``None``."""
     if not isinstance(value, list) or len(value) != count:
         return None
-    if not all(isinstance(layer, list) and all(isinstance(x, str) for x in layer)
-               for layer in value):
+    if not all(
+        isinstance(layer, list) and all(isinstance(x, str) for x in layer) for layer in value
+    ):
         return None
     return tuple(tuple(layer) for layer in value)
 
@@ -299,8 +309,9 @@ def _build_reading(config_json: str, count: int) -> ModelCodeReading:
             tuple(sorted(_mixers(layer, cache_types[i], getattr(text_config, "window_size", None))))
             for i, layer in enumerate(layers)
         ),
-        modules=tuple(tuple(type(child).__name__ for child in layer.children())
-                      for layer in layers),
+        modules=tuple(
+            tuple(type(child).__name__ for child in layer.children()) for layer in layers
+        ),
     )
 
 
@@ -343,8 +354,12 @@ def _summary(labels: Sequence[tuple[str, ...] | None]) -> str:
 
 
 def check_against_model_code(
-    raw: Mapping[str, Any], fields: Mapping[str, Any], slots: Sequence[LayerSlot], count: int,
-    *, name: str,
+    raw: Mapping[str, Any],
+    fields: Mapping[str, Any],
+    slots: Sequence[LayerSlot],
+    count: int,
+    *,
+    name: str,
 ) -> None:
     """Refuse when kvspec's typing of the decoder-only config ``raw`` (``slots`` over
     ``count`` layers, ``fields`` as filled) disagrees with transformers' model code."""

@@ -53,7 +53,11 @@ DEFAULTS_FROM_KVSPEC = "kvspec"
 #: Fields transformers' config classes expand into per-layer lists; a hostile count must be
 #: refused by kvspec's own checks before transformers builds a list that long.
 _LAYER_COUNT_FIELDS = (
-    "num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "encoder_layers",
+    "decoder_layers",
     "num_decoder_layers",
 )
 #: Deepest nesting walked when checking a config before handing it to transformers.
@@ -203,9 +207,7 @@ def normalize_config(config: Mapping[str, Any] | ModelConfig) -> ModelConfig:
     if isinstance(config, ModelConfig):
         return config
     if not isinstance(config, Mapping):
-        raise ConfigError(
-            f"a model config is a JSON object, not a {type(config).__name__}"
-        )
+        raise ConfigError(f"a model config is a JSON object, not a {type(config).__name__}")
     raw = dict(config)
     stated, nested = _language_fields(raw)
     # Before transformers derives ``layer_types`` from them (see check_pattern_fields).
@@ -238,8 +240,10 @@ def with_defaults_hint(error: MissingConfigFieldError, config: ModelConfig) -> C
         return error
     kind = f"model_type {config.model_type!r}" if config.model_type else "this model"
     if "not installed" in config.defaults_note:
-        fix = (f"kvspec takes its default from transformers' config class for {kind}, and "
-               f"transformers is not installed: run `{HF_EXTRA_INSTALL}`")
+        fix = (
+            f"kvspec takes its default from transformers' config class for {kind}, and "
+            f"transformers is not installed: run `{HF_EXTRA_INSTALL}`"
+        )
     else:
         fix = f"kvspec could not take its default from transformers ({config.defaults_note})"
     return MissingConfigFieldError(f"{error}; {fix}", fields=error.fields)

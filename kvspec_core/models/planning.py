@@ -47,9 +47,7 @@ class ModelPlan:
     def kv_bytes_per_request(self) -> int:
         """Budget bytes one request of ``max_model_len`` tokens takes, summed over the device
         pools (its blocks times their physical size)."""
-        return sum(
-            pool.blocks_per_request * pool.block_bytes for pool in self.plan.device_pools
-        )
+        return sum(pool.blocks_per_request * pool.block_bytes for pool in self.plan.device_pools)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -110,7 +108,11 @@ def plan_model(
 ) -> ModelPlan:
     """Plan the KV cache of the model ``config`` describes within ``budget_bytes``."""
     prepared = prepare_model(
-        config, options, manager, name=name, max_model_len=max_model_len,
+        config,
+        options,
+        manager,
+        name=name,
+        max_model_len=max_model_len,
         max_in_flight_tokens=max_in_flight_tokens,
     )
     return prepared.plan(budget_bytes, manager)

@@ -41,39 +41,55 @@ class PlannerArguments:
 
 
 def check_arguments(
-    owner: str, budget_bytes: object, host_budget_bytes: object, ctx: object,
-    manager: object, layout: str,
+    owner: str,
+    budget_bytes: object,
+    host_budget_bytes: object,
+    ctx: object,
+    manager: object,
+    layout: str,
 ) -> PlannerArguments:
     """The arguments every planner entry point shares, refused naming ``owner`` and field."""
     budget = _check_budget(budget_bytes, owner, "budget_bytes")
-    host_budget = None if host_budget_bytes is None else _check_budget(
-        host_budget_bytes, owner, "host_budget_bytes")
+    host_budget = (
+        None
+        if host_budget_bytes is None
+        else _check_budget(host_budget_bytes, owner, "host_budget_bytes")
+    )
     if not isinstance(ctx, SizingContext):
         raise InvalidFieldTypeError(owner, "ctx", ctx, "expected a SizingContext")
     if not isinstance(manager, PluginManager):
-        raise InvalidFieldTypeError(owner, "manager", manager,
-                                    "expected a PluginManager (kvspec_core.load_plugins())")
+        raise InvalidFieldTypeError(
+            owner, "manager", manager, "expected a PluginManager (kvspec_core.load_plugins())"
+        )
     return PlannerArguments(budget, host_budget, ctx, get_layout(layout))
 
 
 def check_upper(upper: object) -> int:
     """``largest_fitting_max_model_len``'s ``upper``: an int of tokens in range."""
     if isinstance(upper, bool) or not isinstance(upper, int):
-        raise InvalidFieldTypeError("largest_fitting_max_model_len", "upper", upper,
-                                    "expected an int of tokens")
+        raise InvalidFieldTypeError(
+            "largest_fitting_max_model_len", "upper", upper, "expected an int of tokens"
+        )
     if not 1 <= upper <= MAX_FIELD_VALUE:
-        raise InvalidFieldError("largest_fitting_max_model_len", "upper", upper,
-                                f"must be an int in [1, {MAX_FIELD_VALUE}]")
+        raise InvalidFieldError(
+            "largest_fitting_max_model_len",
+            "upper",
+            upper,
+            f"must be an int in [1, {MAX_FIELD_VALUE}]",
+        )
     return upper
 
 
-def check_block_counts(plan: KVCachePlan, blocks: Sequence[int], budget: int,
-                       host_budget: int | None) -> None:
+def check_block_counts(
+    plan: KVCachePlan, blocks: Sequence[int], budget: int, host_budget: int | None
+) -> None:
     """Refuse ``blocks`` for ``plan``'s pools unless one int per pool, each at least one
     request's worth, and the device and host pools they make fit their budgets."""
     if len(blocks) != len(plan.pools):
-        raise PlanError(f"the plan has {len(plan.pools)} pools but got {len(blocks)} block "
-                        "counts; pass one count per pool")
+        raise PlanError(
+            f"the plan has {len(plan.pools)} pools but got {len(blocks)} block "
+            "counts; pass one count per pool"
+        )
     for pool, count in zip(plan.pools, blocks, strict=True):
         if isinstance(count, bool) or not isinstance(count, int):
             raise PlanError(f"block count of pool {pool.id} is {count!r}; expected an int")
@@ -83,8 +99,11 @@ def check_block_counts(plan: KVCachePlan, blocks: Sequence[int], budget: int,
                 f"{pool.blocks_per_request} plus the null block"
             )
     for host, available in ((False, budget), (True, host_budget)):
-        used = sum(count * pool.block_bytes for pool, count in zip(plan.pools, blocks, strict=True)
-                   if pool.host_resident == host)
+        used = sum(
+            count * pool.block_bytes
+            for pool, count in zip(plan.pools, blocks, strict=True)
+            if pool.host_resident == host
+        )
         if used and (available is None or used > available):
             raise CapacityError(
                 f"{'host' if host else 'device'} pools would take {used} bytes, more than "

@@ -23,24 +23,36 @@ from kvspec_core.planner.skeleton import Skeleton, blocks_per_request
 
 
 def assemble(
-    skeleton: Skeleton, kinds: Sequence[str],
-    blocks: Sequence[int], ctx: SizingContext, budget: int, host_budget: int | None,
+    skeleton: Skeleton,
+    kinds: Sequence[str],
+    blocks: Sequence[int],
+    ctx: SizingContext,
+    budget: int,
+    host_budget: int | None,
 ) -> KVCachePlan:
     """The plan of ``skeleton`` with ``blocks`` per pool; ``kinds`` names each group's kind."""
     layout = skeleton.layout
     per_group, per_pool = blocks_per_request(skeleton, ctx)
     groups = tuple(
         PlannedGroup(
-            id=index, kind=kinds[index], layers=draft.layers, spec=draft.spec,
-            pool=skeleton.pool_of_group[index], blocks_per_request=per_group[index],
+            id=index,
+            kind=kinds[index],
+            layers=draft.layers,
+            spec=draft.spec,
+            pool=skeleton.pool_of_group[index],
+            blocks_per_request=per_group[index],
         )
         for index, draft in enumerate(skeleton.drafts)
     )
     pools = tuple(
         Pool(
-            id=index, num_blocks=blocks[index], block_bytes=draft.block_bytes,
-            groups=draft.group_ids, host_resident=draft.host_resident,
-            blocks_per_request=per_pool[index], slot_bytes=draft.slot_bytes,
+            id=index,
+            num_blocks=blocks[index],
+            block_bytes=draft.block_bytes,
+            groups=draft.group_ids,
+            host_resident=draft.host_resident,
+            blocks_per_request=per_pool[index],
+            slot_bytes=draft.slot_bytes,
             alignment=draft.alignment,
         )
         for index, draft in enumerate(skeleton.pools)
@@ -66,19 +78,30 @@ def assemble(
     idle = budget - device_bytes
     demands = [pool.blocks_per_request for pool in pools]
     return KVCachePlan(
-        groups=groups, pools=pools, tensors=tuple(tensors), layout=layout.name, context=ctx,
-        budget_bytes=budget, host_budget_bytes=host_budget, bytes_allocated=device_bytes,
+        groups=groups,
+        pools=pools,
+        tensors=tuple(tensors),
+        layout=layout.name,
+        context=ctx,
+        budget_bytes=budget,
+        host_budget_bytes=host_budget,
+        bytes_allocated=device_bytes,
         host_bytes_allocated=host_bytes,
         bytes_padding=page_padding + alignment_padding + idle,
-        padding_breakdown=(("page_padding", page_padding), ("alignment", alignment_padding),
-                           ("idle_budget", idle)),
+        padding_breakdown=(
+            ("page_padding", page_padding),
+            ("alignment", alignment_padding),
+            ("idle_budget", idle),
+        ),
         max_concurrency=concurrency_of([p.num_blocks for p in pools], demands),
         memoryless_layers=skeleton.memoryless,
     )
 
 
 def _group_tensors(
-    group: PlannedGroup, pool: Pool, slot_place: Sequence[tuple[SegmentPlacement, int]],
+    group: PlannedGroup,
+    pool: Pool,
+    slot_place: Sequence[tuple[SegmentPlacement, int]],
     layout: KVCacheLayout,
 ) -> list[KVCacheTensor]:
     """One tensor per run of consecutive layers with one spec and one segment."""
@@ -87,9 +110,11 @@ def _group_tensors(
     start = 0
     while start < len(group.layers):
         end = start + 1
-        while (end < len(group.layers)
-               and (specs[end] is specs[start] or specs[end] == specs[start])
-               and slot_place[end][0] is slot_place[start][0]):
+        while (
+            end < len(group.layers)
+            and (specs[end] is specs[start] or specs[end] == specs[start])
+            and slot_place[end][0] is slot_place[start][0]
+        ):
             end += 1
         placement, within = slot_place[start]
         cell = cell_shape(specs[start], group.layers[start])
@@ -104,10 +129,20 @@ def _group_tensors(
                 f"{pool.size_bytes}-byte buffer under layout {layout.name}; this is a planner "
                 "bug, please report it with the layer specs"
             )
-        tensors.append(KVCacheTensor(
-            size=pool.size_bytes, layers=group.layers[start:end], layer_stride=strides[DIM_L],
-            block_stride=strides[DIM_B], offset=offset, host_resident=pool.host_resident,
-            pool=pool.id, group=group.id, shape=shape, strides=strides, raw=cell.raw,
-        ))
+        tensors.append(
+            KVCacheTensor(
+                size=pool.size_bytes,
+                layers=group.layers[start:end],
+                layer_stride=strides[DIM_L],
+                block_stride=strides[DIM_B],
+                offset=offset,
+                host_resident=pool.host_resident,
+                pool=pool.id,
+                group=group.id,
+                shape=shape,
+                strides=strides,
+                raw=cell.raw,
+            )
+        )
         start = end
     return tensors

@@ -79,6 +79,6 @@ def concurrency_of(blocks: Sequence[int], demands: Sequence[int]) -> float:
     """Max-length requests admitted at once: the minimum over pools."""
     if not blocks:
         return 0.0
-    return float(min(
-        Fraction(count - 1, demand) for count, demand in zip(blocks, demands, strict=True)
-    ))
+    return float(
+        min(Fraction(count - 1, demand) for count, demand in zip(blocks, demands, strict=True))
+    )

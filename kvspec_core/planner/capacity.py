@@ -31,8 +31,14 @@ def residencies(skeleton: Skeleton, per_pool: Sequence[int]) -> list[Residency]:
     for host in (False, True):
         ids = [i for i, pool in enumerate(skeleton.pools) if pool.host_resident == host]
         if ids:
-            result.append(Residency(host, ids, [per_pool[i] for i in ids],
-                                    [skeleton.pools[i].block_bytes for i in ids]))
+            result.append(
+                Residency(
+                    host,
+                    ids,
+                    [per_pool[i] for i in ids],
+                    [skeleton.pools[i].block_bytes for i in ids],
+                )
+            )
     return result
 
 
@@ -47,12 +53,14 @@ def fits(skeleton: Skeleton, ctx: SizingContext, budget: int, host_budget: int |
     return True
 
 
-def largest_fitting(skeleton: Skeleton, ctx: SizingContext, budget: int,
-                    host_budget: int | None, upper: int) -> int:
+def largest_fitting(
+    skeleton: Skeleton, ctx: SizingContext, budget: int, host_budget: int | None, upper: int
+) -> int:
     """The largest ``max_model_len`` up to ``upper`` that :func:`fits` (binary search), 0 if
     none does."""
-    if not skeleton.pools or fits(skeleton, attrs.evolve(ctx, max_model_len=upper),
-                                  budget, host_budget):
+    if not skeleton.pools or fits(
+        skeleton, attrs.evolve(ctx, max_model_len=upper), budget, host_budget
+    ):
         return upper
     low, high = 0, upper  # fits(low) (0 stands for "none"), not fits(high)
     while high - low > 1:
@@ -64,16 +72,31 @@ def largest_fitting(skeleton: Skeleton, ctx: SizingContext, budget: int,
     return low
 
 
-def capacity_error(skeleton: Skeleton, ctx: SizingContext, host: bool, need: int,
-                   available: int, budget: int, host_budget: int | None) -> CapacityError:
+def capacity_error(
+    skeleton: Skeleton,
+    ctx: SizingContext,
+    host: bool,
+    need: int,
+    available: int,
+    budget: int,
+    host_budget: int | None,
+) -> CapacityError:
     """The error for a request needing ``need`` bytes of a budget of ``available``: both
     figures and the largest ``max_model_len`` that fits."""
-    largest = largest_fitting(skeleton, ctx, budget, host_budget, ctx.max_model_len - 1) \
-        if ctx.max_model_len > 1 else 0
+    largest = (
+        largest_fitting(skeleton, ctx, budget, host_budget, ctx.max_model_len - 1)
+        if ctx.max_model_len > 1
+        else 0
+    )
     where = "host budget (host_budget_bytes)" if host else "KV-cache budget"
-    fix = (f"the largest max_model_len that fits is {largest}; lower max_model_len to it or "
-           "raise the budget") if largest else (
-        "no max_model_len fits; raise the budget, use a smaller KV dtype or more parallelism")
+    fix = (
+        (
+            f"the largest max_model_len that fits is {largest}; lower max_model_len to it or "
+            "raise the budget"
+        )
+        if largest
+        else ("no max_model_len fits; raise the budget, use a smaller KV dtype or more parallelism")
+    )
     return CapacityError(
         f"one request of max_model_len={ctx.max_model_len} tokens needs {need} bytes "
         f"({format_size(need)}, one null block per pool included), but the {where} is {available} "
@@ -96,8 +119,9 @@ def check_host_budget_given(skeleton: Skeleton, host_budget: int | None) -> None
         )
 
 
-def blocks_per_pool(skeleton: Skeleton, ctx: SizingContext, budget: int,
-                    host_budget: int | None) -> list[int]:
+def blocks_per_pool(
+    skeleton: Skeleton, ctx: SizingContext, budget: int, host_budget: int | None
+) -> list[int]:
     """Each pool's block count (null block included): the device budget split between the
     device pools and the host budget between the host pools, so that the most max-length
     requests fit at once; :class:`CapacityError` when one does not."""
@@ -110,8 +134,9 @@ def blocks_per_pool(skeleton: Skeleton, ctx: SizingContext, budget: int,
         split = split_budget(residency.demands, residency.block_bytes, available)
         if split is None:
             need = bytes_for_one_request(residency.demands, residency.block_bytes)
-            raise capacity_error(skeleton, ctx, residency.host, need,
-                                 available, budget, host_budget)
+            raise capacity_error(
+                skeleton, ctx, residency.host, need, available, budget, host_budget
+            )
         for i, count in zip(residency.pool_ids, split, strict=True):
             blocks[i] = count
     return blocks

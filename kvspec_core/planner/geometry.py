@@ -44,8 +44,11 @@ def cell_shape(spec: KVSpec, layer: str) -> CellShape:
     if not spec.has_layer_views:
         return CellShape(heads=1, states=1, content=page, page=page, raw=True)
     cell = CellShape(
-        heads=spec.num_heads, states=spec.num_states, content=spec.state_content_size_bytes,
-        page=page, raw=False,
+        heads=spec.num_heads,
+        states=spec.num_states,
+        content=spec.state_content_size_bytes,
+        page=page,
+        raw=False,
     )
     if cell.page < cell.dense_page:
         raise PlanError(
@@ -72,7 +75,9 @@ def slot_shape(cell: CellShape, layout: KVCacheLayout) -> SlotShape:
     if layout.page_contiguous:
         return SlotShape(heads=1, states=1, content=cell.page, padded_page=None)
     return SlotShape(
-        heads=cell.heads, states=1, content=cell.states * cell.content,
+        heads=cell.heads,
+        states=1,
+        content=cell.states * cell.content,
         padded_page=cell.padded_page,
     )
 
@@ -120,15 +125,20 @@ def place_segments(
         offset = 0
         block_bytes = 0
         for segment in segments:
-            natural = layout_strides(_shape5(segment, 1), layout,
-                                     padded_page=segment.shape.padded_page)
+            natural = layout_strides(
+                _shape5(segment, 1), layout, padded_page=segment.shape.padded_page
+            )
             block_stride = aligned(natural[DIM_B], alignment)
             per_block = layout_strides(
-                _shape5(segment, 1), layout, padded_page=segment.shape.padded_page,
+                _shape5(segment, 1),
+                layout,
+                padded_page=segment.shape.padded_page,
                 fixed=(None, block_stride, None, None, None),
             )
             strides = layout_strides(
-                _shape5(segment, num_blocks), layout, padded_page=segment.shape.padded_page,
+                _shape5(segment, num_blocks),
+                layout,
+                padded_page=segment.shape.padded_page,
                 fixed=(None, block_stride, None, None, None),
             )
             placements.append(SegmentPlacement(offset, strides))
@@ -137,15 +147,16 @@ def place_segments(
         return block_bytes, placements
     extents = []
     for segment in segments:
-        natural = layout_strides(_shape5(segment, 1), layout,
-                                 padded_page=segment.shape.padded_page)
+        natural = layout_strides(_shape5(segment, 1), layout, padded_page=segment.shape.padded_page)
         extents.append(natural[DIM_B])
     block_bytes = aligned(sum(extents), alignment)
     placements = []
     offset = 0
     for segment, extent in zip(segments, extents, strict=True):
         strides = layout_strides(
-            _shape5(segment, num_blocks), layout, padded_page=segment.shape.padded_page,
+            _shape5(segment, num_blocks),
+            layout,
+            padded_page=segment.shape.padded_page,
             fixed=(None, block_bytes, None, None, None),
         )
         placements.append(SegmentPlacement(offset, strides))
@@ -154,7 +165,10 @@ def place_segments(
 
 
 def tensor_strides(
-    cell: CellShape, count: int, num_blocks: int, layout: KVCacheLayout,
+    cell: CellShape,
+    count: int,
+    num_blocks: int,
+    layout: KVCacheLayout,
     placement: SegmentPlacement,
 ) -> tuple[int, ...]:
     """Byte strides of ``count`` layers of geometry ``cell`` inside a placed segment: the
@@ -183,4 +197,3 @@ def view_extent(shape: Sequence[int], strides: Sequence[int], offset: int) -> in
         return offset
     reach = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
     return offset + reach + 1
-

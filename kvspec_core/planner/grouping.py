@@ -93,7 +93,9 @@ def validate_layer_specs(layer_specs: Mapping[str, KVSpec], manager: PluginManag
     answers the planner can use (each distinct spec object checked once)."""
     if not isinstance(layer_specs, Mapping):
         raise InvalidFieldTypeError(
-            "plan_kv_cache", "layer_specs", type(layer_specs).__name__,
+            "plan_kv_cache",
+            "layer_specs",
+            type(layer_specs).__name__,
             "expected a mapping of layer name -> KVSpec",
         )
     if not layer_specs:
@@ -116,8 +118,11 @@ def validate_layer_specs(layer_specs: Mapping[str, KVSpec], manager: PluginManag
 
 
 def _group_name(layers: list[str]) -> str:
-    return f"layer {layers[0]}" if len(layers) == 1 else \
-        f"the group of layers {layers[0]}..{layers[-1]} ({len(layers)} layers)"
+    return (
+        f"layer {layers[0]}"
+        if len(layers) == 1
+        else f"the group of layers {layers[0]}..{layers[-1]} ({len(layers)} layers)"
+    )
 
 
 def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str], KVSpec]]:
@@ -132,12 +137,20 @@ def _merge_buckets(names: list[str], specs: list[KVSpec]) -> list[tuple[list[str
             if type(members[0]) is not type(spec):
                 continue
             try:
-                merged = checked_merge(type(spec), [*members, spec], [*member_names, layers[0]],
-                                       _group_name([*member_names, layers[0]]))
+                merged = checked_merge(
+                    type(spec),
+                    [*members, spec],
+                    [*member_names, layers[0]],
+                    _group_name([*member_names, layers[0]]),
+                )
             except MergeError:
                 continue
-            buckets[index] = ([*members, spec], [*member_names, layers[0]],
-                              bucket_layers + layers, merged)
+            buckets[index] = (
+                [*members, spec],
+                [*member_names, layers[0]],
+                bucket_layers + layers,
+                merged,
+            )
             break
         else:
             buckets.append(([spec], [layers[0]], list(layers), spec))
@@ -173,13 +186,17 @@ def _group_size(counts: list[int]) -> int:
 
 
 def group_layers(
-    layer_specs: Mapping[str, KVSpec], manager: PluginManager, ctx: SizingContext,
+    layer_specs: Mapping[str, KVSpec],
+    manager: PluginManager,
+    ctx: SizingContext,
     layout: KVCacheLayout,
 ) -> tuple[list[GroupDraft], list[str]]:
     """The groups of ``layer_specs`` and the layers that need no memory."""
     validate_layer_specs(layer_specs, manager)
-    demands = {name: checked_blocks_per_request(spec, ctx, f"layer {name}")
-               for name, spec in layer_specs.items()}
+    demands = {
+        name: checked_blocks_per_request(spec, ctx, f"layer {name}")
+        for name, spec in layer_specs.items()
+    }
     memoryless = [name for name, demand in demands.items() if demand == 0]
     live = {name: spec for name, spec in layer_specs.items() if demands[name] != 0}
     if not live:
@@ -204,5 +221,5 @@ def group_layers(
     for index, (layers, spec) in enumerate(buckets):
         size = size_of_bucket[index]
         for start in range(0, len(layers), size):
-            groups.append(GroupDraft(tuple(layers[start:start + size]), spec))
+            groups.append(GroupDraft(tuple(layers[start : start + size]), spec))
     return groups, memoryless

@@ -130,8 +130,9 @@ class KVCachePlan:
             for layer in self.groups[gid].layers
         }
 
-    def select_transfer_block_ids(self, block_ids: Sequence[Sequence[int]]
-                                  ) -> tuple[Sequence[int], ...]:
+    def select_transfer_block_ids(
+        self, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[Sequence[int], ...]:
         """The per-group block ids of the transferable groups, from one list per group."""
         if len(block_ids) != len(self.groups):
             raise PlanError(

@@ -44,16 +44,23 @@ def _int(low: int) -> Check:
 
     def check(value: Any, path: str) -> None:
         # bool is an int to Python, never a count to a plan.
-        if isinstance(value, bool) or not isinstance(value, int) \
-                or not low <= value <= MAX_PLAN_INT:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not low <= value <= MAX_PLAN_INT
+        ):
             raise invalid_field(path, value, expected)
+
     return check
 
 
 def _strides(value: Any, path: str) -> None:
     """A stride: an int of either sign within the plan's bound."""
-    if isinstance(value, bool) or not isinstance(value, int) \
-            or not -MAX_PLAN_INT <= value <= MAX_PLAN_INT:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not -MAX_PLAN_INT <= value <= MAX_PLAN_INT
+    ):
         raise invalid_field(path, value, "an int in [-2**62, 2**62]")
 
 
@@ -68,8 +75,12 @@ def _str(value: Any, path: str) -> None:
 
 
 def _number(value: Any, path: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise invalid_field(path, value, "a finite non-negative number")
 
 
@@ -77,6 +88,7 @@ def _optional(check: Check) -> Check:
     def optional(value: Any, path: str) -> None:
         if value is not None:
             check(value, path)
+
     return optional
 
 
@@ -88,6 +100,7 @@ def _list_of(check: Check, *, non_empty: bool = False) -> Check:
             raise invalid_field(path, value, expected)
         for index, item in enumerate(value):
             check(item, f"{path}[{index}]")
+
     return list_of
 
 
@@ -106,12 +119,14 @@ def _mapping_of(check: Check) -> Check:
     def mapping_of(value: Any, path: str) -> None:
         for key, item in _mapping(value, path).items():
             check(item, f"{path}.{key}")
+
     return mapping_of
 
 
 def _record(fields: Mapping[str, Check]) -> Check:
     """A mapping holding every one of ``fields`` (further keys are left to the comparison
     with the rebuilt plan, which names them)."""
+
     def record(value: Any, path: str) -> None:
         mapping = _mapping(value, path)
         for name, check in fields.items():
@@ -122,6 +137,7 @@ def _record(fields: Mapping[str, Check]) -> Check:
                     "KVCachePlan.to_dict, and re-plan instead of editing a plan"
                 )
             check(mapping[name], where)
+
     return record
 
 
@@ -131,9 +147,11 @@ def _context(value: Any, path: str) -> None:
     names = {field.name for field in attrs.fields(SizingContext)}
     for key in mapping:
         if key not in names:
-            raise invalid_field(f"{path}.{key}", mapping[key],
-                                f"absent: SizingContext has no such field (its fields: "
-                                f"{', '.join(sorted(names))})")
+            raise invalid_field(
+                f"{path}.{key}",
+                mapping[key],
+                f"absent: SizingContext has no such field (its fields: {', '.join(sorted(names))})",
+            )
     try:
         SizingContext(**mapping)
     except ConfigError:
@@ -141,51 +159,95 @@ def _context(value: Any, path: str) -> None:
     except (TypeError, ValueError) as error:
         field = getattr(error, "field", None)
         where = f"{path}.{field}" if isinstance(field, str) else path
-        raise invalid_field(where, mapping.get(field, value) if isinstance(field, str)
-                            else value, f"a valid sizing context value ({error})") from error
+        raise invalid_field(
+            where,
+            mapping.get(field, value) if isinstance(field, str) else value,
+            f"a valid sizing context value ({error})",
+        ) from error
 
 
-_GROUP = _record({
-    "id": _int(0), "kind": _str, "layers": _list_of(_str, non_empty=True),
-    "block_size": _int(1), "page_size_bytes": _int(1), "pool": _int(0),
-    # A layer needing no block is memoryless, never in a group.
-    "blocks_per_request": _int(1),
-    "host_resident": _bool, "role": _str, "transferable": _bool, "prefix_cacheable": _bool,
-    "spec": _object,
-})
+_GROUP = _record(
+    {
+        "id": _int(0),
+        "kind": _str,
+        "layers": _list_of(_str, non_empty=True),
+        "block_size": _int(1),
+        "page_size_bytes": _int(1),
+        "pool": _int(0),
+        # A layer needing no block is memoryless, never in a group.
+        "blocks_per_request": _int(1),
+        "host_resident": _bool,
+        "role": _str,
+        "transferable": _bool,
+        "prefix_cacheable": _bool,
+        "spec": _object,
+    }
+)
 
-_POOL = _record({
-    "id": _int(0), "num_blocks": _int(1), "block_bytes": _int(1),
-    "groups": _list_of(_int(0), non_empty=True), "host_resident": _bool,
-    "blocks_per_request": _int(1), "slot_bytes": _list_of(_int(1), non_empty=True),
-    "alignment": _int(1), "null_block": _int(0), "max_concurrency": _number,
-})
+_POOL = _record(
+    {
+        "id": _int(0),
+        "num_blocks": _int(1),
+        "block_bytes": _int(1),
+        "groups": _list_of(_int(0), non_empty=True),
+        "host_resident": _bool,
+        "blocks_per_request": _int(1),
+        "slot_bytes": _list_of(_int(1), non_empty=True),
+        "alignment": _int(1),
+        "null_block": _int(0),
+        "max_concurrency": _number,
+    }
+)
 
-_TENSOR = _record({
-    "size": _int(0), "layers": _list_of(_str, non_empty=True), "layer_stride": _strides,
-    "block_stride": _strides, "offset": _int(0), "host_resident": _bool, "pool": _int(0),
-    "group": _int(0), "shape": _list_of(_int(0), non_empty=True),
-    "strides": _list_of(_strides, non_empty=True), "raw": _bool,
-})
+_TENSOR = _record(
+    {
+        "size": _int(0),
+        "layers": _list_of(_str, non_empty=True),
+        "layer_stride": _strides,
+        "block_stride": _strides,
+        "offset": _int(0),
+        "host_resident": _bool,
+        "pool": _int(0),
+        "group": _int(0),
+        "shape": _list_of(_int(0), non_empty=True),
+        "strides": _list_of(_strides, non_empty=True),
+        "raw": _bool,
+    }
+)
 
-_PLAN = _record({
-    "format_version": _int(0), "layout": _str, "context": _context,
-    "budget_bytes": _int(0), "host_budget_bytes": _optional(_int(0)), "num_blocks": _int(0),
-    "bytes_allocated": _int(0), "host_bytes_allocated": _int(0), "bytes_padding": _int(0),
-    "padding_breakdown": _mapping_of(_int(0)), "max_concurrency": _number,
-    "memoryless_layers": _list_of(_str), "has_mixed_precision": _bool, "needs_zeroing": _bool,
-    "transfer_group_ids": _list_of(_int(0)), "host_group_ids": _list_of(_int(0)),
-    "aliases": _list_of(_record({"pool": _int(0), "groups": _list_of(_int(0))})),
-    "groups": _list_of(_GROUP), "pools": _list_of(_POOL), "tensors": _list_of(_TENSOR),
-    "input_checksums": _mapping_of(_str),
-})
+_PLAN = _record(
+    {
+        "format_version": _int(0),
+        "layout": _str,
+        "context": _context,
+        "budget_bytes": _int(0),
+        "host_budget_bytes": _optional(_int(0)),
+        "num_blocks": _int(0),
+        "bytes_allocated": _int(0),
+        "host_bytes_allocated": _int(0),
+        "bytes_padding": _int(0),
+        "padding_breakdown": _mapping_of(_int(0)),
+        "max_concurrency": _number,
+        "memoryless_layers": _list_of(_str),
+        "has_mixed_precision": _bool,
+        "needs_zeroing": _bool,
+        "transfer_group_ids": _list_of(_int(0)),
+        "host_group_ids": _list_of(_int(0)),
+        "aliases": _list_of(_record({"pool": _int(0), "groups": _list_of(_int(0))})),
+        "groups": _list_of(_GROUP),
+        "pools": _list_of(_POOL),
+        "tensors": _list_of(_TENSOR),
+        "input_checksums": _mapping_of(_str),
+    }
+)
 
 
 def _check_ids(items: Sequence[Mapping[str, Any]], name: str) -> None:
     for index, item in enumerate(items):
         if item["id"] != index:
-            raise invalid_field(f"{name}[{index}].id", item["id"],
-                                f"{index}, its position in {name}")
+            raise invalid_field(
+                f"{name}[{index}].id", item["id"], f"{index}, its position in {name}"
+            )
 
 
 def _check_reference(value: int, path: str, count: int, name: str) -> None:
@@ -206,8 +268,7 @@ def check_plan_document(data: object) -> None:
         _check_reference(group["pool"], f"groups[{index}].pool", len(pools), "pools")
     for index, pool in enumerate(pools):
         for position, group_id in enumerate(pool["groups"]):
-            _check_reference(group_id, f"pools[{index}].groups[{position}]", len(groups),
-                             "groups")
+            _check_reference(group_id, f"pools[{index}].groups[{position}]", len(groups), "groups")
     for index, tensor in enumerate(document["tensors"]):
         _check_reference(tensor["pool"], f"tensors[{index}].pool", len(pools), "pools")
         _check_reference(tensor["group"], f"tensors[{index}].group", len(groups), "groups")

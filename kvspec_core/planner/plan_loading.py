@@ -39,10 +39,17 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
     :class:`~kvspec_core.errors.ConfigError` naming the field; a spec whose plugin answers
     an unusable value or raises, with a :class:`~kvspec_core.errors.PluginError` naming it."""
     if not isinstance(manager, PluginManager):
-        raise InvalidFieldTypeError("plan_from_dict", "manager", manager,
-                                    "expected a PluginManager (kvspec_core.load_plugins())")
-    if isinstance(data, Mapping) and "format_version" in data \
-            and data["format_version"] != PLAN_FORMAT_VERSION:
+        raise InvalidFieldTypeError(
+            "plan_from_dict",
+            "manager",
+            manager,
+            "expected a PluginManager (kvspec_core.load_plugins())",
+        )
+    if (
+        isinstance(data, Mapping)
+        and "format_version" in data
+        and data["format_version"] != PLAN_FORMAT_VERSION
+    ):
         raise ConfigError(
             f"plan format_version {data['format_version']!r} is not supported; this kvspec-core "
             f"reads version {PLAN_FORMAT_VERSION}"
@@ -50,34 +57,53 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
     check_plan_document(data)
     groups = tuple(
         PlannedGroup(
-            id=item["id"], kind=item["kind"], layers=item["layers"],
-            spec=_group_spec(item["spec"], index, manager), pool=item["pool"],
+            id=item["id"],
+            kind=item["kind"],
+            layers=item["layers"],
+            spec=_group_spec(item["spec"], index, manager),
+            pool=item["pool"],
             blocks_per_request=item["blocks_per_request"],
         )
         for index, item in enumerate(data["groups"])
     )
     pools = tuple(
         Pool(
-            id=item["id"], num_blocks=item["num_blocks"], block_bytes=item["block_bytes"],
-            groups=item["groups"], host_resident=item["host_resident"],
-            blocks_per_request=item["blocks_per_request"], slot_bytes=item["slot_bytes"],
-            alignment=item["alignment"], null_block=item["null_block"],
+            id=item["id"],
+            num_blocks=item["num_blocks"],
+            block_bytes=item["block_bytes"],
+            groups=item["groups"],
+            host_resident=item["host_resident"],
+            blocks_per_request=item["blocks_per_request"],
+            slot_bytes=item["slot_bytes"],
+            alignment=item["alignment"],
+            null_block=item["null_block"],
         )
         for item in data["pools"]
     )
     tensors = tuple(
         KVCacheTensor(
-            size=item["size"], layers=item["layers"], layer_stride=item["layer_stride"],
-            block_stride=item["block_stride"], offset=item["offset"],
-            host_resident=item["host_resident"], pool=item["pool"], group=item["group"],
-            shape=item["shape"], strides=item["strides"], raw=item["raw"],
+            size=item["size"],
+            layers=item["layers"],
+            layer_stride=item["layer_stride"],
+            block_stride=item["block_stride"],
+            offset=item["offset"],
+            host_resident=item["host_resident"],
+            pool=item["pool"],
+            group=item["group"],
+            shape=item["shape"],
+            strides=item["strides"],
+            raw=item["raw"],
         )
         for item in data["tensors"]
     )
     plan = KVCachePlan(
-        groups=groups, pools=pools, tensors=tensors, layout=data["layout"],
+        groups=groups,
+        pools=pools,
+        tensors=tensors,
+        layout=data["layout"],
         context=SizingContext(**data["context"]),
-        budget_bytes=data["budget_bytes"], host_budget_bytes=data["host_budget_bytes"],
+        budget_bytes=data["budget_bytes"],
+        host_budget_bytes=data["host_budget_bytes"],
         bytes_allocated=data["bytes_allocated"],
         host_bytes_allocated=data["host_bytes_allocated"],
         bytes_padding=data["bytes_padding"],
@@ -125,8 +151,11 @@ def _check_inputs_unedited(data: Mapping[str, Any]) -> None:
         raise _edited("input_checksums", "is missing; it is written by KVCachePlan.to_dict")
     for field, checksum in input_checksums(data).items():
         if written.get(field) != checksum:
-            raise _edited(field, "was edited after the plan was written (its checksum in "
-                          "input_checksums does not match)")
+            raise _edited(
+                field,
+                "was edited after the plan was written (its checksum in "
+                "input_checksums does not match)",
+            )
 
 
 def _check_written_fields(written: Any, expected: Any, path: str = "") -> None:
@@ -149,8 +178,10 @@ def _check_written_fields(written: Any, expected: Any, path: str = "") -> None:
         return
     # Compared as JSON, so that 100.0 or 0 cannot stand in for 100 or False.
     if json.dumps(written, default=repr) != json.dumps(expected):
-        raise _edited(field, f"is {written!r:.100} but the plan's groups and block counts give "
-                      f"{expected!r:.100}")
+        raise _edited(
+            field,
+            f"is {written!r:.100} but the plan's groups and block counts give {expected!r:.100}",
+        )
 
 
 def _check_consistent(plan: KVCachePlan, manager: PluginManager) -> None:
@@ -167,7 +198,9 @@ def _check_consistent(plan: KVCachePlan, manager: PluginManager) -> None:
     try:
         with plugin_faults_named(manager, "reading a KV-cache plan"):
             expected = rebuild_with_blocks(
-                plan, [pool.num_blocks for pool in plan.pools], budget_bytes=plan.budget_bytes,
+                plan,
+                [pool.num_blocks for pool in plan.pools],
+                budget_bytes=plan.budget_bytes,
                 host_budget_bytes=plan.host_budget_bytes,
             )
     except PluginError:
@@ -179,7 +212,8 @@ def _check_consistent(plan: KVCachePlan, manager: PluginManager) -> None:
     for field in attrs.fields(type(plan)):
         name = field.name
         if getattr(expected, name) != getattr(plan, name) or (
-                name in data and json.dumps(expected_data[name]) != json.dumps(data[name])):
+            name in data and json.dumps(expected_data[name]) != json.dumps(data[name])
+        ):
             raise ConfigError(
                 f"inconsistent KV-cache plan: field {name!r} does not follow from its "
                 f"groups and block counts (expected {getattr(expected, name)!r:.200}); "

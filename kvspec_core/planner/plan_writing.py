@@ -22,8 +22,14 @@ PLAN_FORMAT_VERSION = 2
 #: Inputs of a plan that no other field of it derives from, checksummed in
 #: ``input_checksums`` (``num_blocks`` stands for the pools' block counts); each group's
 #: ``layers`` and ``spec`` are inputs too (``groups[0].spec``...).
-CHECKSUMMED_INPUTS = ("layout", "context", "budget_bytes", "host_budget_bytes",
-                      "memoryless_layers", "num_blocks")
+CHECKSUMMED_INPUTS = (
+    "layout",
+    "context",
+    "budget_bytes",
+    "host_budget_bytes",
+    "memoryless_layers",
+    "num_blocks",
+)
 
 
 def input_checksums(data: Mapping[str, Any]) -> dict[str, str]:
@@ -38,8 +44,9 @@ def input_checksums(data: Mapping[str, Any]) -> dict[str, str]:
         values[f"groups[{index}].layers"] = group["layers"]
         values[f"groups[{index}].spec"] = group["spec"]
     return {
-        name: hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()
-                             ).hexdigest()[:16]
+        name: hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()[
+            :16
+        ]
         for name, value in values.items()
     }
 

@@ -48,14 +48,14 @@ def plan_kv_cache(
     max model length that fits; :class:`PlanError` when the layout cannot hold the specs;
     :class:`PluginError` naming the plugin, spec kind and method when a spec method raises.
     """
-    args = check_arguments("plan_kv_cache", budget_bytes, host_budget_bytes, ctx, manager,
-                           layout)
+    args = check_arguments("plan_kv_cache", budget_bytes, host_budget_bytes, ctx, manager, layout)
     with plugin_faults_named(manager, "planning the KV cache"):
         return _plan(layer_specs, args, manager)
 
 
-def _plan(layer_specs: Mapping[str, KVSpec], args: PlannerArguments,
-          manager: PluginManager) -> KVCachePlan:
+def _plan(
+    layer_specs: Mapping[str, KVSpec], args: PlannerArguments, manager: PluginManager
+) -> KVCachePlan:
     budget, host_budget, ctx = args.budget, args.host_budget, args.ctx
     skeleton = skeleton_of_specs(layer_specs, ctx, manager, args.layout)
     blocks = blocks_per_pool(skeleton, ctx, budget, host_budget)
@@ -77,17 +77,22 @@ def largest_fitting_max_model_len(
     budget, by each family's own per-request formula; 0 if none does. Families whose demand
     stops growing (sliding window, Mamba) make every length fit: then ``upper`` is returned.
     """
-    args = check_arguments("largest_fitting_max_model_len", budget_bytes, host_budget_bytes,
-                           ctx, manager, layout)
+    args = check_arguments(
+        "largest_fitting_max_model_len", budget_bytes, host_budget_bytes, ctx, manager, layout
+    )
     check_upper(upper)
     with plugin_faults_named(manager, "finding the largest max_model_len that fits"):
         skeleton = skeleton_of_specs(layer_specs, args.ctx, manager, args.layout)
         return largest_fitting(skeleton, args.ctx, args.budget, args.host_budget, upper)
 
 
-def rebuild_with_blocks(plan: KVCachePlan, blocks: Sequence[int],
-                        *, budget_bytes: int | None = None,
-                        host_budget_bytes: int | None = None) -> KVCachePlan:
+def rebuild_with_blocks(
+    plan: KVCachePlan,
+    blocks: Sequence[int],
+    *,
+    budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+) -> KVCachePlan:
     """The same plan with other per-pool block counts (each at least one request's worth),
     optionally under another budget that still holds them."""
     skeleton = skeleton_of_plan(plan)

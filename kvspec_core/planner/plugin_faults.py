@@ -52,8 +52,10 @@ def _plugin_of(spec_class: type[KVSpec], manager: PluginManager) -> tuple[str, s
 
 
 #: What every named plugin fault ends with: whose bug it is and how to plan without it.
-_FIX = ("This is a bug of that plugin; report it to its authors, or leave it out with "
-        "KVSPEC_PLUGINS (the comma-separated plugin names to load)")
+_FIX = (
+    "This is a bug of that plugin; report it to its authors, or leave it out with "
+    "KVSPEC_PLUGINS (the comma-separated plugin names to load)"
+)
 
 
 def spec_method_error(error: Exception, manager: PluginManager, action: str) -> PluginError | None:

@@ -49,14 +49,17 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         if row[3] != other[3]:
             return f"layer {layer} has spec {row[3]} vs {other[3]}"
         if row[1:3] != other[1:3]:
-            return (f"layer {layer} is at slot {row[2]} of group {row[1]} vs slot {other[2]} "
-                    f"of group {other[1]}")
+            return (
+                f"layer {layer} is at slot {row[2]} of group {row[1]} vs slot {other[2]} "
+                f"of group {other[1]}"
+            )
     for layer in rows_b:
         if layer not in rows_a:
             return f"layer {layer} is planned in one and not in the other"
     if a["memoryless_layers"] != b["memoryless_layers"]:
-        return f"layers without memory differ ({a['memoryless_layers']} vs " \
-               f"{b['memoryless_layers']})"
+        return (
+            f"layers without memory differ ({a['memoryless_layers']} vs {b['memoryless_layers']})"
+        )
     if a["block_bytes"] != b["block_bytes"]:
         return f"pool block bytes differ ({a['block_bytes']} vs {b['block_bytes']})"
     return None
@@ -69,8 +72,10 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
         raise PlanError("reconcile_plans needs at least one plan")
     for index, plan in enumerate(plans):
         if not isinstance(plan, KVCachePlan):
-            raise PlanError(f"reconcile_plans: plans[{index}] is a {type(plan).__name__}, not a "
-                            "KVCachePlan (plan_from_dict reads a dict)")
+            raise PlanError(
+                f"reconcile_plans: plans[{index}] is a {type(plan).__name__}, not a "
+                "KVCachePlan (plan_from_dict reads a dict)"
+            )
     reference = plan_signature(plans[0])
     for index, plan in enumerate(plans[1:], start=1):
         difference = first_difference(reference, plan_signature(plan))
@@ -80,12 +85,18 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
                 "plan the same layer specs"
             )
     blocks = [min(plan.pools[i].num_blocks for plan in plans) for i in range(len(plans[0].pools))]
-    return rebuild_with_blocks(plans[0], blocks, **_smallest_budgets(
-        [plan.budget_bytes for plan in plans], [plan.host_budget_bytes for plan in plans]))
+    return rebuild_with_blocks(
+        plans[0],
+        blocks,
+        **_smallest_budgets(
+            [plan.budget_bytes for plan in plans], [plan.host_budget_bytes for plan in plans]
+        ),
+    )
 
 
-def _smallest_budgets(budgets: Sequence[int], host_budgets: Sequence[int | None]
-                      ) -> dict[str, int | None]:
+def _smallest_budgets(
+    budgets: Sequence[int], host_budgets: Sequence[int | None]
+) -> dict[str, int | None]:
     """The agreed plan states the smallest budget: every worker's pools fit in it."""
     hosts = [value for value in host_budgets if value is not None]
     return {"budget_bytes": min(budgets), "host_budget_bytes": min(hosts) if hosts else None}
@@ -111,12 +122,22 @@ def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan
     # Block counts, then the budgets (-1 stands for "no host budget").
     host = -1 if plan.host_budget_bytes is None else plan.host_budget_bytes
     # NCCL reduces only CUDA tensors; gloo and others take CPU tensors.
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
-    counts = torch.tensor([pool.num_blocks for pool in plan.pools] + [plan.budget_bytes, host],
-                          dtype=torch.int64, device=device)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == dist.Backend.NCCL
+        else torch.device("cpu")
+    )
+    counts = torch.tensor(
+        [pool.num_blocks for pool in plan.pools] + [plan.budget_bytes, host],
+        dtype=torch.int64,
+        device=device,
+    )
     dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
     values = [int(count) for count in counts.tolist()]
     blocks, budget, host_budget = values[:-2], values[-2], values[-1]
-    return rebuild_with_blocks(plan, blocks, budget_bytes=budget,
-                               host_budget_bytes=None if host_budget < 0 else host_budget)
+    return rebuild_with_blocks(
+        plan,
+        blocks,
+        budget_bytes=budget,
+        host_budget_bytes=None if host_budget < 0 else host_budget,
+    )

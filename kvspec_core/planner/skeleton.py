@@ -43,9 +43,9 @@ class Skeleton:
     layout: KVCacheLayout
 
 
-def build_pools(drafts: Sequence[GroupDraft], layout: KVCacheLayout) -> tuple[
-    tuple[PoolDraft, ...], tuple[int, ...]
-]:
+def build_pools(
+    drafts: Sequence[GroupDraft], layout: KVCacheLayout
+) -> tuple[tuple[PoolDraft, ...], tuple[int, ...]]:
     """The pools of ``drafts`` (one per page-size class and residency) and each group's pool."""
     keys: dict[tuple[object, ...], list[int]] = {}
     for index, draft in enumerate(drafts):
@@ -54,11 +54,15 @@ def build_pools(drafts: Sequence[GroupDraft], layout: KVCacheLayout) -> tuple[
     pool_of_group = [0] * len(drafts)
     for pool_id, (key, members) in enumerate(keys.items()):
         segments = tuple(segments_of([slot_runs(drafts[i], layout) for i in members]))
-        alignment = lcm_alignment(list({
-            spec.block_stride_alignment
-            for i in members
-            for spec in (drafts[i].spec, *drafts[i].layer_specs)
-        }))
+        alignment = lcm_alignment(
+            list(
+                {
+                    spec.block_stride_alignment
+                    for i in members
+                    for spec in (drafts[i].spec, *drafts[i].layer_specs)
+                }
+            )
+        )
         block_bytes, placements = place_segments(segments, layout, alignment, 1)
         slot_bytes = []
         for segment, placement in zip(segments, placements, strict=True):
@@ -70,15 +74,23 @@ def build_pools(drafts: Sequence[GroupDraft], layout: KVCacheLayout) -> tuple[
             slot_bytes.extend([per_slot] * segment.count)
         for i in members:
             pool_of_group[i] = pool_id
-        pools.append(PoolDraft(
-            group_ids=tuple(members), host_resident=bool(key[-1]), alignment=alignment,
-            segments=segments, block_bytes=block_bytes, slot_bytes=tuple(slot_bytes),
-        ))
+        pools.append(
+            PoolDraft(
+                group_ids=tuple(members),
+                host_resident=bool(key[-1]),
+                alignment=alignment,
+                segments=segments,
+                block_bytes=block_bytes,
+                slot_bytes=tuple(slot_bytes),
+            )
+        )
     return tuple(pools), tuple(pool_of_group)
 
 
 def skeleton_of_specs(
-    layer_specs: Mapping[str, KVSpec], ctx: SizingContext, manager: PluginManager,
+    layer_specs: Mapping[str, KVSpec],
+    ctx: SizingContext,
+    manager: PluginManager,
     layout: KVCacheLayout,
 ) -> Skeleton:
     """The groups and pools of ``layer_specs``."""
@@ -91,7 +103,8 @@ def blocks_per_request(skeleton: Skeleton, ctx: SizingContext) -> tuple[list[int
     """Blocks one request of ``ctx.max_model_len`` takes from each group, and from each pool."""
     per_group = [
         checked_blocks_per_request(
-            draft.spec, ctx, f"the group of layers {draft.layers[0]}..{draft.layers[-1]}")
+            draft.spec, ctx, f"the group of layers {draft.layers[0]}..{draft.layers[-1]}"
+        )
         for draft in skeleton.drafts
     ]
     per_pool = [sum(per_group[i] for i in pool.group_ids) for pool in skeleton.pools]
@@ -105,6 +118,8 @@ def skeleton_of_plan(plan: KVCachePlan) -> Skeleton:
     drafts = [GroupDraft(group.layers, group.spec) for group in plan.groups]
     pools, pool_of_group = build_pools(drafts, layout)
     if pool_of_group != tuple(group.pool for group in plan.groups):
-        raise PlanError("the plan's pool assignment does not follow from its groups; it was "
-                        "not written by this planner")
+        raise PlanError(
+            "the plan's pool assignment does not follow from its groups; it was "
+            "not written by this planner"
+        )
     return Skeleton(tuple(drafts), plan.memoryless_layers, pools, pool_of_group, layout)

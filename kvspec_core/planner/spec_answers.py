@@ -29,8 +29,9 @@ class SpecAnswerError(PluginError):
     ``spec_class``, ``method``, ``value`` and ``where`` (the layer or group) say which answer.
     """
 
-    def __init__(self, spec_class: type[KVSpec], method: str, value: object, expected: str,
-                 where: str) -> None:
+    def __init__(
+        self, spec_class: type[KVSpec], method: str, value: object, expected: str, where: str
+    ) -> None:
         self.spec_class = spec_class
         self.method = method
         self.value = value
@@ -75,8 +76,11 @@ _FIRST_ANSWERS: tuple[_Answer, ...] = (
 #: The answers every spec gives whatever its page geometry.
 _ANSWERS: tuple[_Answer, ...] = (
     ("page_size_bytes", _positive, f"{_POSITIVE} of bytes per page"),
-    ("block_stride_alignment", lambda value: value is None or _positive(value),
-     f"None or {_POSITIVE} of bytes"),
+    (
+        "block_stride_alignment",
+        lambda value: value is None or _positive(value),
+        f"None or {_POSITIVE} of bytes",
+    ),
     ("host_resident", lambda value: isinstance(value, bool), "a bool"),
     ("transferable", lambda value: isinstance(value, bool), "a bool"),
     ("prefix_cacheable", lambda value: isinstance(value, bool), "a bool"),
@@ -86,13 +90,19 @@ _ANSWERS: tuple[_Answer, ...] = (
 #: The answers of a spec whose pages the planner addresses as heads x states x content.
 _VIEW_ANSWERS: tuple[_Answer, ...] = (
     ("num_heads", _positive, f"{_POSITIVE} of head slots"),
-    ("tokens_per_state", lambda value: _is_int(value) or isinstance(value, Fraction),
-     "an int or a Fraction of tokens (<= 0: one state per block)"),
+    (
+        "tokens_per_state",
+        lambda value: _is_int(value) or isinstance(value, Fraction),
+        "an int or a Fraction of tokens (<= 0: one state per block)",
+    ),
     ("num_states", _positive, f"{_POSITIVE} of states per page"),
     ("state_content_size_bytes", _positive, f"{_POSITIVE} of bytes per (head, state) cell"),
     ("unpadded_page_size_bytes", _positive, f"{_POSITIVE} of bytes of content per page"),
-    ("view_dtype", lambda value: value is None or isinstance(value, torch.dtype),
-     "None (raw bytes) or a torch.dtype"),
+    (
+        "view_dtype",
+        lambda value: value is None or isinstance(value, torch.dtype),
+        "None (raw bytes) or a torch.dtype",
+    ),
 )
 
 
@@ -118,20 +128,28 @@ def checked_blocks_per_request(spec: KVSpec, ctx: SizingContext, where: str) -> 
     value = spec.max_blocks_per_request(ctx)
     if not _non_negative(value):
         raise SpecAnswerError(
-            type(spec), "max_blocks_per_request", value,
+            type(spec),
+            "max_blocks_per_request",
+            value,
             f"{_NON_NEGATIVE} of blocks one request of max_model_len={ctx.max_model_len} holds",
             where,
         )
     return value
 
 
-def checked_merge(spec_class: type[KVSpec], specs: list[KVSpec], layer_names: list[str],
-                  where: str) -> KVSpec:
+def checked_merge(
+    spec_class: type[KVSpec], specs: list[KVSpec], layer_names: list[str], where: str
+) -> KVSpec:
     """``spec_class.merge(specs, layer_names)``, refused unless it returns a ``spec_class``."""
     merged = spec_class.merge(specs, layer_names)
     if not isinstance(merged, spec_class):
-        raise SpecAnswerError(spec_class, "merge", merged,
-                              f"an instance of {spec_class.__name__} (the merged spec)", where)
+        raise SpecAnswerError(
+            spec_class,
+            "merge",
+            merged,
+            f"an instance of {spec_class.__name__} (the merged spec)",
+            where,
+        )
     return merged
 
 
@@ -141,6 +159,10 @@ def check_uniformity_answer(specs: Mapping[str, KVSpec], registry: SpecRegistry)
     name, first = next(iter(specs.items()))
     value = first.is_uniform_with(specs, registry)
     if not isinstance(value, bool):
-        raise SpecAnswerError(type(first), "is_uniform_with", value,
-                              "a bool (whether the layers can share a uniform-type group)",
-                              f"layer {name} and the {len(specs) - 1} other layers")
+        raise SpecAnswerError(
+            type(first),
+            "is_uniform_with",
+            value,
+            "a bool (whether the layers can share a uniform-type group)",
+            f"layer {name} and the {len(specs) - 1} other layers",
+        )

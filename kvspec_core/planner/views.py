@@ -40,14 +40,21 @@ class LayerView:
 
 
 def _kernel_geometry(
-    tensor: KVCacheTensor, spec: KVSpec, layout_name: str, pool_alignment: int,
+    tensor: KVCacheTensor,
+    spec: KVSpec,
+    layout_name: str,
+    pool_alignment: int,
     kernel_block_size: int | None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``[L, B, H, N, C]`` byte shape and strides, manager blocks split into kernel blocks."""
     if kernel_block_size is None:
         return tensor.shape, tensor.strides
-    if isinstance(kernel_block_size, bool) or not isinstance(kernel_block_size, int) \
-            or kernel_block_size < 1 or spec.block_size % kernel_block_size:
+    if (
+        isinstance(kernel_block_size, bool)
+        or not isinstance(kernel_block_size, int)
+        or kernel_block_size < 1
+        or spec.block_size % kernel_block_size
+    ):
         raise PlanError(
             f"kernel block size {kernel_block_size!r} must be a positive divisor of the KV "
             f"cache block size {spec.block_size} (layers {', '.join(tensor.layers[:3])})"
@@ -72,8 +79,11 @@ def _kernel_geometry(
             "size that holds whole states, or none for this group"
         )
     block_stride = tensor.block_stride
-    if block_stride != cell.dense_page and pool_alignment > 1 \
-            and block_stride == aligned(cell.dense_page, pool_alignment):
+    if (
+        block_stride != cell.dense_page
+        and pool_alignment > 1
+        and block_stride == aligned(cell.dense_page, pool_alignment)
+    ):
         raise PlanError(
             f"layers {', '.join(tensor.layers[:3])}: the pool's block_stride_alignment="
             f"{pool_alignment} rounds the block stride to {block_stride} bytes, past the "
@@ -94,11 +104,21 @@ def _kernel_geometry(
             f"block stride {block_stride} of layers {', '.join(tensor.layers[:3])} does not "
             f"divide into {ratio} equal kernel blocks of {kernel_block_size} tokens"
         )
-    shape = (tensor.shape[DIM_L], tensor.shape[DIM_B] * ratio, cell.heads, kernel_states,
-             cell.content)
+    shape = (
+        tensor.shape[DIM_L],
+        tensor.shape[DIM_B] * ratio,
+        cell.heads,
+        kernel_states,
+        cell.content,
+    )
     grid = layout.grid_dims
-    fixed = (tensor.layer_stride, block_stride // ratio,
-             tensor.strides[DIM_H] if DIM_H in grid else None, None, None)
+    fixed = (
+        tensor.layer_stride,
+        block_stride // ratio,
+        tensor.strides[DIM_H] if DIM_H in grid else None,
+        None,
+        None,
+    )
     return shape, layout_strides(shape, layout, fixed=fixed)
 
 
@@ -108,14 +128,25 @@ def _check_kernel_block_sizes(
     if kernel_block_sizes is None:
         return {}
     if not isinstance(kernel_block_sizes, Mapping):
-        raise InvalidFieldTypeError("materialize", "kernel_block_sizes", kernel_block_sizes,
-                                    "expected a mapping of group id -> kernel block size")
+        raise InvalidFieldTypeError(
+            "materialize",
+            "kernel_block_sizes",
+            kernel_block_sizes,
+            "expected a mapping of group id -> kernel block size",
+        )
     group_ids = {group.id for group in plan.groups}
-    unknown = [key for key in kernel_block_sizes
-               if isinstance(key, bool) or not isinstance(key, int) or key not in group_ids]
+    unknown = [
+        key
+        for key in kernel_block_sizes
+        if isinstance(key, bool) or not isinstance(key, int) or key not in group_ids
+    ]
     if unknown:
-        raise InvalidFieldError("materialize", "kernel_block_sizes", unknown,
-                                f"keys must be group ids of the plan (0..{len(plan.groups) - 1})")
+        raise InvalidFieldError(
+            "materialize",
+            "kernel_block_sizes",
+            unknown,
+            f"keys must be group ids of the plan (0..{len(plan.groups) - 1})",
+        )
     return dict(kernel_block_sizes)
 
 
@@ -124,8 +155,10 @@ def _check_device(device: object) -> torch.device:
         return torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as error:
         raise InvalidFieldError(
-            "materialize", "device", device, f"must name a torch device such as 'cpu' or "
-            f"'cuda:0' ({error})"
+            "materialize",
+            "device",
+            device,
+            f"must name a torch device such as 'cpu' or 'cuda:0' ({error})",
         ) from error
 
 
@@ -139,8 +172,9 @@ def plan_layer_views(
         group = plan.groups[tensor.group]
         spec = group.layer_specs[group.layers.index(tensor.layers[0])]
         kernel = kernel_block_sizes.get(group.id)
-        shape, strides = _kernel_geometry(tensor, spec, plan.layout,
-                                          plan.pools[tensor.pool].alignment, kernel)
+        shape, strides = _kernel_geometry(
+            tensor, spec, plan.layout, plan.pools[tensor.pool].alignment, kernel
+        )
         extent = view_extent(shape, strides, tensor.offset)
         if extent > tensor.size:
             raise PlanError(
@@ -149,20 +183,32 @@ def plan_layer_views(
             )
         dtype = None if tensor.raw else spec.view_dtype
         for position, layer in enumerate(tensor.layers):
-            result.append(LayerView(
-                layer=layer, tensor=index, pool=tensor.pool, group=tensor.group,
-                offset=tensor.offset + position * strides[DIM_L], shape=tuple(shape[1:]),
-                strides=tuple(strides[1:]), dtype=dtype,
-                kernel_block_size=kernel or spec.block_size, raw=tensor.raw,
-            ))
+            result.append(
+                LayerView(
+                    layer=layer,
+                    tensor=index,
+                    pool=tensor.pool,
+                    group=tensor.group,
+                    offset=tensor.offset + position * strides[DIM_L],
+                    shape=tuple(shape[1:]),
+                    strides=tuple(strides[1:]),
+                    dtype=dtype,
+                    kernel_block_size=kernel or spec.block_size,
+                    raw=tensor.raw,
+                )
+            )
     return result
 
 
 def _make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:
     if view.raw:
         return buffer
-    layer = torch.as_strided(buffer, size=view.shape, stride=view.strides,
-                             storage_offset=buffer.storage_offset() + view.offset)
+    layer = torch.as_strided(
+        buffer,
+        size=view.shape,
+        stride=view.strides,
+        storage_offset=buffer.storage_offset() + view.offset,
+    )
     if view.dtype is not None:
         layer = layer.view(view.dtype)
     return layer
@@ -171,8 +217,9 @@ def _make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:
 class KVCacheBuffers:
     """Backing buffers (one per pool) and per-layer views of a materialised plan."""
 
-    def __init__(self, plan: KVCachePlan, buffers: list[torch.Tensor],
-                 layer_views: list[LayerView]) -> None:
+    def __init__(
+        self, plan: KVCachePlan, buffers: list[torch.Tensor], layer_views: list[LayerView]
+    ) -> None:
         self.plan = plan
         self.buffers = buffers
         self.layer_views = {view.layer: view for view in layer_views}
@@ -202,9 +249,14 @@ class KVCacheBuffers:
         return {
             "layout": self.plan.layout,
             "pools": [
-                {"id": pool.id, "bytes": pool.size_bytes, "num_blocks": pool.num_blocks,
-                 "block_bytes": pool.block_bytes, "host_resident": pool.host_resident,
-                 "device": str(self.buffers[pool.id].device)}
+                {
+                    "id": pool.id,
+                    "bytes": pool.size_bytes,
+                    "num_blocks": pool.num_blocks,
+                    "block_bytes": pool.block_bytes,
+                    "host_resident": pool.host_resident,
+                    "device": str(self.buffers[pool.id].device),
+                }
                 for pool in self.plan.pools
             ],
             "layers": layers,
@@ -221,8 +273,12 @@ def materialize(
     and view every layer as the plan says. ``kernel_block_sizes`` maps group ids to a kernel
     block size dividing the group's block size. Buffers are zeroed when the plan needs it."""
     if not isinstance(plan, KVCachePlan):
-        raise InvalidFieldTypeError("materialize", "plan", type(plan).__name__,
-                                    "expected a KVCachePlan (plan_from_dict reads a dict)")
+        raise InvalidFieldTypeError(
+            "materialize",
+            "plan",
+            type(plan).__name__,
+            "expected a KVCachePlan (plan_from_dict reads a dict)",
+        )
     target = _check_device(device)
     layer_views = plan_layer_views(plan, kernel_block_sizes)
     meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]
@@ -237,8 +293,11 @@ def materialize(
             ) from error
     make = torch.zeros if plan.needs_zeroing else torch.empty
     buffers = [
-        make(pool.size_bytes, dtype=torch.uint8,
-             device=torch.device("cpu") if pool.host_resident else target)
+        make(
+            pool.size_bytes,
+            dtype=torch.uint8,
+            device=torch.device("cpu") if pool.host_resident else target,
+        )
         for pool in plan.pools
     ]
     return KVCacheBuffers(plan, buffers, layer_views)

@@ -25,16 +25,16 @@ class RegisterSpecKind(Protocol):
     """The ``register`` a plugin's ``kvspec_register_spec_kinds`` receives:
     ``register(spec_class, uniform_base=None)`` adds a spec kind owned by the caller."""
 
-    def __call__(self, spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None) -> None:
-        ...
+    def __call__(
+        self, spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None
+    ) -> None: ...
 
 
 class RegisterKVDtype(Protocol):
     """The ``register`` a plugin's ``kvspec_register_kv_dtypes`` receives:
     ``register(kv_dtype)`` adds a KV-cache dtype name owned by the caller."""
 
-    def __call__(self, kv_dtype: KVCacheDtype) -> None:
-        ...
+    def __call__(self, kv_dtype: KVCacheDtype) -> None: ...
 
 
 class RegisterRuntimeRules(Protocol):
@@ -44,8 +44,7 @@ class RegisterRuntimeRules(Protocol):
     ``spec`` being an instance of that kind (so the factory may take the kind's own spec
     class, hence the loose parameter types)."""
 
-    def __call__(self, kind: str, rules: Callable[..., FamilyRules]) -> None:
-        ...
+    def __call__(self, kind: str, rules: Callable[..., FamilyRules]) -> None: ...
 
 
 @hookspec

@@ -105,8 +105,11 @@ class LayerConfig:
         bool, float, out of range) is a ConfigError naming the layer, the field, its value,
         what it means and ``fix``."""
         value = self.config.get(field)
-        if (isinstance(value, bool) or not isinstance(value, int)
-                or not 0 < value <= MAX_FIELD_VALUE):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 0 < value <= MAX_FIELD_VALUE
+        ):
             from kvspec_core.errors import ConfigError
 
             raise ConfigError(

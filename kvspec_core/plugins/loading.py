@@ -33,8 +33,15 @@ class PluginHost(Protocol):
 
     def is_loaded(self, name: str) -> bool: ...
 
-    def register(self, plugin: object, name: str, *, distribution: str | None = None,
-                 version: str | None = None, withdraw_contested_kinds: bool = False) -> object: ...
+    def register(
+        self,
+        plugin: object,
+        name: str,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+        withdraw_contested_kinds: bool = False,
+    ) -> object: ...
 
 
 def allowed_names(environ: Mapping[str, str]) -> set[str] | None:
@@ -76,9 +83,11 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
         failure = PluginFailure(name=name, distribution=distribution, version=version, error=error)
         if failure not in manager.failures:
             manager.failures.append(failure)
-        message = f"kvspec plugin {name!r}" + (
-            f" from distribution {distribution} {version}" if distribution else ""
-        ) + f" failed to load: {error}"
+        message = (
+            f"kvspec plugin {name!r}"
+            + (f" from distribution {distribution} {version}" if distribution else "")
+            + f" failed to load: {error}"
+        )
         if strict:
             raise PluginError(message + f" ({STRICT_VAR}=1)")
         warnings.warn(message, PluginLoadWarning, stacklevel=3)
@@ -86,9 +95,13 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
     if allow is not None:
         # The core is always loaded, so naming it is not a mistake.
         for unknown in sorted(allow - set(by_name) - {CORE_PLUGIN_NAME}):
-            fail(unknown, None, None,
-                 f"{ALLOW_LIST_VAR} names {unknown!r} but no installed distribution provides an "
-                 f"entry point of that name in group {ENTRY_POINT_GROUP!r}")
+            fail(
+                unknown,
+                None,
+                None,
+                f"{ALLOW_LIST_VAR} names {unknown!r} but no installed distribution provides an "
+                f"entry point of that name in group {ENTRY_POINT_GROUP!r}",
+            )
 
     for name in sorted(by_name):
         if allow is not None and name not in allow:
@@ -98,22 +111,35 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
         entry_points = by_name[name]
         distributions = sorted({str(_dist_of(ep)[0]) for ep in entry_points})
         if len(distributions) > 1:
-            fail(name, ", ".join(distributions), None,
-                 f"entry point name {name!r} is provided by several distributions "
-                 f"({', '.join(distributions)}); uninstall all but one")
+            fail(
+                name,
+                ", ".join(distributions),
+                None,
+                f"entry point name {name!r} is provided by several distributions "
+                f"({', '.join(distributions)}); uninstall all but one",
+            )
             continue
         entry_point = entry_points[0]
         distribution, version = _dist_of(entry_point)
         try:
             plugin = entry_point.load()
         except Exception as error:  # an import failure of any kind must not take others down
-            fail(name, distribution, version,
-                 f"importing {entry_point.value} raised {type(error).__name__}: {error}")
+            fail(
+                name,
+                distribution,
+                version,
+                f"importing {entry_point.value} raised {type(error).__name__}: {error}",
+            )
             continue
         conflicts_before = len(manager.kind_conflicts)
         try:
-            manager.register(plugin, name, distribution=distribution, version=version,
-                             withdraw_contested_kinds=True)
+            manager.register(
+                plugin,
+                name,
+                distribution=distribution,
+                version=version,
+                withdraw_contested_kinds=True,
+            )
         except PluginError as error:
             fail(name, distribution, version, str(error))
         for conflict in manager.kind_conflicts[conflicts_before:]:

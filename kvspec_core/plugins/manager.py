@@ -59,8 +59,9 @@ class PluginManager:
         if include_core:
             from kvspec_core.plugins import builtin
 
-            self.register(builtin, CORE_PLUGIN_NAME, distribution="kvspec-core",
-                          version=__version__)
+            self.register(
+                builtin, CORE_PLUGIN_NAME, distribution="kvspec-core", version=__version__
+            )
 
     # ----------------------------------------------------------------- registration
     @property
@@ -134,7 +135,8 @@ class PluginManager:
         contested: list[KindConflictError] = []
         try:
             self._run_registration_hooks(
-                plugin, name, contested if withdraw_contested_kinds else None)
+                plugin, name, contested if withdraw_contested_kinds else None
+            )
         except Exception as error:
             self._rollback(plugin, name)
             if isinstance(error, PluginError):
@@ -142,9 +144,7 @@ class PluginManager:
             raise PluginError(
                 f"{label} raised {type(error).__name__} while registering: {error}"
             ) from error
-        hooks = tuple(
-            hook for hook in hookspecs.HOOK_NAMES if self._impls_of(hook, plugin)
-        )
+        hooks = tuple(hook for hook in hookspecs.HOOK_NAMES if self._impls_of(hook, plugin))
         info = PluginInfo(
             name=name,
             distribution=distribution,
@@ -157,8 +157,9 @@ class PluginManager:
             self._withdraw_kind(conflict, name, distribution)
         return info
 
-    def _withdraw_kind(self, conflict: KindConflictError, claimant: str,
-                       distribution: str | None) -> None:
+    def _withdraw_kind(
+        self, conflict: KindConflictError, claimant: str, distribution: str | None
+    ) -> None:
         """Take ``conflict.kind`` from its holder and refuse it to ``claimant`` too."""
         kinds = self.spec_kinds
         holder = kinds.owner_of(conflict.kind) if conflict.kind in kinds else None
@@ -166,19 +167,24 @@ class PluginManager:
         if holder is not None:
             info = self._infos[holder]
             self._infos[holder] = attrs.evolve(
-                info, spec_kinds=tuple(k for k in info.spec_kinds if k != conflict.kind))
+                info, spec_kinds=tuple(k for k in info.spec_kinds if k != conflict.kind)
+            )
             self._runtime_rules.pop(conflict.kind, None)
         labels = [
             f"{name!r} ({self._infos[name].distribution or 'no distribution'})"
-            if name in self._infos else repr(name)
+            if name in self._infos
+            else repr(name)
             for name in claimants
         ]
-        self.kind_conflicts.append(KindConflictError(
-            f"spec kind {conflict.kind!r} is claimed by plugins {', '.join(labels)}; none of "
-            "them gets it (their other kinds load): uninstall all but one of them, or restrict "
-            "loading with KVSPEC_PLUGINS",
-            kind=conflict.kind, claimants=claimants,
-        ))
+        self.kind_conflicts.append(
+            KindConflictError(
+                f"spec kind {conflict.kind!r} is claimed by plugins {', '.join(labels)}; none of "
+                "them gets it (their other kinds load): uninstall all but one of them, or restrict "
+                "loading with KVSPEC_PLUGINS",
+                kind=conflict.kind,
+                claimants=claimants,
+            )
+        )
 
     def unregister(self, name: str) -> None:
         """Remove a plugin and everything it registered."""
@@ -219,10 +225,12 @@ class PluginManager:
         # pluggy passes only the arguments an implementation names; do the same.
         return impl.function(*(kwargs[arg] for arg in impl.argnames))
 
-    def _run_registration_hooks(self, plugin: object, name: str,
-                                contested: list[KindConflictError] | None = None) -> None:
+    def _run_registration_hooks(
+        self, plugin: object, name: str, contested: list[KindConflictError] | None = None
+    ) -> None:
         """Run ``plugin``'s registration hooks; with ``contested``, a kind another plugin
         (not the core) holds or claimed is skipped and its conflict appended there."""
+
         def register_kind(
             spec_class: type[KVSpec], uniform_base: type[KVSpec] | None = None
         ) -> None:
@@ -240,14 +248,13 @@ class PluginManager:
 
         def register_rules(kind: str, rules: Any) -> None:
             if contested is not None and (
-                    kind in self.spec_kinds.contested_kinds()
-                    or any(conflict.kind == kind for conflict in contested)):
+                kind in self.spec_kinds.contested_kinds()
+                or any(conflict.kind == kind for conflict in contested)
+            ):
                 return  # the kind is refused to every claimant; so are its rules
             owner = self.spec_kinds.owner_of(kind)
             if owner != name:
-                raise PluginError(
-                    f"runtime rules for kind {kind!r}, which plugin {owner!r} owns"
-                )
+                raise PluginError(f"runtime rules for kind {kind!r}, which plugin {owner!r} owns")
             if not callable(rules):
                 raise PluginError(
                     f"runtime rules for kind {kind!r} must be a factory rules(spec, ctx) (usually "
@@ -292,15 +299,27 @@ class PluginManager:
             except KVSpecError:
                 raise
             except Exception as error:
-                faults.append((plugin_name, f"raised {type(error).__name__} in kvspec_layer_spec "
-                               f"for layer {layer.name} ({layer.layer_type}): {error}", error))
+                faults.append(
+                    (
+                        plugin_name,
+                        f"raised {type(error).__name__} in kvspec_layer_spec "
+                        f"for layer {layer.name} ({layer.layer_type}): {error}",
+                        error,
+                    )
+                )
                 continue
             if spec is None:
                 continue
             if not isinstance(spec, KVSpec):
-                faults.append((plugin_name, f"returned {spec!r} for layer {layer.name} "
-                               f"({layer.layer_type}); kvspec_layer_spec must return a KVSpec "
-                               "or None", None))
+                faults.append(
+                    (
+                        plugin_name,
+                        f"returned {spec!r} for layer {layer.name} "
+                        f"({layer.layer_type}); kvspec_layer_spec must return a KVSpec "
+                        "or None",
+                        None,
+                    )
+                )
                 continue
             try:
                 self.spec_kinds.entry_of(spec)
@@ -317,18 +336,29 @@ class PluginManager:
             self._layer_hook_fault(plugin_name, fault, cause, claims)
         return claims
 
-    def _layer_hook_fault(self, plugin_name: str, fault: str, cause: Exception | None,
-                          claims: list[tuple[str, KVSpec]]) -> None:
+    def _layer_hook_fault(
+        self,
+        plugin_name: str,
+        fault: str,
+        cause: Exception | None,
+        claims: list[tuple[str, KVSpec]],
+    ) -> None:
         """Refuse or warn about one plugin's faulty ``kvspec_layer_spec`` answer (see
         :meth:`layer_specs`)."""
         info = self._infos[plugin_name]
         label = f"plugin {plugin_name!r}" + (
-            f" (distribution {info.distribution})" if info.distribution else "")
-        fix = ("This is a bug of that plugin; report it to its authors, or leave it out with "
-               f"{loading.ALLOW_LIST_VAR} (the comma-separated plugin names to load)")
+            f" (distribution {info.distribution})" if info.distribution else ""
+        )
+        fix = (
+            "This is a bug of that plugin; report it to its authors, or leave it out with "
+            f"{loading.ALLOW_LIST_VAR} (the comma-separated plugin names to load)"
+        )
         if self.strict_plugins or not claims:
-            why = (f"{loading.STRICT_VAR}=1 makes any plugin fault an error" if claims
-                   else "no other plugin claims that layer")
+            why = (
+                f"{loading.STRICT_VAR}=1 makes any plugin fault an error"
+                if claims
+                else "no other plugin claims that layer"
+            )
             raise PluginError(f"{label} {fault}; {why}. {fix}") from cause
         if plugin_name in self._warned_layer_hook_faults:
             return
@@ -337,7 +367,8 @@ class PluginManager:
         warnings.warn(
             f"{label} {fault}; ignored, as plugin {owners} claims the layer (further faults of "
             f"this plugin are not repeated; {loading.STRICT_VAR}=1 makes them errors). {fix}",
-            PluginHookWarning, stacklevel=4,
+            PluginHookWarning,
+            stacklevel=4,
         )
 
     def runtime_rules(self, kind: str) -> Any | None:

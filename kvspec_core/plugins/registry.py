@@ -92,11 +92,13 @@ class SpecRegistry:
                 f"spec kind {kind!r} registered by plugin {owner!r} ({spec_class.__qualname__}) "
                 f"is already registered by plugin {existing.owner!r} "
                 f"({existing.spec_class.__qualname__})",
-                kind=kind, claimants=(existing.owner, owner),
+                kind=kind,
+                claimants=(existing.owner, owner),
             )
         if kind in self._contested:
             raise KindConflictError(
-                self._contested_message(kind), kind=kind,
+                self._contested_message(kind),
+                kind=kind,
                 claimants=(*self._contested[kind], owner),
             )
         if uniform_base is None:

@@ -24,7 +24,9 @@ def _positive_tokens_per_state(instance: Any, attribute: Any, value: object) -> 
         )
     if not 0 < value <= MAX_FIELD_VALUE:
         raise InvalidFieldError(
-            type(instance).__name__, attribute.name, value,
+            type(instance).__name__,
+            attribute.name,
+            value,
             "must be > 0 (ints > 1 compress tokens into one state, fractions < 1 store "
             "several states per token)",
         )
@@ -61,14 +63,14 @@ class AttentionSpec(KVSpec):
     page_size_padded: int | None = attrs.field(default=None, validator=optional(positive_int))
     num_head_slots: int | None = attrs.field(default=None, validator=optional(positive_int))
     state_content_bytes: int | None = attrs.field(default=None, validator=optional(positive_int))
-    tokens_per_state: int | Fraction = attrs.field(
-        default=1, validator=_positive_tokens_per_state
-    )
+    tokens_per_state: int | Fraction = attrs.field(default=1, validator=_positive_tokens_per_state)
 
     def __attrs_post_init__(self) -> None:
         if self.num_states < 1:
             raise InvalidFieldError(
-                type(self).__name__, "tokens_per_state", self.tokens_per_state,
+                type(self).__name__,
+                "tokens_per_state",
+                self.tokens_per_state,
                 f"must leave at least one state per block of {self.block_size} tokens",
             )
         super().__attrs_post_init__()

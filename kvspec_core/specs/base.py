@@ -74,9 +74,7 @@ class KVSpec:
     @property
     def state_content_size_bytes(self) -> int:
         """Bytes of one (head slot, state) cell."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not define state_content_size_bytes"
-        )
+        raise NotImplementedError(f"{type(self).__name__} does not define state_content_size_bytes")
 
     @property
     def num_states(self) -> int:
@@ -110,7 +108,9 @@ class KVSpec:
         padded = self.page_size_padded
         if padded is not None and padded < self.unpadded_page_size_bytes:
             raise InvalidFieldError(
-                type(self).__name__, "page_size_padded", padded,
+                type(self).__name__,
+                "page_size_padded",
+                padded,
                 f"must be >= the unpadded page size {self.unpadded_page_size_bytes}",
             )
 

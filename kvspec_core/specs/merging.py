@@ -25,8 +25,9 @@ def _layer_label(layer_names: Sequence[str], index: int) -> str:
     return layer_names[index] if index < len(layer_names) else f"#{index}"
 
 
-def _disagreement(field: str, specs: Sequence[Any], values: Sequence[Any],
-                  layer_names: Sequence[str]) -> MergeError:
+def _disagreement(
+    field: str, specs: Sequence[Any], values: Sequence[Any], layer_names: Sequence[str]
+) -> MergeError:
     by_value: dict[str, list[str]] = {}
     for index, value in enumerate(values):
         by_value.setdefault(repr(value), []).append(_layer_label(layer_names, index))

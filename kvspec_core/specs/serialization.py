@@ -50,7 +50,8 @@ def _decode(value: Any, registry: SpecKinds) -> Any:
 
 def _decode_fraction(encoded: Any) -> Fraction:
     if (
-        not isinstance(encoded, list) or len(encoded) != 2
+        not isinstance(encoded, list)
+        or len(encoded) != 2
         or not all(isinstance(n, int) and not isinstance(n, bool) for n in encoded)
         or encoded[1] == 0
     ):
@@ -67,17 +68,20 @@ def _construct(cls: type[Any], fields: dict[str, Any], what: str) -> Any:
     known = {attribute.name for attribute in init_fields}
     unknown = sorted(set(fields) - known)
     missing = sorted(
-        attribute.name for attribute in init_fields
+        attribute.name
+        for attribute in init_fields
         if attribute.default is attrs.NOTHING and attribute.name not in fields
     )
     if unknown or missing:
         raise ConfigError(
             f"serialised {what} {cls.__name__} has "
             + "; ".join(
-                part for part in (
+                part
+                for part in (
                     f"unknown fields {unknown}" if unknown else "",
                     f"missing fields {missing}" if missing else "",
-                ) if part
+                )
+                if part
             )
             + f"; its fields are {sorted(known)}"
         )
@@ -99,7 +103,8 @@ def spec_to_dict(spec: KVSpec) -> dict[str, Any]:
 def spec_from_dict(data: dict[str, Any], registry: SpecKinds) -> KVSpec:
     """Rebuild a spec written by :func:`spec_to_dict`; its kind must be registered."""
     if (
-        not isinstance(data, dict) or not isinstance(data.get("kind"), str)
+        not isinstance(data, dict)
+        or not isinstance(data.get("kind"), str)
         or not isinstance(data.get("fields"), dict)
     ):
         raise ConfigError(

@@ -19,13 +19,18 @@ def _check_layer_specs(instance: Any, attribute: Any, value: object) -> None:
         not isinstance(value, tuple)
         or not value
         or not all(
-            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-            and isinstance(item[1], KVSpec) and not isinstance(item[1], UniformTypeSpecs)
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], KVSpec)
+            and not isinstance(item[1], UniformTypeSpecs)
             for item in value
         )
     ):
         raise InvalidFieldError(
-            type(instance).__name__, attribute.name, value,
+            type(instance).__name__,
+            attribute.name,
+            value,
             "must be a non-empty tuple of (layer name, layer spec) pairs",
         )
 
@@ -46,14 +51,18 @@ class UniformTypeSpecs(KVSpec):
         sizes = {spec.block_size for _, spec in self.layer_specs}
         if sizes != {self.block_size}:
             raise InvalidFieldError(
-                type(self).__name__, "block_size", self.block_size,
+                type(self).__name__,
+                "block_size",
+                self.block_size,
                 f"must equal every layer's block size (layers have {sorted(sizes)})",
             )
         # Runtime rules read the group's dcp_sharded; the layers must agree with it.
         sharding = {spec.dcp_sharded for _, spec in self.layer_specs}
         if sharding != {self.dcp_sharded}:
             raise InvalidFieldError(
-                type(self).__name__, "dcp_sharded", self.dcp_sharded,
+                type(self).__name__,
+                "dcp_sharded",
+                self.dcp_sharded,
                 f"must equal every layer's dcp_sharded (layers have {sorted(sharding)})",
             )
 

@@ -60,8 +60,9 @@ def test_an_over_long_model_name_is_an_error_naming_the_argument() -> None:
     assert len(stderr) < 600, "the message quotes the start of the name, not all of it"
 
 
-@pytest.mark.parametrize("model", [OVER_LONG_MODEL, "dir/" + OVER_LONG_MODEL,
-                                   "/".join(["d" * 200] * 30)])
+@pytest.mark.parametrize(
+    "model", [OVER_LONG_MODEL, "dir/" + OVER_LONG_MODEL, "/".join(["d" * 200] * 30)]
+)
 def test_resolving_an_over_long_path_is_a_config_error(model: str) -> None:
     with pytest.raises(ConfigError, match=r"MODEL .* cannot be used as a path"):
         resolve_model(model)
@@ -85,8 +86,9 @@ ODD_NUMBERS = st.one_of(
     st.sampled_from(["0", "1e3", "1_000", "٣", " 7 ", "9" * 5000, "nan"]),
 )
 ODD_SIZES = st.one_of(
-    st.sampled_from(["0", "-1GiB", "2EiB", "99999999TiB", "0.1B", "1e9", "GiB", " 40 gib ",
-                     "9" * 5000]),
+    st.sampled_from(
+        ["0", "-1GiB", "2EiB", "99999999TiB", "0.1B", "1e9", "GiB", " 40 gib ", "9" * 5000]
+    ),
     odd_text(12),
     st.integers(-(2**70), 2**70).map(str),
 )
@@ -146,26 +148,41 @@ def test_integer_options_take_ascii_digits_only(option: str, value: str) -> None
     """``--tp ٢`` planned TP 2 and ``--tp 2_0`` TP 20 (int() reads both)."""
     status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", "40GiB", option, value])
     assert status == EXIT_USAGE
-    assert f"argument {option}: {value!r} is not an integer written with the ASCII digits 0-9" \
-        in stderr, stderr
+    assert (
+        f"argument {option}: {value!r} is not an integer written with the ASCII digits 0-9"
+        in stderr
+    ), stderr
 
 
 @pytest.mark.parametrize("partition", ["٢٧,5", "16,1_6", "+16,16"])
 def test_a_pipeline_partition_takes_ascii_digits_only(partition: str) -> None:
-    status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", "40GiB", "--pp", "2",
-                              "--pp-partition", partition])
+    status, stderr = run_cli(
+        ["plan", "llama-3.1-8b", "--memory", "40GiB", "--pp", "2", "--pp-partition", partition]
+    )
     assert status == EXIT_USAGE and "ASCII digits 0-9" in stderr, stderr
 
 
 @pytest.mark.parametrize("seed", ["٣", "1_0", "+1"])
 def test_a_simulate_seed_takes_ascii_digits_only(seed: str) -> None:
-    status, stderr = run_cli(["simulate", "llama-3.1-8b", "--memory", "40GiB", "--seed", seed,
-                              "--requests", "3", "--no-progress"])
+    status, stderr = run_cli(
+        [
+            "simulate",
+            "llama-3.1-8b",
+            "--memory",
+            "40GiB",
+            "--seed",
+            seed,
+            "--requests",
+            "3",
+            "--no-progress",
+        ]
+    )
     assert status == EXIT_USAGE and "ASCII digits 0-9" in stderr, stderr
 
 
-@pytest.mark.parametrize("memory", ["٤٠GiB", "４0GiB", "4_0GiB", "40\u2003GiB", "\u200340GiB",
-                                    "40ＧiB"])
+@pytest.mark.parametrize(
+    "memory", ["٤٠GiB", "４0GiB", "4_0GiB", "40\u2003GiB", "\u200340GiB", "40ＧiB"]
+)
 def test_sizes_take_ascii_digits_and_spaces_only(memory: str) -> None:
     status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", memory])
     assert status == EXIT_USAGE
@@ -173,8 +190,7 @@ def test_sizes_take_ascii_digits_and_spaces_only(memory: str) -> None:
 
 
 #: Characters numbers are made of, in ASCII and in other scripts, and what sits around them.
-NUMBER_LIKE = st.text(st.sampled_from("0123456789٠١٢٣٤５６७_ .\t\u2003\u00a0+-GiBkM"),
-                      max_size=8)
+NUMBER_LIKE = st.text(st.sampled_from("0123456789٠١٢٣٤５６७_ .\t\u2003\u00a0+-GiBkM"), max_size=8)
 
 
 @given(st.one_of(NUMBER_LIKE, st.text(st.characters(blacklist_categories=()), max_size=8)))

@@ -28,7 +28,9 @@ def test_the_limit_is_far_above_real_models() -> None:
 
 @pytest.mark.parametrize("layers", [MAX_LAYERS + 1, 100_000])
 def test_a_config_beyond_the_limit_is_refused_naming_the_field(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], layers: int,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    layers: int,
 ) -> None:
     config = llama_with_layers(tmp_path, layers)
     assert main(["plan", str(config), "--memory", "1TiB", "--max-model-len", "4096"]) == EXIT_USAGE
@@ -39,8 +41,7 @@ def test_a_config_beyond_the_limit_is_refused_naming_the_field(
 
 def test_a_config_at_the_limit_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = llama_with_layers(tmp_path, MAX_LAYERS)
-    assert main(["plan", str(config), "--memory", "1TiB", "--max-model-len", "4096",
-                 "--json"]) == 0
+    assert main(["plan", str(config), "--memory", "1TiB", "--max-model-len", "4096", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     (group,) = report["groups"]
     assert len(group["layers"]) == MAX_LAYERS

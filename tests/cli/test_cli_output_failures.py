@@ -23,7 +23,11 @@ def run_kvspec_into(stdout: int, *arguments: str) -> subprocess.CompletedProcess
     """Run ``python -m kvspec_core ARGUMENTS`` with ``stdout`` as its standard output."""
     return subprocess.run(
         [sys.executable, "-m", "kvspec_core", *arguments],
-        stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -40,7 +44,8 @@ def run_into_closed_pipe(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "arguments",
-    [("models", "--json"), ("--help",)], ids=["models-json", "help"],
+    [("models", "--json"), ("--help",)],
+    ids=["models-json", "help"],
 )
 def test_a_closed_pipe_ends_quietly_with_the_sigpipe_status(arguments: tuple[str, ...]) -> None:
     result = run_into_closed_pipe(*arguments)
@@ -50,7 +55,8 @@ def test_a_closed_pipe_ends_quietly_with_the_sigpipe_status(arguments: tuple[str
 
 @pytest.mark.skipif(not DEV_FULL.exists(), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize(
-    "arguments", [("plan", "llama-3.1-8b", "--memory", "32GiB"), ("--version",)],
+    "arguments",
+    [("plan", "llama-3.1-8b", "--memory", "32GiB"), ("--version",)],
     ids=["plan", "version"],
 )
 def test_a_full_disk_is_one_kvspec_error_line(arguments: tuple[str, ...]) -> None:
@@ -68,7 +74,9 @@ def test_output_still_reaches_a_reader_that_stays() -> None:
     with os.fdopen(read_end) as reader:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvspec_core", "models"],
-            stdout=write_end, stderr=subprocess.PIPE, text=True,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         os.close(write_end)
         first_line = reader.readline()

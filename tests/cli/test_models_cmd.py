@@ -23,7 +23,10 @@ def test_json_lists_every_preset_with_its_families(capsys: pytest.CaptureFixture
     assert models["deepseek-v2-lite"]["distributions"] == ["kvspec-mla"]
     assert models["llama-4-scout"]["distributions"] == ["kvspec-chunked-local", "kvspec-core"]
     assert models["whisper-large-v3"]["layer_types"] == {
-        "encoder_only": 32, "full_attention": 32, "cross_attention": 32}
+        "encoder_only": 32,
+        "full_attention": 32,
+        "cross_attention": 32,
+    }
     assert models["qwen3-8b"]["source"] == "Qwen/Qwen3-8B"
     assert all(m["error"] is None and m["missing_distributions"] == [] for m in models.values())
 
@@ -39,7 +42,14 @@ def test_without_plugins_the_missing_distributions_are_named() -> None:
 def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["preset", "layer", "types", "spec", "kinds",
-                                           "provided", "by"]
+    assert out.splitlines()[0].split() == [
+        "preset",
+        "layer",
+        "types",
+        "spec",
+        "kinds",
+        "provided",
+        "by",
+    ]
     assert "nemotron-h-56b" in out and "mamba ×54, full_attention ×10" in out
     assert "CANNOT PLAN" not in out

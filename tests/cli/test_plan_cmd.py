@@ -12,8 +12,16 @@ from kvspec_core.cli.main import main
 from kvspec_core.cli.plan_cmd import describe_layers
 from kvspec_core.models.catalog import preset_text
 
-CONTRACT_KEYS = {"model", "kv_budget_bytes", "max_model_len", "num_blocks", "groups",
-                 "bytes_allocated", "bytes_padding", "max_concurrency"}
+CONTRACT_KEYS = {
+    "model",
+    "kv_budget_bytes",
+    "max_model_len",
+    "num_blocks",
+    "groups",
+    "bytes_allocated",
+    "bytes_padding",
+    "max_concurrency",
+}
 GROUP_KEYS = {"kind", "layers", "block_size", "page_size_bytes"}
 
 
@@ -35,11 +43,27 @@ def test_json_holds_the_contract_keys(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_options_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    report = plan_json(capsys, "llama-3.1-8b", "--memory", "20GiB", "--max-model-len", "8192",
-                       "--block-size", "32", "--kv-cache-dtype", "fp8", "--tp", "2",
-                       "--max-in-flight-tokens", "4096")
+    report = plan_json(
+        capsys,
+        "llama-3.1-8b",
+        "--memory",
+        "20GiB",
+        "--max-model-len",
+        "8192",
+        "--block-size",
+        "32",
+        "--kv-cache-dtype",
+        "fp8",
+        "--tp",
+        "2",
+        "--max-in-flight-tokens",
+        "4096",
+    )
     assert (report["max_model_len"], report["block_size"], report["kv_cache_dtype"]) == (
-        8192, 32, "fp8")
+        8192,
+        32,
+        "fp8",
+    )
     assert report["max_in_flight_tokens"] == 4096 and report["tensor_parallel_size"] == 2
     # fp8, 4 KV heads per rank: 32 layers × 4 × 256 × 1 B per token, 32-token blocks.
     assert report["groups"][0]["page_size_bytes"] == 32 * 32 * 4 * 256
@@ -54,8 +78,9 @@ def test_dcp_shards_full_attention_tokens(capsys: pytest.CaptureFixture[str]) ->
     assert two["groups"][0]["blocks_per_request"] * 2 == one["groups"][0]["blocks_per_request"]
 
 
-def test_a_config_path_and_a_folder_work(tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_config_path_and_a_folder_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "config.json").write_text(preset_text("mistral-7b"))
     by_folder = plan_json(capsys, str(tmp_path), "--memory", "40GiB")
     by_file = plan_json(capsys, str(tmp_path / "config.json"), "--memory", "40GiB")
@@ -75,8 +100,7 @@ def test_human_output_is_a_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("size", ["40GB?", "-1GiB", "0", "0B", "12 parsecs", "lots"])
-def test_bad_sizes_exit_2_without_traceback(size: str,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_sizes_exit_2_without_traceback(size: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = fails(capsys, "llama-3.1-8b", f"--memory={size}")  # "=": -1GiB is not an option
     assert "--memory" in err and repr(size) in err
 
@@ -87,8 +111,7 @@ def test_unknown_preset_lists_close_names(capsys: pytest.CaptureFixture[str]) ->
     assert "kvspec models" in err
 
 
-def test_missing_config_field_names_it(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_config_field_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A model_type transformers does not know: nothing can fill the layer count.
     config = json.loads(preset_text("llama-3.1-8b"))
     del config["num_hidden_layers"]
@@ -144,7 +167,8 @@ def test_describe_layers_summarises_names() -> None:
     assert describe_layers([f"model.layers.{i}" for i in range(32)]) == "32 × model.layers.0..31"
     assert describe_layers(["model.layers.3"]) == "1 × model.layers.3"
     assert describe_layers([f"model.decoder.layers.{i}.self_attn" for i in (0, 1, 2)]) == (
-        "3 × model.decoder.layers.0..2.self_attn")
+        "3 × model.decoder.layers.0..2.self_attn"
+    )
     assert describe_layers(["a", "b"]) == "2 layers"
 
 
@@ -153,8 +177,9 @@ def test_state_groups_report_no_token_count(capsys: pytest.CaptureFixture[str]) 
     tokens = {group["kind"]: group["tokens_per_request"] for group in report["groups"]}
     assert tokens == {"mamba": None, "full_attention": 262144}
     assert report["mamba_cache_mode"] == "align"
-    assert all(group["blocks_per_request"] == 2
-               for group in report["groups"] if group["kind"] == "mamba")
+    assert all(
+        group["blocks_per_request"] == 2 for group in report["groups"] if group["kind"] == "mamba"
+    )
 
 
 def test_negative_size_without_equals_is_still_a_usage_error(
@@ -169,7 +194,8 @@ def test_negative_size_without_equals_is_still_a_usage_error(
 
 
 def test_a_model_whose_plugin_is_not_loaded_names_the_distribution(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("KVSPEC_PLUGINS", "mla")  # allow-list without kvspec-mamba
     err = fails(capsys, "jamba-1.5-mini", "--memory", "40GiB")

@@ -40,7 +40,8 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_cached_hub_id_plans_like_its_config_file(
-    hub_cache: Path, capsys: pytest.CaptureFixture[str],
+    hub_cache: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cache_model(hub_cache, "ibm-granite/granite-4.0-h-small", GRANITE)
     from_hub = plan_json(capsys, "ibm-granite/granite-4.0-h-small", "--memory", "40GiB")
@@ -52,17 +53,21 @@ def test_a_cached_hub_id_plans_like_its_config_file(
 
 
 def test_a_cached_config_is_used_without_asking_the_hub_even_online(
-    hub_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    hub_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Online mode in a sandbox with no network: only the cache can answer.
     monkeypatch.delenv("HF_HUB_OFFLINE")
     cache_model(hub_cache, "ibm-ai-platform/Bamba-9B", BAMBA)
     assert plan_json(capsys, "ibm-ai-platform/Bamba-9B", "--memory", "40GiB")["source"] == (
-        "hub cache")
+        "hub cache"
+    )
 
 
 def test_a_revision_after_the_id_picks_that_snapshot(
-    hub_cache: Path, capsys: pytest.CaptureFixture[str],
+    hub_cache: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cache_model(hub_cache, "ibm-ai-platform/Bamba-9B", BAMBA)
     report = plan_json(capsys, f"ibm-ai-platform/Bamba-9B@{REVISION}", "--memory", "40GiB")
@@ -73,18 +78,22 @@ def test_a_revision_after_the_id_picks_that_snapshot(
 
 
 def test_hf_home_is_honoured_when_hf_hub_cache_is_unset(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache_model(tmp_path / "hf-home" / "hub", "ibm-ai-platform/Bamba-9B", BAMBA)
     assert plan_json(capsys, "ibm-ai-platform/Bamba-9B", "--memory", "40GiB")["source"] == (
-        "hub cache")
+        "hub cache"
+    )
 
 
 def test_an_uncached_id_offline_names_the_id_the_cache_and_the_fix(
-    hub_cache: Path, capsys: pytest.CaptureFixture[str],
+    hub_cache: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     err = fails(capsys, "ibm-granite/granite-4.0-h-tiny", "--memory", "40GiB")
     assert "'ibm-granite/granite-4.0-h-tiny'" in err and str(hub_cache) in err
@@ -93,7 +102,9 @@ def test_an_uncached_id_offline_names_the_id_the_cache_and_the_fix(
 
 
 def test_a_local_path_wins_over_a_hub_id_of_the_same_spelling(
-    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    hub_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cache_model(hub_cache, "ibm-ai-platform/Bamba-9B", BAMBA)
@@ -107,13 +118,16 @@ def test_a_local_path_wins_over_a_hub_id_of_the_same_spelling(
 
 
 def test_a_preset_name_is_never_looked_up_on_the_hub(
-    hub_cache: Path, capsys: pytest.CaptureFixture[str],
+    hub_cache: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB")["source"] == "preset"
 
 
 def test_without_huggingface_hub_a_hub_id_names_the_extra(
-    hub_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    hub_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     err = fails(capsys, "ibm-ai-platform/Bamba-9B", "--memory", "40GiB")
@@ -122,13 +136,16 @@ def test_without_huggingface_hub_a_hub_id_names_the_extra(
 
 @pytest.mark.parametrize("model", ["org/a--b", "org/name/extra", "../org/name", "org/.hidden"])
 def test_what_cannot_be_a_hub_id_stays_a_missing_path(
-    model: str, hub_cache: Path, capsys: pytest.CaptureFixture[str],
+    model: str,
+    hub_cache: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     err = fails(capsys, model, "--memory", "40GiB")
     assert "does not exist" in err and "hub" not in err
 
 
 # Pipeline stages ----------------------------------------------------------------------------
+
 
 def test_pp_reports_every_stage_and_the_least_concurrency(
     capsys: pytest.CaptureFixture[str],
@@ -163,20 +180,26 @@ def test_pp_table_names_the_stages(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_pp_partition_overrides_the_even_split(capsys: pytest.CaptureFixture[str]) -> None:
-    report = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB", "--pp", "2",
-                       "--pp-partition", "12,20")
+    report = plan_json(
+        capsys, "llama-3.1-8b", "--memory", "40GiB", "--pp", "2", "--pp-partition", "12,20"
+    )
     assert [s["cache_layers"] for s in report["pipeline_stages"]] == [12, 20]
     assert report["bottleneck_stage"] == 1
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--pp", "2", "--pp-partition", "10,10"], "covers 20 layers but the model has 32"),
-    (["--pp", "3", "--pp-partition", "16,16"], "must give 3 positive layer counts"),
-    (["--pp", "33"], "--pp 33 exceeds the model's 32 layers"),
-    (["--pp", "2", "--plot", "x.png"], "--plot draws single-stage plans"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pp", "2", "--pp-partition", "10,10"], "covers 20 layers but the model has 32"),
+        (["--pp", "3", "--pp-partition", "16,16"], "must give 3 positive layer counts"),
+        (["--pp", "33"], "--pp 33 exceeds the model's 32 layers"),
+        (["--pp", "2", "--plot", "x.png"], "--plot draws single-stage plans"),
+    ],
+)
 def test_bad_pipeline_arguments_are_one_error_line(
-    args: list[str], message: str, capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert message in fails(capsys, "llama-3.1-8b", "--memory", "40GiB", *args)
 

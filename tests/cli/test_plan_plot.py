@@ -30,8 +30,23 @@ def test_plot_writes_a_png_with_one_curve_per_dtype(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target = tmp_path / "concurrency.png"
-    assert main(["plan", "llama-3.1-8b", "--memory", "40GiB", "--plot", str(target),
-                 "--kv-cache-dtype", "auto", "--kv-cache-dtype", "fp8"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "llama-3.1-8b",
+                "--memory",
+                "40GiB",
+                "--plot",
+                str(target),
+                "--kv-cache-dtype",
+                "auto",
+                "--kv-cache-dtype",
+                "fp8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"plot             {target}" in out
     assert png_size(target) == (800, 500)
@@ -49,8 +64,9 @@ def test_plot_writes_a_png_with_one_curve_per_dtype(
 
 def test_json_output_names_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "p.png"
-    assert main(["plan", "jamba-1.5-mini", "--memory", "40GiB", "--plot", str(target),
-                 "--json"]) == 0
+    assert (
+        main(["plan", "jamba-1.5-mini", "--memory", "40GiB", "--plot", str(target), "--json"]) == 0
+    )
     assert f'"plot": "{target}"' in capsys.readouterr().out
     assert png_size(target) == (800, 500)
 

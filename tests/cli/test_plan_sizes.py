@@ -11,21 +11,39 @@ from kvspec_core.cli.sizes import MAX_SIZE_BYTES, UNITS, SizeError, parse_size
 from kvspec_core.errors import KVSpecError
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("40GiB", 40 * 2**30), ("512MiB", 512 * 2**20), ("80GB", 80 * 10**9), ("123", 123),
-    ("123B", 123), ("1.5TiB", 3 * 2**39), ("40gib", 40 * 2**30), (" 2 KiB ", 2048),
-    ("1.5KB", 1500), ("1.9B", 1),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("40GiB", 40 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("80GB", 80 * 10**9),
+        ("123", 123),
+        ("123B", 123),
+        ("1.5TiB", 3 * 2**39),
+        ("40gib", 40 * 2**30),
+        (" 2 KiB ", 2048),
+        ("1.5KB", 1500),
+        ("1.9B", 1),
+    ],
+)
 def test_sizes_parse(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("40GB?", "is not a size"), ("-1GiB", "is negative"), ("0", "less than one byte"),
-    ("0.4B", "less than one byte"), ("12 parsecs", "unknown unit 'parsecs'"),
-    ("", "is not a size"), ("GiB", "is not a size"), ("2EiB", "unknown unit"),
-    ("9" * 30, "largest size"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("40GB?", "is not a size"),
+        ("-1GiB", "is negative"),
+        ("0", "less than one byte"),
+        ("0.4B", "less than one byte"),
+        ("12 parsecs", "unknown unit 'parsecs'"),
+        ("", "is not a size"),
+        ("GiB", "is not a size"),
+        ("2EiB", "unknown unit"),
+        ("9" * 30, "largest size"),
+    ],
+)
 def test_bad_sizes_are_refused_naming_the_option(text: str, message: str) -> None:
     with pytest.raises(SizeError, match=message) as caught:
         parse_size(text)

@@ -10,18 +10,29 @@ from pathlib import Path
 
 import pytest
 
-FAMILIES = {"mla": "kvspec-mla", "mamba": "kvspec-mamba", "sliding_window": "kvspec-sliding-window",
-            "chunked_local": "kvspec-chunked-local", "hisparse": "kvspec-hisparse"}
+FAMILIES = {
+    "mla": "kvspec-mla",
+    "mamba": "kvspec-mamba",
+    "sliding_window": "kvspec-sliding-window",
+    "chunked_local": "kvspec-chunked-local",
+    "hisparse": "kvspec-hisparse",
+}
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None,
-            pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KVSPEC_")}
     environ.update(env or {})
     if pythonpath is not None:
         environ["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run([sys.executable, "-m", "kvspec_core", *args], capture_output=True,
-                          text=True, env=environ, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvspec_core", *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -71,8 +82,9 @@ def test_broken_distribution_is_reported_and_others_still_load(broken_site: Path
 
 
 def test_strict_mode_exits_non_zero_naming_the_broken_plugin(broken_site: Path) -> None:
-    result = run_cli("plugins", "--json", env={"KVSPEC_STRICT_PLUGINS": "1"},
-                     pythonpath=broken_site)
+    result = run_cli(
+        "plugins", "--json", env={"KVSPEC_STRICT_PLUGINS": "1"}, pythonpath=broken_site
+    )
     assert result.returncode == 2
     assert "'broken'" in result.stderr and "kvspec-broken" in result.stderr
     assert "Traceback" not in result.stderr

@@ -58,8 +58,9 @@ def test_block_table_width_divides_by_dcp_when_sharded() -> None:
 
 
 def test_k_and_v_head_sizes_may_differ() -> None:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=192, head_size_v=128,
-                             dtype=torch.bfloat16)
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=192, head_size_v=128, dtype=torch.bfloat16
+    )
     assert spec.state_content_size_bytes == (192 + 128) * 2
     assert spec.page_size_bytes == 16 * 8 * 640
 
@@ -68,8 +69,9 @@ def test_padded_page_and_its_refusal() -> None:
     spec = FullAttentionSpec(**LLAMA_8B_LAYER, page_size_padded=70000)
     assert spec.page_size_bytes == 70000
     assert spec.unpadded_page_size_bytes == 65536
-    with pytest.raises(InvalidFieldError,
-                       match=r"page_size_padded.*>= the unpadded page size 65536"):
+    with pytest.raises(
+        InvalidFieldError, match=r"page_size_padded.*>= the unpadded page size 65536"
+    ):
         FullAttentionSpec(**LLAMA_8B_LAYER, page_size_padded=1000)
 
 
@@ -107,8 +109,9 @@ def test_tokens_per_state_must_leave_a_state_per_block() -> None:
     ],
 )
 def test_quantised_cells(name: str, dtype: torch.dtype, cell_bytes: int) -> None:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=dtype,
-                             kv_quant_mode=kv_mode(name))
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=dtype, kv_quant_mode=kv_mode(name)
+    )
     assert spec.state_content_size_bytes == cell_bytes
     assert spec.page_size_bytes == 16 * 8 * cell_bytes
 
@@ -142,11 +145,13 @@ def test_merge_refuses_window_and_chunk_in_one_group() -> None:
 def test_merge_refuses_different_heads_and_classes() -> None:
     a = FullAttentionSpec(**LLAMA_8B_LAYER)
     with pytest.raises(MergeError, match=r"num_kv_heads.*8 in l0.*4 in l1"):
-        FullAttentionSpec.merge([a, FullAttentionSpec(**{**LLAMA_8B_LAYER, "num_kv_heads": 4})],
-                                ["l0", "l1"])
+        FullAttentionSpec.merge(
+            [a, FullAttentionSpec(**{**LLAMA_8B_LAYER, "num_kv_heads": 4})], ["l0", "l1"]
+        )
     with pytest.raises(MergeError, match="l1 is a SinkFullAttentionSpec"):
-        FullAttentionSpec.merge([a, SinkFullAttentionSpec(**LLAMA_8B_LAYER, sink_len=4)],
-                                ["l0", "l1"])
+        FullAttentionSpec.merge(
+            [a, SinkFullAttentionSpec(**LLAMA_8B_LAYER, sink_len=4)], ["l0", "l1"]
+        )
     with pytest.raises(MergeError, match="empty"):
         FullAttentionSpec.merge([])
 
@@ -168,8 +173,9 @@ def test_cross_attention_holds_the_encoder_length() -> None:
 
 
 def test_encoder_only_needs_no_cache() -> None:
-    spec = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=20, head_size=64,
-                                    dtype=torch.float16)
+    spec = EncoderOnlyAttentionSpec(
+        block_size=16, num_kv_heads=20, head_size=64, dtype=torch.float16
+    )
     assert spec.max_memory_usage_bytes(SizingContext(max_model_len=1500)) == 0
 
 

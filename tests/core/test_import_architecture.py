@@ -26,16 +26,21 @@ def test_the_repository_keeps_its_import_contracts(capsys: pytest.CaptureFixture
     ("a_source", "cycle"),
     [
         ("from ringpkg.b import thing\n", True),
-        ("from typing import TYPE_CHECKING\n"
-         "if TYPE_CHECKING:\n    from ringpkg.b import Hint\n", True),
+        (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ringpkg.b import Hint\n",
+            True,
+        ),
         ("def later():\n    from ringpkg.b import thing\n", True),
         ("import os\n", False),
     ],
     ids=["plain", "type-checking", "deferred", "no-cycle"],
 )
 def test_a_cycle_is_found_however_its_import_is_hidden(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-    a_source: str, cycle: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    a_source: str,
+    cycle: bool,
 ) -> None:
     package = tmp_path / "ringpkg"
     package.mkdir()
@@ -43,7 +48,8 @@ def test_a_cycle_is_found_however_its_import_is_hidden(
     (package / "a.py").write_text(a_source)
     (package / "b.py").write_text("from ringpkg import a\nthing = Hint = 1\n")
     config = tmp_path / "contracts.toml"
-    config.write_text(textwrap.dedent("""
+    config.write_text(
+        textwrap.dedent("""
         [tool.importlinter]
         root_package = "ringpkg"
 
@@ -51,7 +57,8 @@ def test_a_cycle_is_found_however_its_import_is_hidden(
         name = "no cycles"
         type = "acyclic_siblings"
         ancestors = ["ringpkg"]
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     exit_code = lint_imports(config_filename=str(config), no_cache=True)
     report = capsys.readouterr().out

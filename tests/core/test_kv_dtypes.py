@@ -10,10 +10,24 @@ import torch
 from kvspec_core import KVCacheDtype, KVQuantMode, PluginManager
 from kvspec_core.errors import InvalidFieldError, KVSpecError, PluginError, UnknownNameError
 
-ENGINE_NAMES = ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
-                "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "nvfp4",
-                "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-                "turboquant_3bit_nc", "nvfp4_ds_mla"]
+ENGINE_NAMES = [
+    "auto",
+    "bfloat16",
+    "float16",
+    "float32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "int4_per_token_head",
+    "nvfp4",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    "nvfp4_ds_mla",
+]
 
 
 @pytest.mark.parametrize("name", ENGINE_NAMES)
@@ -52,9 +66,14 @@ def test_a_registered_name_cannot_be_redefined_by_another_owner() -> None:
     registry = PluginManager().kv_dtypes
     with pytest.raises(PluginError, match=r"'fp8'.*already registered by 'core'"):
         registry.register(KVCacheDtype(name="fp8", storage_dtype=torch.uint8), "intruder")
-    registry.register(KVCacheDtype(name="int2", storage_dtype=torch.uint8,
-                                   quant_mode=KVQuantMode(name="int2", key_bits=2, value_bits=2)),
-                      "plugin")
+    registry.register(
+        KVCacheDtype(
+            name="int2",
+            storage_dtype=torch.uint8,
+            quant_mode=KVQuantMode(name="int2", key_bits=2, value_bits=2),
+        ),
+        "plugin",
+    )
     assert registry.get("int2").quant_mode.key_bits == 2
     registry.remove_owner("plugin")
     with pytest.raises(UnknownNameError):

@@ -59,8 +59,9 @@ def test_set_version_rewrites_every_copy_and_refuses_a_bad_number(tmp_path: Path
 
     refused = subprocess.run([*script, "two"], capture_output=True, text=True)
     assert refused.returncode == 2
-    assert (copy / "kvspec_core" / "version.py").read_text() == \
-        (ROOT / "kvspec_core" / "version.py").read_text()
+    assert (copy / "kvspec_core" / "version.py").read_text() == (
+        ROOT / "kvspec_core" / "version.py"
+    ).read_text()
 
     done = subprocess.run([*script, "9.8.7"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -82,8 +83,11 @@ def test_set_version_writes_nothing_when_one_file_does_not_match(tmp_path: Path)
     (copy / "kvspec_core" / "version.py").write_text(version_py)
     (copy / "plugins" / "odd").mkdir(parents=True)
     (copy / "plugins" / "odd" / "pyproject.toml").write_text('[project]\nname = "odd"\n')
-    result = subprocess.run([sys.executable, str(copy / "scripts" / "set-version"), "9.8.7"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(copy / "scripts" / "set-version"), "9.8.7"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0
     assert "plugins/odd/pyproject.toml" in result.stderr
     assert (copy / "kvspec_core" / "version.py").read_text() == version_py

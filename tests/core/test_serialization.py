@@ -44,22 +44,41 @@ def test_quant_mode_and_fraction_round_trip() -> None:
 _CORRUPTIONS: dict[str, tuple[Callable[[dict[str, Any]], Any], type[KVSpecError], str]] = {
     "fields not a dict": (lambda d: d.update(fields=[1]), ConfigError, "dict 'fields'"),
     "kind not a str": (lambda d: d.update(kind=["x"]), ConfigError, "str 'kind'"),
-    "unknown field": (lambda d: d["fields"].update(bogus=1), ConfigError,
-                      r"FullAttentionSpec has unknown fields \['bogus'\]"),
-    "missing field": (lambda d: d["fields"].pop("head_size"), ConfigError,
-                      r"missing fields \['head_size'\]"),
-    "short fraction": (lambda d: d["fields"].update(tokens_per_state={"__fraction__": [1]}),
-                       ConfigError, "Fraction"),
+    "unknown field": (
+        lambda d: d["fields"].update(bogus=1),
+        ConfigError,
+        r"FullAttentionSpec has unknown fields \['bogus'\]",
+    ),
+    "missing field": (
+        lambda d: d["fields"].pop("head_size"),
+        ConfigError,
+        r"missing fields \['head_size'\]",
+    ),
+    "short fraction": (
+        lambda d: d["fields"].update(tokens_per_state={"__fraction__": [1]}),
+        ConfigError,
+        "Fraction",
+    ),
     "zero denominator": (
         lambda d: d["fields"].update(tokens_per_state={"__fraction__": [1, 0]}),
-        ConfigError, "non-zero denominator"),
-    "dtype not a name": (lambda d: d["fields"].update(dtype={"__dtype__": 5}),
-                         UnknownNameError, "torch dtype"),
-    "dtype not a dtype": (lambda d: d["fields"].update(dtype={"__dtype__": "Tensor"}),
-                          UnknownNameError, "torch dtype"),
+        ConfigError,
+        "non-zero denominator",
+    ),
+    "dtype not a name": (
+        lambda d: d["fields"].update(dtype={"__dtype__": 5}),
+        UnknownNameError,
+        "torch dtype",
+    ),
+    "dtype not a dtype": (
+        lambda d: d["fields"].update(dtype={"__dtype__": "Tensor"}),
+        UnknownNameError,
+        "torch dtype",
+    ),
     "quant mode field": (
         lambda d: d["fields"].update(kv_quant_mode={"__quant_mode__": {"nam": "x"}}),
-        ConfigError, r"KVQuantMode has unknown fields \['nam'\]; missing fields \['name'\]"),
+        ConfigError,
+        r"KVQuantMode has unknown fields \['nam'\]; missing fields \['name'\]",
+    ),
 }
 
 

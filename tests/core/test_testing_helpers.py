@@ -37,9 +37,21 @@ def test_model_layers_of_is_what_the_core_ingestion_builds() -> None:
     expected = model_layers(config, options, manager).layers
     assert len(layers) == len(expected) == 32
     for got, want in zip(layers, expected, strict=True):
-        assert (got.index, got.name, got.layer_type, got.options, got.model_dtype,
-                got.attention) == (want.index, want.name, want.layer_type, want.options,
-                                   want.model_dtype, want.attention)
+        assert (
+            got.index,
+            got.name,
+            got.layer_type,
+            got.options,
+            got.model_dtype,
+            got.attention,
+        ) == (
+            want.index,
+            want.name,
+            want.layer_type,
+            want.options,
+            want.model_dtype,
+            want.attention,
+        )
     # Llama-3.1-8B: 8 KV heads of 128 split over 2 ranks.
     assert (layers[0].attention.num_kv_heads, layers[0].attention.total_kv_heads) == (4, 8)
 
@@ -71,8 +83,12 @@ def test_model_layer_refuses_an_index_without_a_cache_layer() -> None:
 
 def test_model_layer_refuses_a_kv_dtype_the_manager_lacks() -> None:
     with pytest.raises(UnknownNameError, match="int2_magic"):
-        model_layer(load_preset("llama-3.1-8b"), 0, PluginManager(),
-                    options=PlanOptions(kv_cache_dtype="int2_magic"))
+        model_layer(
+            load_preset("llama-3.1-8b"),
+            0,
+            PluginManager(),
+            options=PlanOptions(kv_cache_dtype="int2_magic"),
+        )
 
 
 # --------------------------------------------------------------------------- registered()
@@ -136,8 +152,12 @@ def test_kvspec_imports_outside_lists_each_foreign_kvspec_import(tmp_path: Path)
     )
     found = kvspec_imports_outside([source], {"kvspec_core", "kvspec_mine"})
     assert found == [f"{source}: kvspec_other.plugin", f"{source}: kvspec_third.x"]
-    assert kvspec_imports_outside([source], {"kvspec_core", "kvspec_mine", "kvspec_other",
-                                             "kvspec_third"}) == []
+    assert (
+        kvspec_imports_outside(
+            [source], {"kvspec_core", "kvspec_mine", "kvspec_other", "kvspec_third"}
+        )
+        == []
+    )
 
 
 # --------------------------------------------------------------------------- check_spec_protocol
@@ -223,11 +243,14 @@ class _Kinds:
             register(cls)
 
 
-@pytest.mark.parametrize("spec_class, message", [
-    (_TwoFormulaSpec, "startup sizing and runtime admission must use one formula"),
-    (_MergeLosingSpec, "merging equal specs changed the spec"),
-    (_ShrinkingSpec, "per-request memory decreased at max_model_len=131072"),
-])
+@pytest.mark.parametrize(
+    "spec_class, message",
+    [
+        (_TwoFormulaSpec, "startup sizing and runtime admission must use one formula"),
+        (_MergeLosingSpec, "merging equal specs changed the spec"),
+        (_ShrinkingSpec, "per-request memory decreased at max_model_len=131072"),
+    ],
+)
 def test_a_spec_breaking_a_rule_is_reported(spec_class: type, message: str) -> None:
     manager = PluginManager()
     with (
@@ -292,12 +315,18 @@ class _AnswerKinds:
             register(cls)
 
 
-@pytest.mark.parametrize("spec_class, message", [
-    (_EmptyCellSpec, "_EmptyCellSpec.state_content_size_bytes .* returned 0 .* positive int"),
-    (_TextPageSpec, "_TextPageSpec.page_size_bytes .* returned '4096' .type str."),
-    (_BoolHeadsSpec, "_BoolHeadsSpec.num_heads .* returned True .type bool."),
-    (_NegativeCapSpec, "_NegativeCapSpec.max_blocks_per_request .* returned -8 .* non-negative"),
-])
+@pytest.mark.parametrize(
+    "spec_class, message",
+    [
+        (_EmptyCellSpec, "_EmptyCellSpec.state_content_size_bytes .* returned 0 .* positive int"),
+        (_TextPageSpec, "_TextPageSpec.page_size_bytes .* returned '4096' .type str."),
+        (_BoolHeadsSpec, "_BoolHeadsSpec.num_heads .* returned True .type bool."),
+        (
+            _NegativeCapSpec,
+            "_NegativeCapSpec.max_blocks_per_request .* returned -8 .* non-negative",
+        ),
+    ],
+)
 def test_a_spec_answering_an_unusable_size_is_reported(spec_class: type, message: str) -> None:
     """Each of these passed the protocol and then broke the planner (ZeroDivisionError,
     TypeError) or planned more requests than fit (the negative cap)."""
@@ -320,11 +349,12 @@ class _UnregisteredFull(FullAttentionSpec):
 
 
 def test_a_spec_known_only_through_its_parent_is_refused() -> None:
-    with pytest.raises(AssertionError, match=r"_UnregisteredFull .kind 'full_attention'. is not "
-                                             r"registered itself.*through FullAttentionSpec"):
+    with pytest.raises(
+        AssertionError,
+        match=r"_UnregisteredFull .kind 'full_attention'. is not "
+        r"registered itself.*through FullAttentionSpec",
+    ):
         check_spec_protocol(_llama_like(_UnregisteredFull), PluginManager())
-
-
 
 
 def test_a_core_spec_keeps_the_sizing_invariants() -> None:
@@ -333,14 +363,22 @@ def test_a_core_spec_keeps_the_sizing_invariants() -> None:
     check_sizing_invariants(_full(), ctx, longer_by=0, busier_by=0)
 
 
-@pytest.mark.parametrize("spec_class, message", [
-    (_TwoFormulaSpec, "startup sizing and runtime admission must use one formula"),
-    (_ShrinkingSpec, "per-request memory fell from 4128768 to 65536 when max_model_len grew "
-                     "from 1000 to 5000"),
-    (_NarrowingTableSpec, "block-table width fell from 63 to 1 when max_model_len grew"),
-    (_BusyShrinkingSpec, "admission cap fell from 63 to 1 when max_in_flight_tokens grew from "
-                         "512 to 1512"),
-])
+@pytest.mark.parametrize(
+    "spec_class, message",
+    [
+        (_TwoFormulaSpec, "startup sizing and runtime admission must use one formula"),
+        (
+            _ShrinkingSpec,
+            "per-request memory fell from 4128768 to 65536 when max_model_len grew "
+            "from 1000 to 5000",
+        ),
+        (_NarrowingTableSpec, "block-table width fell from 63 to 1 when max_model_len grew"),
+        (
+            _BusyShrinkingSpec,
+            "admission cap fell from 63 to 1 when max_in_flight_tokens grew from 512 to 1512",
+        ),
+    ],
+)
 def test_a_spec_breaking_a_sizing_invariant_is_reported(spec_class: type, message: str) -> None:
     # 1000 tokens in blocks of 16 is 63 blocks of 16 × 8 × 128 × 2 × 2 = 65536 bytes.
     ctx = SizingContext(max_model_len=1000, max_in_flight_tokens=512)

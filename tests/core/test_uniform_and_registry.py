@@ -19,8 +19,9 @@ from kvspec_core.specs import iter_layer_specs
 
 
 def full(heads: int = 8, head: int = 128, block: int = 16, **kw) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head,
-                             dtype=torch.bfloat16, **kw)
+    return FullAttentionSpec(
+        block_size=block, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16, **kw
+    )
 
 
 def test_same_type_different_shapes_share_a_uniform_group() -> None:
@@ -40,8 +41,12 @@ def test_same_type_different_shapes_share_a_uniform_group() -> None:
 
 def test_sink_counts_as_full_attention_for_uniformity() -> None:
     registry = PluginManager().spec_kinds
-    specs = {"a": full(), "b": SinkFullAttentionSpec(block_size=16, num_kv_heads=8,
-                                                     head_size=128, dtype=torch.bfloat16)}
+    specs = {
+        "a": full(),
+        "b": SinkFullAttentionSpec(
+            block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+        ),
+    }
     assert UniformTypeSpecs.from_specs(specs, registry) is not None
 
 
@@ -50,8 +55,12 @@ def test_sink_counts_as_full_attention_for_uniformity() -> None:
     [
         {"a": full(block=16), "b": full(block=32)},
         {"a": full(), "b": full(dcp_sharded=False)},
-        {"a": full(), "b": CrossAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                              dtype=torch.bfloat16)},
+        {
+            "a": full(),
+            "b": CrossAttentionSpec(
+                block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+            ),
+        },
         {},
     ],
 )

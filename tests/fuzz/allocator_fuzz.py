@@ -97,8 +97,9 @@ class FuzzReport:
     def text(self) -> str:
         from kvspec_core.runtime.native import native
 
-        per_config = ", ".join(f"{name} {count}" for name, count in
-                               sorted(self.ops_per_config.items()))
+        per_config = ", ".join(
+            f"{name} {count}" for name, count in sorted(self.ops_per_config.items())
+        )
         lines = [
             f"allocator fuzz: seed {self.seed}, {self.seconds:.1f} s, {self.ops} operations "
             f"in {self.episodes} episodes ({per_config})",
@@ -161,8 +162,9 @@ def _in_child(work: Callable[[Callable[[str], None]], None]) -> tuple[list[str],
     return lines, wait_status, stderr
 
 
-def _run_emitting(setup: dict[str, Any], ops: list[Op], emit: Callable[[str], None],
-                  sides: SideFactory) -> bool:
+def _run_emitting(
+    setup: dict[str, Any], ops: list[Op], emit: Callable[[str], None], sides: SideFactory
+) -> bool:
     """Run one program, emitting progress and its result; whether it ended in a finding."""
     done, divergence = run_program(setup, ops, lambda index: emit(f"p {index}"), sides)
     result: dict[str, Any] = {"done": done}
@@ -176,13 +178,17 @@ def _crash(ops: list[Op], index: int, wait_status: int, stderr: str) -> Outcome:
     op = ops[index] if ops else {"op": "setup"}
     tags = ",".join(features(op))
     where = f"{op['op']}[{tags}]" if tags else op["op"]
-    return Outcome(index, index, f"crash: {_crash_cause(wait_status, stderr)} during {where}",
-                   _crash_detail(stderr))
+    return Outcome(
+        index,
+        index,
+        f"crash: {_crash_cause(wait_status, stderr)} during {where}",
+        _crash_detail(stderr),
+    )
 
 
-def run_in_child(setup: dict[str, Any], ops: list[Op], sides: SideFactory = make_sides
-                 ) -> Outcome:
+def run_in_child(setup: dict[str, Any], ops: list[Op], sides: SideFactory = make_sides) -> Outcome:
     """One program in a forked child."""
+
     def work(emit: Callable[[str], None]) -> None:
         _run_emitting(setup, ops, emit, sides)
 
@@ -191,16 +197,19 @@ def run_in_child(setup: dict[str, Any], ops: list[Op], sides: SideFactory = make
     for line in lines:
         if line.startswith("r "):
             result = json.loads(line[2:])
-            return Outcome(result["done"], result.get("index"), result.get("key"),
-                           result.get("detail", ""))
+            return Outcome(
+                result["done"], result.get("index"), result.get("key"), result.get("detail", "")
+            )
         last = int(line[2:])
     return _crash(ops, last, wait_status, stderr)
 
 
-def run_batch(seed: int, configs: list[str], first: int, deadline: float,
-              sides: SideFactory = make_sides) -> list[tuple[int, Outcome]]:
+def run_batch(
+    seed: int, configs: list[str], first: int, deadline: float, sides: SideFactory = make_sides
+) -> list[tuple[int, Outcome]]:
     """Episodes ``first``, ``first + 1``, ... in one forked child (forks are slow under
     AddressSanitizer), until ``deadline`` or a finding; each episode's outcome."""
+
     def work(emit: Callable[[str], None]) -> None:
         number = first
         while True:
@@ -222,8 +231,17 @@ def run_batch(seed: int, configs: list[str], first: int, deadline: float,
             last = int(rest)
         elif kind == "r":
             result = json.loads(rest)
-            outcomes.append((number, Outcome(result["done"], result.get("index"),
-                                             result.get("key"), result.get("detail", ""))))
+            outcomes.append(
+                (
+                    number,
+                    Outcome(
+                        result["done"],
+                        result.get("index"),
+                        result.get("key"),
+                        result.get("detail", ""),
+                    ),
+                )
+            )
             number = -1
     if number >= 0:  # the child died inside this episode
         _, ops = episode(seed, configs, number)
@@ -250,8 +268,13 @@ def _crash_cause(wait_status: int, stderr: str) -> str:
 def _crash_detail(stderr: str) -> str:
     """The lines of an AddressSanitizer report (or traceback) worth reading."""
     lines = stderr.splitlines()
-    keep = [line for line in lines if "ERROR: AddressSanitizer" in line or
-            re.search(r"#\d+ .* in kv_", line) or "SUMMARY" in line]
+    keep = [
+        line
+        for line in lines
+        if "ERROR: AddressSanitizer" in line
+        or re.search(r"#\d+ .* in kv_", line)
+        or "SUMMARY" in line
+    ]
     return "\n".join((keep or lines[-8:])[:12])
 
 
@@ -260,8 +283,13 @@ def base_key(key: str) -> str:
     return re.sub(r"\[[^\]]*\]", "", key)
 
 
-def shrink(setup: dict[str, Any], ops: list[Op], outcome: Outcome, stop: float,
-           sides: SideFactory = make_sides) -> tuple[list[Op], Outcome]:
+def shrink(
+    setup: dict[str, Any],
+    ops: list[Op],
+    outcome: Outcome,
+    stop: float,
+    sides: SideFactory = make_sides,
+) -> tuple[list[Op], Outcome]:
     """The shortest program found before ``stop`` that still ends with the same kind of
     finding (operations dropped one at a time, then each one's hostile inputs made plain
     and prompts halved), and its outcome (its key names the inputs still needed)."""
@@ -274,7 +302,8 @@ def shrink(setup: dict[str, Any], ops: list[Op], outcome: Outcome, stop: float,
         if again.key is None or again.index is None:
             return False
         if (again.key if same == "key" else base_key(again.key)) != (
-                outcome.key if same == "key" else base_key(outcome.key or "")):
+            outcome.key if same == "key" else base_key(outcome.key or "")
+        ):
             return False
         best, best_outcome = candidate[: again.index + 1], again
         return True
@@ -282,21 +311,30 @@ def shrink(setup: dict[str, Any], ops: list[Op], outcome: Outcome, stop: float,
     if not reproduces(best[-1:], "key"):
         position = 0
         while position < len(best) - 1 and time.monotonic() < stop:
-            if not reproduces(best[:position] + best[position + 1:], "key"):
+            if not reproduces(best[:position] + best[position + 1 :], "key"):
                 position += 1
     # Then each operation's inputs, the last (failing) one first.
     position = len(best) - 1
     while position >= 0 and time.monotonic() < stop:
-        if not any(reproduces(best[:position] + [plainer] + best[position + 1:],
-                              "key" if position < len(best) - 1 else "base")
-                   for plainer in simplified(best[position])):
+        if not any(
+            reproduces(
+                best[:position] + [plainer] + best[position + 1 :],
+                "key" if position < len(best) - 1 else "base",
+            )
+            for plainer in simplified(best[position])
+        ):
             position -= 1
         position = min(position, len(best) - 1)
     return best, best_outcome
 
 
-def fuzz(seconds: float, seed: int, configs: list[str] | None = None,
-         sides: SideFactory = make_sides, log: Any = None) -> FuzzReport:
+def fuzz(
+    seconds: float,
+    seed: int,
+    configs: list[str] | None = None,
+    sides: SideFactory = make_sides,
+    log: Any = None,
+) -> FuzzReport:
     """Random programs for ``seconds`` (the last episode finishes; shrinking a finding may
     take up to :data:`SHRINK_SECONDS` past that); distinct findings once each, shrunk."""
     names = list(configs or CONFIGS)
@@ -321,11 +359,15 @@ def fuzz(seconds: float, seed: int, configs: list[str] | None = None,
             setup, ops = episode(seed, names, number)
             stop = min(time.monotonic(), deadline) + SHRINK_SECONDS
             shrunk, final = shrink(setup, ops, outcome, stop, sides)
-            report.findings[outcome.key] = finding = Finding(final.key or outcome.key,
-                                                             final.detail, setup, shrunk)
+            report.findings[outcome.key] = finding = Finding(
+                final.key or outcome.key, final.detail, setup, shrunk
+            )
             if log is not None:
-                print(f"finding: {finding.key}\n  repro: --replay '{finding.replay_json()}'",
-                      file=log, flush=True)
+                print(
+                    f"finding: {finding.key}\n  repro: --replay '{finding.replay_json()}'",
+                    file=log,
+                    flush=True,
+                )
         number += 1
     report.seconds = time.monotonic() - start
     return report
@@ -366,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="time budget")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--configs", default="",
-                        help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--configs", default="", help=f"comma-separated subset of {', '.join(CONFIGS)}"
+    )
     parser.add_argument("--report", type=Path, help="also write the report to this file")
     parser.add_argument("--replay", help="JSON of one finding's program (its repro line)")
     args = parser.parse_args(argv)

@@ -22,8 +22,21 @@ HOOK_ACTIONS = ("tokens", "hashes", "id", "clear", "raise", "none")
 #: When a hook fires: on its first call, its second, or every call.
 HOOK_WHEN = ("first", "second", "always")
 
-TOKEN_KINDS = ("huge", "negative", "bool", "float", "nan", "int_sub", "index_ok",
-               "index_raises", "index_mutates", "index_clears", "str", "none", "big")
+TOKEN_KINDS = (
+    "huge",
+    "negative",
+    "bool",
+    "float",
+    "nan",
+    "int_sub",
+    "index_ok",
+    "index_raises",
+    "index_mutates",
+    "index_clears",
+    "str",
+    "none",
+    "big",
+)
 ID_KINDS = ("nan", "float", "bool", "bytes", "list", "int_sub", "str_sub", "hook")
 SALT_KINDS = ("str", "bytes", "str_sub", "bytearray", "int", "hook")
 
@@ -143,8 +156,16 @@ def build_tokens(spec: list[Any]) -> list[Any]:
 
 def build_token(entry: list[Any], tokens: list[Any]) -> Any:
     kind = entry[1]
-    simple = {"huge": 2**32, "negative": -1, "bool": True, "float": 1.0, "nan": math.nan,
-              "str": "7", "none": None, "big": 2**64 + 3}
+    simple = {
+        "huge": 2**32,
+        "negative": -1,
+        "bool": True,
+        "float": 1.0,
+        "nan": math.nan,
+        "str": "7",
+        "none": None,
+        "big": 2**64 + 3,
+    }
     if kind in simple:
         return simple[kind]
     if kind == "int_sub":
@@ -176,8 +197,9 @@ def build_id(spec: list[Any], cell: Cell, collide_with: object) -> Any:
     if kind == "hook":
         # ["hook", trigger, action, when, collide]: collide gives it a running id's hash.
         _, trigger, action, when, collide = spec
-        return HookId(Hook(cell, action, when), trigger,
-                      collide_with if collide else "no-collision")
+        return HookId(
+            Hook(cell, action, when), trigger, collide_with if collide else "no-collision"
+        )
     raise ValueError(f"unknown id kind {kind!r}")
 
 
@@ -275,8 +297,11 @@ def simplified(op: dict[str, Any]) -> list[dict[str, Any]]:
             if not isinstance(entry, int):
                 variant(lambda o, p=position: o["request"]["tokens"].__setitem__(p, 1))
         if len(request["tokens"]) > 8:  # a shorter prompt (it may be all the finding needs)
-            variant(lambda o: o["request"].update(tokens=o["request"]["tokens"][
-                : len(o["request"]["tokens"]) // 2]))
+            variant(
+                lambda o: o["request"].update(
+                    tokens=o["request"]["tokens"][: len(o["request"]["tokens"]) // 2]
+                )
+            )
     for field in ("append", "tokens"):
         for position, entry in enumerate(op.get(field, [])):
             if not isinstance(entry, int):

@@ -61,13 +61,31 @@ from runtime_testkit import sliding as _sliding  # noqa: E402
 Op = dict[str, Any]
 
 #: Bad counts for ``num_new_tokens`` / ``lookahead`` / ``num_valid_tokens``.
-BAD_COUNTS: dict[str, Any] = {"negative": -1, "bool": True, "float": 1.5, "none": None,
-                              "huge": 2**70, "int_sub": IntSub(2)}
+BAD_COUNTS: dict[str, Any] = {
+    "negative": -1,
+    "bool": True,
+    "float": 1.5,
+    "none": None,
+    "huge": 2**70,
+    "int_sub": IntSub(2),
+}
 #: Ways to edit a prefix the allocator handed out (issue 18 item 3), and "other": one
 #: handed out for another request.
-FORGERIES = ("negative", "others_blocks", "more_tokens", "past_prompt", "out_of_range",
-             "nulls", "not_prefix", "wrong_groups", "strings", "request_id", "epochs",
-             "bools", "other")
+FORGERIES = (
+    "negative",
+    "others_blocks",
+    "more_tokens",
+    "past_prompt",
+    "out_of_range",
+    "nulls",
+    "not_prefix",
+    "wrong_groups",
+    "strings",
+    "request_id",
+    "epochs",
+    "bools",
+    "other",
+)
 
 
 # ----------------------------------------------------------------- allocators
@@ -89,8 +107,9 @@ def manager() -> PluginManager:
 def _mla(block: int, window: int | None = None) -> KVSpec:
     from kvspec_mla import MLAAttentionSpec, SlidingWindowMLASpec
 
-    fields: dict[str, Any] = dict(block_size=block, num_kv_heads=1, head_size=576,
-                                  dtype=torch.bfloat16, max_tp_shards=1)
+    fields: dict[str, Any] = dict(
+        block_size=block, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1
+    )
     if window is None:
         return MLAAttentionSpec(**fields)
     return SlidingWindowMLASpec(sliding_window=window, **fields)
@@ -112,9 +131,17 @@ CONFIGS: dict[str, Callable[[], tuple[list[KVSpec], Any, list[int] | None, dict[
 def build_allocator(config: str, eviction: str, events: bool) -> KVCacheAllocator:
     specs, blocks, pools, options = CONFIGS[config]()
     ctx = SizingContext(max_model_len=64, max_in_flight_tokens=16, mamba_cache_mode="align")
-    return KVCacheAllocator(specs, blocks, ctx, pool_of_group=pools, manager=manager(),
-                            hash_salt=b"fuzz", eviction=eviction, enable_kv_events=events,
-                            **options)
+    return KVCacheAllocator(
+        specs,
+        blocks,
+        ctx,
+        pool_of_group=pools,
+        manager=manager(),
+        hash_salt=b"fuzz",
+        eviction=eviction,
+        enable_kv_events=events,
+        **options,
+    )
 
 
 _taking_kernels: tuple[int, list[Any]] = (-1, [])
@@ -125,8 +152,11 @@ def _modules_taking_kernels(kernels: Any) -> list[Any]:
     kvspec_core.runtime.native import native``); looked up again when modules were added."""
     global _taking_kernels
     if _taking_kernels[0] != len(sys.modules):
-        modules = [module for name, module in list(sys.modules.items())
-                   if name.startswith("kvspec") and getattr(module, "native", None) is kernels]
+        modules = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("kvspec") and getattr(module, "native", None) is kernels
+        ]
         _taking_kernels = (len(sys.modules), modules)
     return _taking_kernels[1]
 
@@ -156,9 +186,18 @@ class Generator:
         self.stems = [[rng.randrange(50_000) for _ in range(40)] for _ in range(3)]
 
     def program(self, length: int) -> list[Op]:
-        kinds = ["admit"] * 30 + ["grow"] * 18 + ["step"] * 8 + ["decode"] * 12 + \
-            ["free"] * 10 + ["discard"] * 4 + ["find"] * 7 + ["reset"] * 2 + \
-            ["events"] * 3 + ["query"] * 6
+        kinds = (
+            ["admit"] * 30
+            + ["grow"] * 18
+            + ["step"] * 8
+            + ["decode"] * 12
+            + ["free"] * 10
+            + ["discard"] * 4
+            + ["find"] * 7
+            + ["reset"] * 2
+            + ["events"] * 3
+            + ["query"] * 6
+        )
         return [getattr(self, self.rng.choice(kinds))() for _ in range(length)]
 
     def _hostile(self, share: float = 0.3) -> bool:
@@ -183,11 +222,28 @@ class Generator:
     def hook(self, *triggers: str) -> list[Any]:
         """A hook spec, weighted towards what frees an object a kernel may be reading."""
         rng = self.rng
-        action = rng.choice(("tokens", "tokens", "tokens", "hashes", "hashes", "id", "id",
-                             "clear", "clear", "raise", "none"))
+        action = rng.choice(
+            (
+                "tokens",
+                "tokens",
+                "tokens",
+                "hashes",
+                "hashes",
+                "id",
+                "id",
+                "clear",
+                "clear",
+                "raise",
+                "none",
+            )
+        )
         assert set(HOOK_ACTIONS) >= {action}
-        return ["hook", rng.choice(triggers), action,
-                rng.choice(("first", "first", "first", "second", "second", "always"))]
+        return [
+            "hook",
+            rng.choice(triggers),
+            action,
+            rng.choice(("first", "first", "first", "second", "second", "always")),
+        ]
 
     def request_id(self) -> list[Any]:
         rng = self.rng
@@ -199,8 +255,7 @@ class Generator:
         if rng.random() < 0.5:
             return [*self.hook("hash", "hash", "eq"), rng.random() < 0.5]
         kind = rng.choice([kind for kind in ID_KINDS if kind != "hook"])
-        return [kind, f"r{self.next_id}" if kind in ("bytes", "str_sub", "list")
-                else self.next_id]
+        return [kind, f"r{self.next_id}" if kind in ("bytes", "str_sub", "list") else self.next_id]
 
     def salt(self) -> list[Any] | None:
         rng = self.rng
@@ -219,8 +274,12 @@ class Generator:
     def request(self) -> dict[str, Any]:
         roll = self.rng.random()
         lora: Any = None if roll < 0.9 else "l1" if roll < 0.98 else ["bytes", "x"]
-        return {"rid": self.request_id(), "tokens": self.tokens(), "salt": self.salt(),
-                "lora": lora}
+        return {
+            "rid": self.request_id(),
+            "tokens": self.tokens(),
+            "salt": self.salt(),
+            "lora": lora,
+        }
 
     def count(self, usual: Any) -> Any:
         if self._hostile(0.05):
@@ -244,23 +303,37 @@ class Generator:
         if self._hostile(0.12):
             prefix = ["forge", rng.choice(FORGERIES)]
         count: Any = rng.choice(("rest", "rest", rng.randrange(1, 17)))
-        return {"op": "admit", "request": self.request(), "prefix": prefix,
-                "count": self.count(count), "lookahead": self.lookahead()}
+        return {
+            "op": "admit",
+            "request": self.request(),
+            "prefix": prefix,
+            "count": self.count(count),
+            "lookahead": self.lookahead(),
+        }
 
     def grow(self) -> Op:
         rng = self.rng
         append = [self.token() for _ in range(rng.choice((0, 1, 1, 1, 3, 8)))]
-        return {"op": "grow", "target": self.target(), "append": append,
-                "count": self.count(rng.choice(("pending", "pending", 1, rng.randrange(0, 9)))),
-                "lookahead": self.lookahead()}
+        return {
+            "op": "grow",
+            "target": self.target(),
+            "append": append,
+            "count": self.count(rng.choice(("pending", "pending", 1, rng.randrange(0, 9)))),
+            "lookahead": self.lookahead(),
+        }
 
     def step(self) -> Op:
         rng = self.rng
         items: list[Any] = []
         for _ in range(rng.randrange(1, 5)):
             roll = rng.random()
-            items.append([rng.randrange(8)] if roll < 0.4 else ["junk"] if roll < 0.45
-                         else [rng.randrange(8), self.count(rng.randrange(0, 6))])
+            items.append(
+                [rng.randrange(8)]
+                if roll < 0.4
+                else ["junk"]
+                if roll < 0.45
+                else [rng.randrange(8), self.count(rng.randrange(0, 6))]
+            )
         return {"op": "step", "items": items, "lookahead": self.lookahead()}
 
     def decode(self) -> Op:
@@ -269,8 +342,7 @@ class Generator:
         tokens = [self.token() for _ in targets]
         if self._hostile(0.04):
             tokens.append(1)
-        return {"op": "decode", "targets": targets, "tokens": tokens,
-                "lookahead": self.lookahead()}
+        return {"op": "decode", "targets": targets, "tokens": tokens, "lookahead": self.lookahead()}
 
     def free(self) -> Op:
         return {"op": "free", "target": self.target()}
@@ -299,13 +371,14 @@ def show(value: Any) -> str:
     if isinstance(value, BaseException):
         return f"raise {type(value).__name__}"
     if isinstance(value, CachedPrefix):
-        return (f"prefix {value.num_tokens} {value.block_ids} {value.epochs} "
-                f"{value.checkpoint_at}")
+        return f"prefix {value.num_tokens} {value.block_ids} {value.epochs} {value.checkpoint_at}"
     if isinstance(value, Allocated):
         return f"allocated {value.new_block_ids}"
     if isinstance(value, NotNow):
-        return (f"notnow {value.reason} group={value.group} needed={value.blocks_needed} "
-                f"free={value.blocks_free}")
+        return (
+            f"notnow {value.reason} group={value.group} needed={value.blocks_needed} "
+            f"free={value.blocks_free}"
+        )
     if isinstance(value, list):
         return "[" + ", ".join(show(item) for item in value) + "]"
     return repr(value)
@@ -313,6 +386,7 @@ def show(value: Any) -> str:
 
 def tenant(request: Request) -> tuple[Any, ...]:
     """Who may share cache entries with ``request`` (salts of different types never)."""
+
     def tagged(value: Any) -> Any:
         if value is None:
             return None
@@ -342,8 +416,7 @@ def content(tokens: list[Any]) -> tuple[Any, ...]:
 class Side:
     """One allocator, on the kernels or on the pure-Python code, and the requests it runs."""
 
-    def __init__(self, name: str, kernels: bool, config: str, eviction: str,
-                 events: bool) -> None:
+    def __init__(self, name: str, kernels: bool, config: str, eviction: str, events: bool) -> None:
         self.name = name
         self.kernels = kernels
         self.allocator = self.call(lambda: build_allocator(config, eviction, events))
@@ -431,13 +504,17 @@ class Side:
                     return [*answers, "forging: " + show(prefix)]
                 # Epochs are a staleness hint: an edited one may only make the allocator
                 # look again. Every other edit claims blocks or tokens it was not given.
-                forged = (not _same_prefix(prefix, found) and op["prefix"][1] != "epochs"
-                          and not self.same_content_as_other(op["prefix"][1], request, found))
+                forged = (
+                    not _same_prefix(prefix, found)
+                    and op["prefix"][1] != "epochs"
+                    and not self.same_content_as_other(op["prefix"][1], request, found)
+                )
                 answers.append("forged" if forged else "forgery equals the prefix")
         count = self.count(op["count"], request, prefix)
         lookahead = self.count(op["lookahead"], request, prefix)
-        result = self.attempt(lambda: allocator.allocate_slots(request, count, lookahead,
-                                                               prefix=prefix))
+        result = self.attempt(
+            lambda: allocator.allocate_slots(request, count, lookahead, prefix=prefix)
+        )
         answers.append(show(result))
         if isinstance(result, Allocated):
             if forged:
@@ -476,16 +553,21 @@ class Side:
         if how == "others_blocks":
             # A forgery: another request's tables cut to this prefix's lengths (any shape
             # will do, so a table count that differs is not an error here).
-            return evolve(genuine, block_ids=tuple(
-                table[: max(len(mine), 1)]
-                for table, mine in zip(other, genuine.block_ids, strict=False)))
+            return evolve(
+                genuine,
+                block_ids=tuple(
+                    table[: max(len(mine), 1)]
+                    for table, mine in zip(other, genuine.block_ids, strict=False)
+                ),
+            )
         if how == "more_tokens":
             return evolve(genuine, num_tokens=genuine.num_tokens + 4)
         if how == "past_prompt":
             return evolve(genuine, num_tokens=len(request.token_ids))
         if how == "out_of_range":
-            return evolve(genuine, block_ids=tuple((10**6,) * len(ids) for ids in
-                                                   genuine.block_ids))
+            return evolve(
+                genuine, block_ids=tuple((10**6,) * len(ids) for ids in genuine.block_ids)
+            )
         if how == "nulls":
             return evolve(genuine, block_ids=tuple((0,) * len(ids) for ids in genuine.block_ids))
         if how == "not_prefix":
@@ -493,8 +575,9 @@ class Side:
         if how == "wrong_groups":
             return evolve(genuine, block_ids=genuine.block_ids + ((),))
         if how == "strings":
-            return evolve(genuine, block_ids=tuple(tuple(str(b) for b in ids)
-                                                   for ids in genuine.block_ids))
+            return evolve(
+                genuine, block_ids=tuple(tuple(str(b) for b in ids) for ids in genuine.block_ids)
+            )
         if how == "request_id":
             return evolve(genuine, request_id="someone-else")
         if how == "epochs":
@@ -502,10 +585,13 @@ class Side:
         if how == "bools":
             return evolve(genuine, num_tokens=bool(genuine.num_tokens))
         # "other": a genuine lookup, for another request with the same tokens.
-        twin = Request("twin-of-" + str(id(request)), list(request.token_ids),
-                       cache_salt=request.cache_salt, lora_name=request.lora_name)
-        return evolve(self.call(lambda: self.allocator.find_cached_prefix(twin)),
-                      request_id="twin")
+        twin = Request(
+            "twin-of-" + str(id(request)),
+            list(request.token_ids),
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
+        )
+        return evolve(self.call(lambda: self.allocator.find_cached_prefix(twin)), request_id="twin")
 
     def count(self, spec: Any, request: Request, prefix: Any) -> Any:
         if isinstance(spec, int):
@@ -529,13 +615,17 @@ class Side:
         rid = self.pick(op["target"])
         request = self.request_of(rid)
         if request is None:
-            return ["skip"] if rid is None else [show(self.attempt(
-                lambda: self.allocator.num_computed_tokens(rid)))]
+            return (
+                ["skip"]
+                if rid is None
+                else [show(self.attempt(lambda: self.allocator.num_computed_tokens(rid)))]
+            )
         request.token_ids.extend(build_tokens(op["append"]))
         count = self.count(op["count"], request, None)
         lookahead = self.count(op["lookahead"], request, None)
-        return [show(self.attempt(lambda: self.allocator.allocate_slots(request, count,
-                                                                        lookahead)))]
+        return [
+            show(self.attempt(lambda: self.allocator.allocate_slots(request, count, lookahead)))
+        ]
 
     def op_step(self, op: Op) -> list[str]:
         if not self.running:
@@ -546,8 +636,9 @@ class Side:
                 items.append(("not", "a", "pair"))
                 continue
             request = self.running[item[0] % len(self.running)]
-            items.append(request if len(item) == 1 else
-                         (request, self.count(item[1], request, None)))
+            items.append(
+                request if len(item) == 1 else (request, self.count(item[1], request, None))
+            )
         lookahead = self.count(op["lookahead"], self.running[0], None)
         return [show(self.attempt(lambda: self.allocator.allocate_step(items, lookahead)))]
 
@@ -556,8 +647,9 @@ class Side:
         if any(rid is None for rid in ids):
             return ["skip"]
         tokens = build_tokens(op["tokens"])
-        lookahead = self.count(op["lookahead"], self.running[0] if self.running else
-                               Request("none", [1]), None)
+        lookahead = self.count(
+            op["lookahead"], self.running[0] if self.running else Request("none", [1]), None
+        )
         return [show(self.attempt(lambda: self.allocator.decode_step(ids, tokens, lookahead)))]
 
     def op_free(self, op: Op) -> list[str]:
@@ -599,16 +691,20 @@ class Side:
         if rid is None:
             return ["skip"]
         allocator = self.allocator
-        return [show(self.attempt(lambda: allocator.num_computed_tokens(rid))),
-                show(self.attempt(lambda: allocator.block_ids(rid))),
-                show(self.attempt(lambda: allocator.is_running(rid)))]
+        return [
+            show(self.attempt(lambda: allocator.num_computed_tokens(rid))),
+            show(self.attempt(lambda: allocator.block_ids(rid))),
+            show(self.attempt(lambda: allocator.is_running(rid))),
+        ]
 
     # -- checks after each operation
     def state(self) -> list[str]:
         """Usage, running requests with their tables, and check_invariants."""
         allocator = self.allocator
-        lines = [show(self.attempt(lambda: allocator.usage)),
-                 f"running {self.attempt(lambda: allocator.num_running)}"]
+        lines = [
+            show(self.attempt(lambda: allocator.usage)),
+            f"running {self.attempt(lambda: allocator.num_running)}",
+        ]
         for request in self.running:
             rid = request.request_id
             block_ids = show(self.attempt(partial(allocator.block_ids, rid)))
@@ -628,8 +724,9 @@ class Side:
             return
         mine = content(request.token_ids)
         who = tenant(request)
-        backed = max((_common(mine, tokens) for owner, tokens in self.seen if owner == who),
-                     default=0)
+        backed = max(
+            (_common(mine, tokens) for owner, tokens in self.seen if owner == who), default=0
+        )
         if found.num_tokens > backed:
             self.notes.append(
                 f"false hit: {found.num_tokens} tokens found, at most {backed} of them held "
@@ -639,10 +736,15 @@ class Side:
 
 def _same_prefix(first: Any, second: CachedPrefix) -> bool:
     """Field by field, without running a hostile request id's ``__eq__``."""
-    return (type(first) is CachedPrefix and first.request_id is second.request_id
-            and all(type(getattr(first, name)) is type(getattr(second, name))
-                    and getattr(first, name) == getattr(second, name)
-                    for name in ("num_tokens", "block_ids", "epochs", "checkpoint_at")))
+    return (
+        type(first) is CachedPrefix
+        and first.request_id is second.request_id
+        and all(
+            type(getattr(first, name)) is type(getattr(second, name))
+            and getattr(first, name) == getattr(second, name)
+            for name in ("num_tokens", "block_ids", "epochs", "checkpoint_at")
+        )
+    )
 
 
 def _common(first: tuple[Any, ...], second: tuple[Any, ...]) -> int:
@@ -672,16 +774,21 @@ def make_sides(config: str, eviction: str, events: bool) -> tuple[Side, Side]:
     """The compiled-kernel side and the pure-Python side of one configuration."""
     if native_switch.native is None:
         raise RuntimeError("kvspec_core.runtime._native is not built: nothing to compare")
-    return (Side("kernels", True, config, eviction, events),
-            Side("python", False, config, eviction, events))
+    return (
+        Side("kernels", True, config, eviction, events),
+        Side("python", False, config, eviction, events),
+    )
 
 
 SideFactory = Callable[[str, str, bool], tuple[Side, Side]]
 
 
-def run_program(setup: dict[str, Any], ops: list[Op],
-                progress: Callable[[int], None] = lambda index: None,
-                sides: SideFactory = make_sides) -> tuple[int, Divergence | None]:
+def run_program(
+    setup: dict[str, Any],
+    ops: list[Op],
+    progress: Callable[[int], None] = lambda index: None,
+    sides: SideFactory = make_sides,
+) -> tuple[int, Divergence | None]:
     """Carry ``ops`` out on both sides of ``setup`` (config, eviction, events); the number
     of operations done and the first divergence (or other finding), if any."""
     from fuzz_hostile import features
@@ -694,26 +801,34 @@ def run_program(setup: dict[str, Any], ops: list[Op],
         tags = ",".join(features(op))
         where = f"{op['op']}[{tags}]" if tags else op["op"]
         if answers[0] != answers[1]:
-            summary = " / ".join(f"{side.name} {_kinds(answer)}"
-                                 for side, answer in zip((first, second), answers, strict=True))
-            return index + 1, Divergence(index, f"answers differ: {where}: {summary}",
-                                         f"kernels: {answers[0]}\npython:  {answers[1]}")
+            summary = " / ".join(
+                f"{side.name} {_kinds(answer)}"
+                for side, answer in zip((first, second), answers, strict=True)
+            )
+            return index + 1, Divergence(
+                index,
+                f"answers differ: {where}: {summary}",
+                f"kernels: {answers[0]}\npython:  {answers[1]}",
+            )
         if states[0] != states[1]:
             differing = [f"{a} != {b}" for a, b in zip(*states, strict=False) if a != b] or [
-                f"{len(states[0])} != {len(states[1])} lines"]
+                f"{len(states[0])} != {len(states[1])} lines"
+            ]
             field = differing[0].split(" ")[0].split("(")[0]
-            return index + 1, Divergence(index, f"state differs after {where}: {field}",
-                                         "\n".join(differing[:4] + _invariant_errors(
-                                             (first, second))))
+            return index + 1, Divergence(
+                index,
+                f"state differs after {where}: {field}",
+                "\n".join(differing[:4] + _invariant_errors((first, second))),
+            )
         for side in (first, second):
             if side.notes:
                 note = side.notes[0]
                 return index + 1, Divergence(
-                    index, f"{note.split(':')[0]} ({side.name}) at {where}", note)
+                    index, f"{note.split(':')[0]} ({side.name}) at {where}", note
+                )
         broken = [line for line in states[0] if line.startswith("invariants raise")]
         if broken:
-            return index + 1, Divergence(index, f"check_invariants fails after {where}",
-                                         broken[0])
+            return index + 1, Divergence(index, f"check_invariants fails after {where}", broken[0])
         for side in (first, second):
             side.record_content()
     return len(ops), None
@@ -725,8 +840,9 @@ def _invariant_errors(sides: tuple[Side, Side]) -> list[str]:
     for side in sides:
         failure = side.attempt(side.allocator.check_invariants)
         if isinstance(failure, BaseException):
-            errors.append(f"{side.name} check_invariants: {type(failure).__name__}: "
-                          f"{str(failure)[:300]}")
+            errors.append(
+                f"{side.name} check_invariants: {type(failure).__name__}: {str(failure)[:300]}"
+            )
     return errors
 
 
@@ -743,6 +859,8 @@ def _kinds(answers: list[str]) -> str:
 
 
 def random_setup(rng: random.Random, config: str) -> dict[str, Any]:
-    return {"config": config, "eviction": rng.choice(EVICTION_POLICIES),
-            "events": rng.random() < 0.3}
-
+    return {
+        "config": config,
+        "eviction": rng.choice(EVICTION_POLICIES),
+        "events": rng.random() < 0.3,
+    }

@@ -12,9 +12,15 @@ from kvspec_core.plugins.manager import PluginManager
 
 #: One letter per normalised layer type, to compare a whole model's typing as a string.
 TYPE_LETTERS = {
-    "full_attention": "F", "sliding_attention": "S", "chunked_attention": "C",
-    "mla_attention": "L", "sliding_mla_attention": "l", "linear_attention": "N", "mamba": "M",
-    "cross_attention": "X", "encoder_only": "E",
+    "full_attention": "F",
+    "sliding_attention": "S",
+    "chunked_attention": "C",
+    "mla_attention": "L",
+    "sliding_mla_attention": "l",
+    "linear_attention": "N",
+    "mamba": "M",
+    "cross_attention": "X",
+    "encoder_only": "E",
 }
 
 

@@ -16,7 +16,11 @@ def test_llama_8b_shape() -> None:
     shape = typed(preset("llama-3.1-8b")).layers[0].attention
     assert shape is not None
     assert (shape.num_kv_heads, shape.total_kv_heads, shape.head_size, shape.head_size_v) == (
-        8, 8, 128, 128)
+        8,
+        8,
+        128,
+        128,
+    )
     assert shape.dtype == torch.bfloat16 and not shape.replicated
 
 
@@ -60,10 +64,13 @@ def test_tp_beyond_kv_heads_replicates_one_head_per_rank() -> None:
     assert (shape.num_kv_heads, shape.total_kv_heads, shape.replicated) == (1, 4, True)
 
 
-@pytest.mark.parametrize("tp, message", [
-    (3, r"'num_key_value_heads'=8 .* cannot be split evenly across tensor parallel size 3"),
-    (12, r"tensor parallel size 12 exceeds config field 'num_key_value_heads'=8"),
-])
+@pytest.mark.parametrize(
+    "tp, message",
+    [
+        (3, r"'num_key_value_heads'=8 .* cannot be split evenly across tensor parallel size 3"),
+        (12, r"tensor parallel size 12 exceeds config field 'num_key_value_heads'=8"),
+    ],
+)
 def test_indivisible_tp_is_refused_naming_field_and_fix(tp: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as caught:
         typed(preset("llama-3.1-8b"), tensor_parallel_size=tp)
@@ -115,19 +122,43 @@ def test_unknown_kv_cache_dtype_lists_the_known_ones() -> None:
         typed(preset("llama-3.1-8b"), kv_cache_dtype="fp7")
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"num_hidden_layers": 1, "hidden_size": 1000, "num_attention_heads": 3},
-     "'hidden_size'=1000 is not a multiple of 'num_attention_heads'=3"),
-    # GPT-2 spellings: the message names the fields the config actually uses.
-    ({"n_layer": 1, "n_embd": 1000, "n_head": 3}, "'n_embd'=1000 is not a multiple of 'n_head'=3"),
-    ({"num_hidden_layers": 1, "hidden_size": 1024}, "'num_attention_heads' or 'n_head'"),
-    ({"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8,
-      "num_key_value_heads": 0}, "'num_key_value_heads' is 0"),
-    ({"num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8,
-      "torch_dtype": "float9"}, "'torch_dtype': unknown torch dtype 'float9'"),
-    ({"num_hidden_layers": 1, "num_attention_heads": 8, "kv_lora_rank": 512},
-     "'qk_rope_head_dim' is missing"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"num_hidden_layers": 1, "hidden_size": 1000, "num_attention_heads": 3},
+            "'hidden_size'=1000 is not a multiple of 'num_attention_heads'=3",
+        ),
+        # GPT-2 spellings: the message names the fields the config actually uses.
+        (
+            {"n_layer": 1, "n_embd": 1000, "n_head": 3},
+            "'n_embd'=1000 is not a multiple of 'n_head'=3",
+        ),
+        ({"num_hidden_layers": 1, "hidden_size": 1024}, "'num_attention_heads' or 'n_head'"),
+        (
+            {
+                "num_hidden_layers": 1,
+                "hidden_size": 1024,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 0,
+            },
+            "'num_key_value_heads' is 0",
+        ),
+        (
+            {
+                "num_hidden_layers": 1,
+                "hidden_size": 1024,
+                "num_attention_heads": 8,
+                "torch_dtype": "float9",
+            },
+            "'torch_dtype': unknown torch dtype 'float9'",
+        ),
+        (
+            {"num_hidden_layers": 1, "num_attention_heads": 8, "kv_lora_rank": 512},
+            "'qk_rope_head_dim' is missing",
+        ),
+    ],
+)
 def test_bad_geometry_fields_are_refused_naming_the_layer(config: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as caught:
         typed(config)
@@ -139,8 +170,11 @@ def test_packed_mla_formats_are_refused_on_non_mla_layers() -> None:
     # A *_ds_mla record packs one MLA latent (NoPE + RoPE + scales); a K/V head cache has no
     # such layout, so sizing it as raw bytes per element would be a number no engine uses.
     # (fp8_ds_mla is registered by kvspec-mla; the core's nvfp4_ds_mla takes the same path.)
-    with pytest.raises(ConfigError, match=r"'nvfp4_ds_mla' is a packed MLA.*"
-                                          r"layer model.layers.0 \(full_attention\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'nvfp4_ds_mla' is a packed MLA.*"
+        r"layer model.layers.0 \(full_attention\)",
+    ):
         typed(preset("llama-3.1-8b"), kv_cache_dtype="nvfp4_ds_mla")
 
 
@@ -166,11 +200,15 @@ def test_listed_tp_choices_are_exactly_the_divisors(total: int, tp: int) -> None
         kv_heads_per_rank(total, tp, "num_key_value_heads", "layer x")
     listed = str(caught.value).split(f"divides {total} (")[1].split(")")[0]
     assert [int(d) for d in listed.split(", ")] == [
-        d for d in range(1, total + 1) if total % d == 0]
+        d for d in range(1, total + 1) if total % d == 0
+    ]
 
 
 def test_an_mla_latent_beyond_the_field_limit_is_refused_naming_the_fields() -> None:
     config = {**preset("deepseek-v2-lite"), "kv_lora_rank": 2**40}
-    with pytest.raises(ConfigError, match=r"'kv_lora_rank' \+ 'qk_rope_head_dim'.*"
-                                          r"layer model.layers.0 \(mla_attention\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'kv_lora_rank' \+ 'qk_rope_head_dim'.*"
+        r"layer model.layers.0 \(mla_attention\)",
+    ):
         typed(config)

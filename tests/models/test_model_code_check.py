@@ -60,26 +60,53 @@ PRESET_READINGS = {
 #: transformers' model types with hybrid or windowed layers whose default config kvspec types
 #: as the model code does (state mixers, sliding / chunked windows, MLA, parallel hybrids).
 AGREEING_DEFAULT_TYPES = (
-    "jamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "qwen3_next", "qwen3_5",
-    "qwen3_5_moe", "olmo_hybrid", "lara_mini", "kimi_linear", "minimax", "bailing_hybrid",
-    "bamba", "gemma2", "gemma3", "gemma3_text", "cohere2", "gpt_oss", "mistral", "mixtral",
-    "llama4", "llama4_text", "exaone4", "olmo3", "mimo_v2_flash", "deepseek_v2", "deepseek_v3",
-    "lfm2", "modernbert-decoder", "vaultgemma",
+    "jamba",
+    "nemotron_h",
+    "granitemoehybrid",
+    "falcon_h1",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "olmo_hybrid",
+    "lara_mini",
+    "kimi_linear",
+    "minimax",
+    "bailing_hybrid",
+    "bamba",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "cohere2",
+    "gpt_oss",
+    "mistral",
+    "mixtral",
+    "llama4",
+    "llama4_text",
+    "exaone4",
+    "olmo3",
+    "mimo_v2_flash",
+    "deepseek_v2",
+    "deepseek_v3",
+    "lfm2",
+    "modernbert-decoder",
+    "vaultgemma",
 )
 #: Default configs kvspec reads differently from the model code: refused, naming what the
 #: model builds. Each was a plausible, wrong plan (or a wrong layer count) before the check.
 DISAGREEING_DEFAULT_TYPES = {
     # attention_types: every other layer is local (window 256); kvspec ignores the field.
     "gpt_neo": r"layer 1: kvspec reads full_attention, the model code builds "
-               r"sliding_attention \(window 256\)",
+    r"sliding_attention \(window 256\)",
     # two MLA attentions per layer.
     "longcat_flash": r"layer 0: kvspec reads mla_attention, the model code builds "
-                     r"mla_attention \+ mla_attention",
+    r"mla_attention \+ mla_attention",
 }
 #: Recurrent-only model types: refused by kvspec's typing itself (with or without
 #: transformers); the model-code check refuses them too when kvspec's refusal is removed.
 STATE_SPACE_ONLY_READINGS = {
-    "mamba": "mamba", "mamba2": "mamba", "falcon_mamba": "mamba",
+    "mamba": "mamba",
+    "mamba2": "mamba",
+    "falcon_mamba": "mamba",
     "recurrent_gemma": "recurrent_block",
     # a mixer class the check does not know reads as no cache: refused, never passed.
     "xlstm": r"no cache-holding mixer \(its modules: .*xLSTMLayer",
@@ -128,9 +155,14 @@ def test_every_shared_config_agrees_with_its_model_code() -> None:
     assert checked == 14
 
 
-@pytest.mark.parametrize("name", [
-    "google__gemma-3-4b-it", "ibm-granite__granite-4.0-h-small", "ibm-ai-platform__Bamba-9B",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "google__gemma-3-4b-it",
+        "ibm-granite__granite-4.0-h-small",
+        "ibm-ai-platform__Bamba-9B",
+    ],
+)
 def test_hub_fixtures_agree_with_their_model_code(name: str) -> None:
     ours, reading = readings(json.loads((FIXTURES / f"{name}.json").read_text()))
     assert reading is not None and ours == list(reading.layers)
@@ -145,22 +177,31 @@ def test_transformers_default_configs_agree(model_type: str) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(DISAGREEING_DEFAULT_TYPES))
 def test_transformers_default_configs_kvspec_misreads_are_refused(model_type: str) -> None:
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+        ConfigError,
+        match=(
             f"kvspec's layer typing disagrees with transformers' .* at "
-            f"{DISAGREEING_DEFAULT_TYPES[model_type]}")):
+            f"{DISAGREEING_DEFAULT_TYPES[model_type]}"
+        ),
+    ):
         typed(default_config(model_type))
 
 
 @pytest.mark.parametrize("model_type", sorted(STATE_SPACE_ONLY_READINGS))
 def test_recurrent_only_models_are_refused_by_the_typing_and_by_the_model_code(
-    model_type: str, monkeypatch: pytest.MonkeyPatch,
+    model_type: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with pytest.raises(ConfigError, match=f"model_type '{model_type}' has no attention layers"):
         typed(default_config(model_type))
     monkeypatch.setattr(layer_typing, "STATE_SPACE_ONLY_MODEL_TYPES", frozenset())
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+        ConfigError,
+        match=(
             f"layer 0: kvspec reads full_attention, the model code builds "
-            f"{STATE_SPACE_ONLY_READINGS[model_type]}")):
+            f"{STATE_SPACE_ONLY_READINGS[model_type]}"
+        ),
+    ):
         typed(default_config(model_type))
 
 
@@ -177,24 +218,36 @@ def bamba_9b() -> dict[str, Any]:
 def test_mutation_a_field_kvspec_ignores_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Last turn's bug put back: kvspec ignoring Bamba's attn_layer_indices (every layer
     attention) is caught by the model code, which builds Mamba there."""
+
     def ignoring_indices(config: Any, count: int) -> list[str | None]:
         return ["attention"] * count
 
     monkeypatch.setattr(layer_typing, "_from_attn_layer_indices", ignoring_indices)
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+        ConfigError,
+        match=(
             r"disagrees with transformers' BambaForCausalLM at layer 0: kvspec reads "
             r"full_attention, the model code builds mamba \(its modules: .*BambaMixer.*\)\. "
-            r"kvspec reads 32 x full_attention; the model code 29 x mamba, 3 x full_attention")):
+            r"kvspec reads 32 x full_attention; the model code 29 x mamba, 3 x full_attention"
+        ),
+    ):
         typed(bamba_9b())
 
 
 def test_mutation_a_misread_sliding_layer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """kvspec reading Gemma-2's global layers as sliding ones."""
-    monkeypatch.setattr(layer_typing, "LAYER_TYPE_ALIASES", {
-        **layer_typing.LAYER_TYPE_ALIASES, "full_attention": "sliding_attention"})
-    with pytest.raises(ConfigError, match=(
+    monkeypatch.setattr(
+        layer_typing,
+        "LAYER_TYPE_ALIASES",
+        {**layer_typing.LAYER_TYPE_ALIASES, "full_attention": "sliding_attention"},
+    )
+    with pytest.raises(
+        ConfigError,
+        match=(
             r"at layer 1: kvspec reads sliding_attention \(window 4096\), the model code "
-            r"builds full_attention")):
+            r"builds full_attention"
+        ),
+    ):
         typed(load_preset("gemma-2-9b"))
 
 
@@ -202,8 +255,9 @@ def test_mutation_a_misread_sliding_layer_is_refused(monkeypatch: pytest.MonkeyP
 def test_without_transformers_the_check_is_skipped_and_plans_as_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(layer_typing, "_from_attn_layer_indices",
-                        lambda config, count: ["attention"] * count)
+    monkeypatch.setattr(
+        layer_typing, "_from_attn_layer_indices", lambda config, count: ["attention"] * count
+    )
     config = {k: v for k, v in bamba_9b().items()}
     assert type_string(config) == "F" * 32  # the misreading is not caught without transformers
 
@@ -225,16 +279,23 @@ def test_switched_off_plans_from_the_config_alone(monkeypatch: pytest.MonkeyPatc
 
 def test_a_model_transformers_cannot_build_is_refused_saying_how_to_skip() -> None:
     # transformers' own default Ministral config has no RoPE base: its model cannot be built.
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+        ConfigError,
+        match=(
             r"model_type 'ministral', and building it failed \(TypeError: .*\); fix the "
-            rf"config, or plan from the config alone with {CHECK_SWITCH_VARIABLE}=off")):
+            rf"config, or plan from the config alone with {CHECK_SWITCH_VARIABLE}=off"
+        ),
+    ):
         typed(default_config("ministral"))
 
 
 def test_a_layer_count_the_model_does_not_have_is_refused() -> None:
     config = default_config("hrm_text")
-    with pytest.raises(ConfigError, match=r"declares 128 decoder layers but transformers' "
-                                          r"HrmTextForCausalLM built no layer list"):
+    with pytest.raises(
+        ConfigError,
+        match=r"declares 128 decoder layers but transformers' "
+        r"HrmTextForCausalLM built no layer list",
+    ):
         typed(config)
 
 
@@ -256,7 +317,8 @@ def fresh_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_reading_is_read_back_from_disk_without_building_the_model(
-    fresh_process: Path, monkeypatch: pytest.MonkeyPatch,
+    fresh_process: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     built = readings(load_preset("nemotron-h-56b"))[1]
     assert len(list(fresh_process.glob("*.json"))) == 1
@@ -269,8 +331,9 @@ def test_a_reading_is_read_back_from_disk_without_building_the_model(
     assert readings(load_preset("nemotron-h-56b"))[1] == built
 
 
-@pytest.mark.parametrize("damage", ["{not json", '{"model_class": "X", "layers": [], '
-                                    '"modules": []}', "[1, 2]"])
+@pytest.mark.parametrize(
+    "damage", ["{not json", '{"model_class": "X", "layers": [], "modules": []}', "[1, 2]"]
+)
 def test_a_damaged_entry_is_ignored_and_rebuilt(fresh_process: Path, damage: str) -> None:
     built = readings(load_preset("jamba-1.5-mini"))[1]
     (entry,) = fresh_process.glob("*.json")
@@ -281,7 +344,8 @@ def test_a_damaged_entry_is_ignored_and_rebuilt(fresh_process: Path, damage: str
 
 
 def test_an_empty_cache_folder_setting_writes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(CACHE_DIR_VARIABLE, "")
     monkeypatch.chdir(tmp_path)

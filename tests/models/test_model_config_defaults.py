@@ -51,8 +51,9 @@ def plan(config: dict[str, Any], manager: PluginManager, **options: Any) -> Mode
     return plan_model(config, BUDGET, PlanOptions(**options), manager, name="test")
 
 
-def mamba2_state_bytes(*, heads: int, head_dim: int, d_state: int, groups: int,
-                       d_conv: int, itemsize: int = BF16) -> int:
+def mamba2_state_bytes(
+    *, heads: int, head_dim: int, d_state: int, groups: int, d_conv: int, itemsize: int = BF16
+) -> int:
     """Conv window ``(d_conv - 1, heads * head_dim + 2 * groups * d_state)`` plus SSM state
     ``(heads, head_dim, d_state)``, both in the model dtype (DESIGN.md's Mamba-2 formula)."""
     conv = (d_conv - 1) * (heads * head_dim + 2 * groups * d_state)
@@ -61,15 +62,20 @@ def mamba2_state_bytes(*, heads: int, head_dim: int, d_state: int, groups: int,
 
 # Gemma-3 ------------------------------------------------------------------------------------
 
+
 def test_gemma3_text_config_takes_its_head_counts_from_transformers() -> None:
     config = normalize_config(gemma3())
     assert config.defaults_from == DEFAULTS_FROM_TRANSFORMERS
     assert config.model_type == "gemma3_text"
     # Gemma3TextConfig's defaults are the 4B model's geometry.
-    assert (config.fields["num_attention_heads"], config.fields["num_key_value_heads"],
-            config.fields["head_dim"]) == (8, 4, 256)
+    assert (
+        config.fields["num_attention_heads"],
+        config.fields["num_key_value_heads"],
+        config.fields["head_dim"],
+    ) == (8, 4, 256)
     assert {"num_key_value_heads", "head_dim", "max_position_embeddings"} <= set(
-        config.filled_fields)
+        config.filled_fields
+    )
     # The file's own values win over the class defaults.
     assert config.fields["hidden_size"] == 2560 and config.fields["sliding_window"] == 1024
     assert config.dtype == torch.bfloat16 and config.dtype_field == "torch_dtype"
@@ -95,6 +101,7 @@ def test_gemma3_plans_five_global_layers_in_34_at_hand_computed_figures(
 
 
 # Granite-4.0-H -------------------------------------------------------------------------------
+
 
 def test_granite_4_h_takes_mamba_expand_from_transformers() -> None:
     config = normalize_config(granite())
@@ -126,10 +133,10 @@ def test_granite_4_h_small_plans_at_hand_computed_figures(
 
 # Bamba ---------------------------------------------------------------------------------------
 
+
 def test_bamba_attention_sits_at_attn_layer_indices_and_the_rest_is_mamba() -> None:
     assert bamba()["attn_layer_indices"] == [9, 18, 27]
-    assert type_string(bamba()) == "".join(
-        "F" if i in (9, 18, 27) else "M" for i in range(32))
+    assert type_string(bamba()) == "".join("F" if i in (9, 18, 27) else "M" for i in range(32))
 
 
 def test_bamba_plans_three_attention_layers_and_29_mamba_states(
@@ -147,19 +154,22 @@ def test_bamba_plans_three_attention_layers_and_29_mamba_states(
     assert result.plan.max_concurrency == pytest.approx(12.82, abs=0.005)
 
 
-@pytest.mark.parametrize(("indices", "message"), [
-    ([9, 32], "'attn_layer_indices[1]' is 32"),
-    ([9, 9], "lists layer 9 twice"),
-    ("9,18", "must be a list"),
-    ([True], "'attn_layer_indices[0]' is True"),
-])
-def test_bad_attn_layer_indices_are_refused_naming_the_field(indices: object,
-                                                             message: str) -> None:
+@pytest.mark.parametrize(
+    ("indices", "message"),
+    [
+        ([9, 32], "'attn_layer_indices[1]' is 32"),
+        ([9, 9], "lists layer 9 twice"),
+        ("9,18", "must be a list"),
+        ([True], "'attn_layer_indices[0]' is True"),
+    ],
+)
+def test_bad_attn_layer_indices_are_refused_naming_the_field(indices: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         type_string({**bamba(), "attn_layer_indices": indices})
 
 
 # Without transformers ------------------------------------------------------------------------
+
 
 @pytest.mark.usefixtures("without_transformers")
 def test_without_transformers_a_complete_config_plans_the_same(
@@ -169,7 +179,8 @@ def test_without_transformers_a_complete_config_plans_the_same(
     assert config.defaults_from == DEFAULTS_FROM_KVSPEC
     assert "not installed" in (config.defaults_note or "")
     assert plan(bamba(), kvspec_loaded_manager).plan.max_concurrency == pytest.approx(
-        12.82, abs=0.005)
+        12.82, abs=0.005
+    )
 
 
 @pytest.mark.usefixtures("without_transformers")
@@ -223,10 +234,13 @@ def test_absurd_layer_counts_never_reach_transformers() -> None:
 
 # Model dtype ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("field", ["torch_dtype", "dtype"])
 @pytest.mark.parametrize("transformers_installed", [True, False])
 def test_the_configs_dtype_reaches_the_mamba_states_and_attention(
-    field: str, transformers_installed: bool, kvspec_loaded_manager: PluginManager,
+    field: str,
+    transformers_installed: bool,
+    kvspec_loaded_manager: PluginManager,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if not transformers_installed:

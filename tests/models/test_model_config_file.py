@@ -37,11 +37,14 @@ def test_a_missing_path_is_refused(tmp_path: Path) -> None:
         read_config(tmp_path / "nope.json")
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON list"),
-    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON list"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
+    ],
+)
 def test_malformed_configs_are_refused(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "config.json"
     path.write_text(text)

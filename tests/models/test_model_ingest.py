@@ -18,8 +18,9 @@ from kvspec_core.testing import registered
 
 def _plugin(claim: object) -> SimpleNamespace:
     """A plugin object whose kvspec_layer_spec hook is ``claim``."""
-    return SimpleNamespace(kvspec_contract_version=CONTRACT_VERSION,
-                           kvspec_layer_spec=hookimpl(claim))
+    return SimpleNamespace(
+        kvspec_contract_version=CONTRACT_VERSION, kvspec_layer_spec=hookimpl(claim)
+    )
 
 
 def test_core_families_alone_plan_llama() -> None:
@@ -42,8 +43,12 @@ def test_a_missing_family_names_layer_type_and_distribution() -> None:
 
 def test_an_unknown_third_party_type_says_which_plugin_is_needed() -> None:
     manager = PluginManager()
-    config = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
-              "layer_types": ["conv"]}
+    config = {
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "layer_types": ["conv"],
+    }
     model = model_layers(config, PlanOptions(), manager)
     with pytest.raises(MissingFamilyError, match=r"layer type 'conv'.*install the plugin"):
         layer_specs(model, manager)
@@ -54,8 +59,9 @@ def test_two_claims_name_both_plugins() -> None:
 
     def greedy(layer: LayerConfig) -> KVSpec | None:
         assert layer.attention is not None
-        return FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
-                                 dtype=layer.attention.dtype)
+        return FullAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=8, dtype=layer.attention.dtype
+        )
 
     with registered(manager, _plugin(greedy), "greedy"):
         model = model_layers(preset("llama-3.1-8b"), PlanOptions(), manager)
@@ -71,12 +77,20 @@ def test_a_third_party_plugin_claims_a_passed_through_type() -> None:
         if layer.layer_type != "conv":
             return None
         seen.append(layer)
-        return FullAttentionSpec(block_size=layer.options.block_size, num_kv_heads=1,
-                                 head_size=int(layer.config["conv_dim"]),
-                                 dtype=layer.model_dtype)
+        return FullAttentionSpec(
+            block_size=layer.options.block_size,
+            num_kv_heads=1,
+            head_size=int(layer.config["conv_dim"]),
+            dtype=layer.model_dtype,
+        )
 
-    config = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-              "conv_dim": 32, "layer_types": ["conv", "full_attention", "conv"]}
+    config = {
+        "num_hidden_layers": 3,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "conv_dim": 32,
+        "layer_types": ["conv", "full_attention", "conv"],
+    }
     with registered(manager, _plugin(conv), "conv"):
         specs = layer_specs(model_layers(config, PlanOptions(), manager), manager)
     assert [layer.index for layer in seen] == [0, 2]
@@ -91,15 +105,20 @@ def test_layer_config_is_read_only_for_plugins() -> None:
 
 
 def test_an_all_mlp_pattern_is_refused() -> None:
-    config = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-              "hybrid_override_pattern": "---"}
+    config = {
+        "num_hidden_layers": 3,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "hybrid_override_pattern": "---",
+    }
     with pytest.raises(ConfigError, match="no layer that holds a KV cache"):
         model_layers(config, PlanOptions(), PluginManager())
 
 
 def test_default_context_takes_the_config_length_and_options() -> None:
-    model = model_layers(preset("llama-3.1-8b"), PlanOptions(decode_context_parallel_size=2),
-                         PluginManager())
+    model = model_layers(
+        preset("llama-3.1-8b"), PlanOptions(decode_context_parallel_size=2), PluginManager()
+    )
     ctx = default_sizing_context(model)
     assert (ctx.max_model_len, ctx.max_in_flight_tokens, ctx.dcp_size) == (131072, 16384, 2)
     assert ctx.prefix_caching and ctx.mamba_cache_mode == "none"

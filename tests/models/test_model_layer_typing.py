@@ -43,8 +43,9 @@ def test_gemma2_alternates_starting_with_a_sliding_layer() -> None:
 
 def test_gpt_oss_follows_layer_types() -> None:
     config = preset("gpt-oss-20b")
-    expected = "".join({"sliding_attention": "S", "full_attention": "F"}[t]
-                       for t in config["layer_types"])
+    expected = "".join(
+        {"sliding_attention": "S", "full_attention": "F"}[t] for t in config["layer_types"]
+    )
     assert type_string(config) == expected == "SF" * 12
 
 
@@ -70,8 +71,11 @@ def test_jamba_attention_every_8th_from_offset_4() -> None:
 
 
 def test_jamba_published_defaults_apply_when_the_fields_are_absent() -> None:
-    config = {k: v for k, v in preset("jamba-1.5-mini").items()
-              if k not in ("attn_layer_period", "attn_layer_offset")}
+    config = {
+        k: v
+        for k, v in preset("jamba-1.5-mini").items()
+        if k not in ("attn_layer_period", "attn_layer_offset")
+    }
     assert type_string(config) == "MMMMFMMM" * 4
 
 
@@ -94,54 +98,86 @@ def test_whisper_has_encoder_self_and_cross_layers() -> None:
     model = typed(preset("whisper-large-v3"))
     assert type_string(preset("whisper-large-v3")) == "E" * 32 + "FX" * 32
     names = [layer.name for layer in model.layers]
-    assert names[32:34] == ["model.decoder.layers.0.self_attn",
-                            "model.decoder.layers.0.encoder_attn"]
+    assert names[32:34] == [
+        "model.decoder.layers.0.self_attn",
+        "model.decoder.layers.0.encoder_attn",
+    ]
     assert model.default_max_model_len == 448 and model.max_encoder_tokens == 1500
 
 
 def test_minimax_attn_type_list() -> None:
-    config = {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
-              "attn_type_list": [0, 0, 0, 1, 0, 0, 0, 1]}
+    config = {
+        "num_hidden_layers": 8,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "attn_type_list": [0, 0, 0, 1, 0, 0, 0, 1],
+    }
     assert type_string(config) == "NNNFNNNF"
 
 
 def test_granite_style_layer_types_values_are_normalised() -> None:
-    config = {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
-              "layer_types": ["mamba", "attention", "mamba2", "sliding_attention"],
-              "sliding_window": 64}
+    config = {
+        "num_hidden_layers": 4,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "layer_types": ["mamba", "attention", "mamba2", "sliding_attention"],
+        "sliding_window": 64,
+    }
     assert type_string(config) == "MFMS"
 
 
 def test_unknown_layer_types_pass_through_unchanged() -> None:
-    config = {"num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8,
-              "layer_types": ["conv", "full_attention"]}
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "layer_types": ["conv", "full_attention"],
+    }
     layers = typed(config).layers
     assert [layer.layer_type for layer in layers] == ["conv", "full_attention"]
     assert layers[1].attention is not None
 
 
 def test_mla_with_sliding_layers_becomes_sliding_mla() -> None:
-    config = {"num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8,
-              "kv_lora_rank": 512, "qk_rope_head_dim": 64, "sliding_window": 128,
-              "layer_types": ["sliding_attention", "full_attention"]}
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
     assert [layer.layer_type for layer in typed(config).layers] == [
-        "sliding_mla_attention", "mla_attention"]
+        "sliding_mla_attention",
+        "mla_attention",
+    ]
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"hidden_size": 8, "num_attention_heads": 1}, "'num_hidden_layers' is missing"),
-    ({"num_hidden_layers": 10**12}, r"'num_hidden_layers' is 1000000000000.*\[1, 10000\]"),
-    ({"num_hidden_layers": -3}, "'num_hidden_layers' is -3"),
-    ({"num_hidden_layers": 3, "layer_types": ["full_attention"]}, "one entry per layer"),
-    ({"num_hidden_layers": 2, "layer_types": ["full_attention", 7]}, r"'layer_types'\[1\] is 7"),
-    ({"num_hidden_layers": 2, "hybrid_override_pattern": "M?"}, "has '\\?' at layer 1"),
-    ({"num_hidden_layers": 2, "attn_type_list": [0, 2]}, r"'attn_type_list'\[1\] is 2"),
-    ({"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 4},
-     "'attn_layer_offset' is 4"),
-    ({"num_hidden_layers": 4, "full_attention_interval": 0}, "'full_attention_interval' is 0"),
-    ({"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layers": [1, 1, 2, 0]},
-     "'no_rope_layers' must hold 0"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"hidden_size": 8, "num_attention_heads": 1}, "'num_hidden_layers' is missing"),
+        ({"num_hidden_layers": 10**12}, r"'num_hidden_layers' is 1000000000000.*\[1, 10000\]"),
+        ({"num_hidden_layers": -3}, "'num_hidden_layers' is -3"),
+        ({"num_hidden_layers": 3, "layer_types": ["full_attention"]}, "one entry per layer"),
+        (
+            {"num_hidden_layers": 2, "layer_types": ["full_attention", 7]},
+            r"'layer_types'\[1\] is 7",
+        ),
+        ({"num_hidden_layers": 2, "hybrid_override_pattern": "M?"}, "has '\\?' at layer 1"),
+        ({"num_hidden_layers": 2, "attn_type_list": [0, 2]}, r"'attn_type_list'\[1\] is 2"),
+        (
+            {"num_hidden_layers": 4, "attn_layer_period": 4, "attn_layer_offset": 4},
+            "'attn_layer_offset' is 4",
+        ),
+        ({"num_hidden_layers": 4, "full_attention_interval": 0}, "'full_attention_interval' is 0"),
+        (
+            {"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layers": [1, 1, 2, 0]},
+            "'no_rope_layers' must hold 0",
+        ),
+    ],
+)
 def test_bad_typing_fields_are_refused_by_name(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         decoder_layer_types(config)
@@ -152,8 +188,11 @@ def test_bad_typing_fields_are_refused_by_name(config: dict[str, Any], message: 
 def test_sliding_window_pattern_leaves_every_pattern_th_layer_global(
     layers: int, pattern: int, window: int
 ) -> None:
-    config = {"num_hidden_layers": layers, "sliding_window": window,
-              "sliding_window_pattern": pattern}
+    config = {
+        "num_hidden_layers": layers,
+        "sliding_window": window,
+        "sliding_window_pattern": pattern,
+    }
     types = decoder_layer_types(config)
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     assert full == [i for i in range(layers) if (i + 1) % pattern == 0]
@@ -167,18 +206,28 @@ def test_attn_layer_period_puts_attention_at_the_offset(
 ) -> None:
     offset = data.draw(st.integers(0, period - 1))
     types = decoder_layer_types(
-        {"num_hidden_layers": layers, "attn_layer_period": period, "attn_layer_offset": offset})
+        {"num_hidden_layers": layers, "attn_layer_period": period, "attn_layer_offset": offset}
+    )
     assert [i for i, t in enumerate(types) if t == "full_attention"] == list(
-        range(offset, layers, period))
+        range(offset, layers, period)
+    )
     assert all(t == "mamba" for i, t in enumerate(types) if i % period != offset)
 
 
 def test_falcon_h1_layers_hold_attention_and_mamba_side_by_side() -> None:
-    config = {"model_type": "falcon_h1", "num_hidden_layers": 3, "hidden_size": 1024,
-              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+    config = {
+        "model_type": "falcon_h1",
+        "num_hidden_layers": 3,
+        "hidden_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    }
     layers = typed(config).layers
     assert [(layer.index, layer.name, layer.layer_type) for layer in layers[:2]] == [
-        (0, "model.layers.0.self_attn", "full_attention"), (0, "model.layers.0.mamba", "mamba")]
+        (0, "model.layers.0.self_attn", "full_attention"),
+        (0, "model.layers.0.mamba", "mamba"),
+    ]
     assert type_string(config) == "FM" * 3
 
 
@@ -206,9 +255,13 @@ def test_qwen3_moe_sliding_is_refused_where_its_model_code_slides_every_layer() 
     # gives every layer the window: the two readings differ, so kvspec refuses to guess.
     config = {k: v for k, v in preset("qwen2.5-7b").items() if k != "max_window_layers"}
     config.update(model_type="qwen3_moe", use_sliding_window=True, num_hidden_layers=32)
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+        ConfigError,
+        match=(
             r"disagrees with transformers' Qwen3MoeForCausalLM at layer 0: kvspec reads "
-            r"full_attention, the model code builds sliding_attention \(window 131072\)")):
+            r"full_attention, the model code builds sliding_attention \(window 131072\)"
+        ),
+    ):
         type_string(config)
 
 

@@ -44,7 +44,8 @@ def test_list_form_plans_as_the_pattern_form(
     assert type_string(list_form(names)) == type_string(pattern_form)
     assert concurrency(list_form(names), kvspec_loaded_manager) == pytest.approx(19.75, abs=0.005)
     assert concurrency(list_form(names), kvspec_loaded_manager) == concurrency(
-        pattern_form, kvspec_loaded_manager)
+        pattern_form, kvspec_loaded_manager
+    )
 
 
 @pytest.mark.usefixtures("without_transformers")
@@ -52,7 +53,8 @@ def test_list_form_plans_as_the_pattern_form_without_transformers(
     kvspec_loaded_manager: PluginManager,
 ) -> None:
     assert concurrency(list_form(VLLM_NAMES), kvspec_loaded_manager) == concurrency(
-        preset("nemotron-h-56b"), kvspec_loaded_manager)
+        preset("nemotron-h-56b"), kvspec_loaded_manager
+    )
 
 
 def test_list_form_alone_gives_the_layer_count() -> None:
@@ -62,8 +64,9 @@ def test_list_form_alone_gives_the_layer_count() -> None:
 
 
 def test_both_forms_agreeing_plan_as_either() -> None:
-    config = list_form(VLLM_NAMES, hybrid_override_pattern=preset("nemotron-h-56b")[
-        "hybrid_override_pattern"])
+    config = list_form(
+        VLLM_NAMES, hybrid_override_pattern=preset("nemotron-h-56b")["hybrid_override_pattern"]
+    )
     assert type_string(config) == type_string(preset("nemotron-h-56b"))
 
 
@@ -76,9 +79,13 @@ def test_both_forms_disagreeing_are_refused_naming_the_layer(
     pattern = preset("nemotron-h-56b")["hybrid_override_pattern"]
     config = list_form(VLLM_NAMES, hybrid_override_pattern=pattern)
     config["layers_block_type"][7] = "mamba"  # the pattern has '*' there
-    with pytest.raises(ConfigError, match=(
-        r"'hybrid_override_pattern' and 'layers_block_type' disagree at layer 7: the pattern "
-        r"has '\*' \(attention\), the list 'mamba' \(mamba\); keep one")):
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"'hybrid_override_pattern' and 'layers_block_type' disagree at layer 7: the pattern "
+            r"has '\*' \(attention\), the list 'mamba' \(mamba\); keep one"
+        ),
+    ):
         type_string(config)
 
 

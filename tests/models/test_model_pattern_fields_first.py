@@ -46,9 +46,13 @@ def test_a_bad_full_attention_interval_is_refused_naming_it(
     interval: object, kvspec_loaded_manager: PluginManager
 ) -> None:
     config = {**preset("qwen3-next-80b"), "full_attention_interval": interval}
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+        ConfigError,
+        match=(
             r"config field 'full_attention_interval' is .*it must be an int in \[1, .*Fix "
-            r"'full_attention_interval' in the model config")):
+            r"'full_attention_interval' in the model config"
+        ),
+    ):
         plan(config, kvspec_loaded_manager)
 
 

@@ -26,16 +26,26 @@ BUDGET = 40 << 30
 
 # vLLM's tests/distributed/test_pipeline_partition.py goldens: (layers, pp, rank, [start, end)).
 VLLM_GOLDENS = [
-    (2, 2, 0, (0, 1)), (2, 2, 1, (1, 2)), (3, 2, 0, (0, 2)), (3, 2, 1, (2, 3)),
-    (3, 3, 0, (0, 1)), (3, 3, 1, (1, 2)), (3, 3, 2, (2, 3)),
-    (4, 3, 0, (0, 1)), (4, 3, 1, (1, 3)), (4, 3, 2, (3, 4)),
-    (5, 3, 0, (0, 2)), (5, 3, 1, (2, 4)), (5, 3, 2, (4, 5)),
+    (2, 2, 0, (0, 1)),
+    (2, 2, 1, (1, 2)),
+    (3, 2, 0, (0, 2)),
+    (3, 2, 1, (2, 3)),
+    (3, 3, 0, (0, 1)),
+    (3, 3, 1, (1, 2)),
+    (3, 3, 2, (2, 3)),
+    (4, 3, 0, (0, 1)),
+    (4, 3, 1, (1, 3)),
+    (4, 3, 2, (3, 4)),
+    (5, 3, 0, (0, 2)),
+    (5, 3, 1, (2, 4)),
+    (5, 3, 2, (4, 5)),
 ]
 
 
 @pytest.mark.parametrize(("layers", "pp", "rank", "expected"), VLLM_GOLDENS)
-def test_auto_split_matches_vllms_get_pp_indices(layers: int, pp: int, rank: int,
-                                                 expected: tuple[int, int]) -> None:
+def test_auto_split_matches_vllms_get_pp_indices(
+    layers: int, pp: int, rank: int, expected: tuple[int, int]
+) -> None:
     assert stage_ranges(layers, pp)[rank] == expected
 
 
@@ -54,14 +64,18 @@ def test_explicit_partition_is_used_as_given() -> None:
     assert stage_ranges(22, 4, [5, 6, 5, 6]) == [(0, 5), (5, 11), (11, 16), (16, 22)]
 
 
-@pytest.mark.parametrize(("layers", "pp", "partition", "message"), [
-    (20, 4, [5, 5, 5], "must give 4 positive layer counts"),
-    (21, 4, [5, 5, 5, 5], "covers 20 layers but the model has 21"),
-    (20, 2, [20, 0], "must give 2 positive layer counts"),
-    (3, 4, None, "--pp 4 exceeds the model's 3 layers"),
-])
-def test_bad_splits_are_refused(layers: int, pp: int, partition: list[int] | None,
-                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("layers", "pp", "partition", "message"),
+    [
+        (20, 4, [5, 5, 5], "must give 4 positive layer counts"),
+        (21, 4, [5, 5, 5, 5], "covers 20 layers but the model has 21"),
+        (20, 2, [20, 0], "must give 2 positive layer counts"),
+        (3, 4, None, "--pp 4 exceeds the model's 3 layers"),
+    ],
+)
+def test_bad_splits_are_refused(
+    layers: int, pp: int, partition: list[int] | None, message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         stage_layer_counts(layers, pp, partition)
 
@@ -83,8 +97,7 @@ def test_llama_70b_fits_40_gib_gpus_with_two_stages(kvspec_loaded_manager: Plugi
 def test_concurrency_is_the_least_over_uneven_stages(kvspec_loaded_manager: PluginManager) -> None:
     prepared = prepare_model(preset("llama-3.1-8b"), PlanOptions(), kvspec_loaded_manager)
     whole = plan_stages(split_stages(prepared, 1), BUDGET, kvspec_loaded_manager)
-    pipeline = plan_stages(split_stages(prepared, 3, [10, 10, 12]), BUDGET,
-                           kvspec_loaded_manager)
+    pipeline = plan_stages(split_stages(prepared, 3, [10, 10, 12]), BUDGET, kvspec_loaded_manager)
     figures = [stage.result.plan.max_concurrency for stage in pipeline.stages]
     assert figures[0] == figures[1] > figures[2]
     assert pipeline.bottleneck.stage == 2 and pipeline.max_concurrency == figures[2]

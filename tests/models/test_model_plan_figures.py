@@ -44,7 +44,8 @@ def test_every_preset_plans_at_40_gib_or_names_the_largest_length(
             assert fits.plan(BUDGET, kvspec_loaded_manager).plan.max_concurrency >= 1
             with pytest.raises(CapacityError):
                 prepared(name, kvspec_loaded_manager, max_model_len=largest + 1).plan(
-                    BUDGET, kvspec_loaded_manager)
+                    BUDGET, kvspec_loaded_manager
+                )
             continue
         assert result.plan.max_concurrency >= 1, name
         assert result.plan.bytes_allocated <= BUDGET, name
@@ -102,7 +103,8 @@ def test_jamba_mamba_layers_hold_a_constant_state(kvspec_loaded_manager: PluginM
     assert {spec.page_size_bytes for spec in mamba} == {(3 * 8192 + 8192 * 16) * 2} == {311296}
     usage = {
         spec.max_memory_usage_bytes(SizingContext(max_model_len=length, mamba_cache_mode="align"))
-        for spec in mamba for length in (4096, 262144, 1 << 22)
+        for spec in mamba
+        for length in (4096, 262144, 1 << 22)
     }
     assert usage == {2 * 311296}  # align mode: 2 states per request, whatever the length
 
@@ -133,8 +135,9 @@ PAGE_ARITHMETIC = {
 @pytest.mark.parametrize("name", sorted(PAGE_ARITHMETIC))
 def test_design_table_pure_page_arithmetic(name: str, kvspec_loaded_manager: PluginManager) -> None:
     max_len, blocks, per_request, table = PAGE_ARITHMETIC[name]
-    result = plan_model(preset(name), BUDGET, PlanOptions(), kvspec_loaded_manager,
-                        name=name, max_model_len=max_len)
+    result = plan_model(
+        preset(name), BUDGET, PlanOptions(), kvspec_loaded_manager, name=name, max_model_len=max_len
+    )
     plan = result.plan
     assert plan.num_blocks == blocks
     assert [pool.blocks_per_request for pool in plan.pools] == [per_request]
@@ -157,7 +160,8 @@ VLLM_HYBRIDS = {
 
 @pytest.mark.parametrize("name", sorted(VLLM_HYBRIDS))
 def test_hybrids_reach_at_least_vllms_concurrency_without_inflating_blocks(
-    name: str, kvspec_loaded_manager: PluginManager,
+    name: str,
+    kvspec_loaded_manager: PluginManager,
 ) -> None:
     max_len, vllm, table = VLLM_HYBRIDS[name]
     assert round(float(vllm), 2) == table

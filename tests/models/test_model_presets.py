@@ -47,8 +47,10 @@ def test_every_preset_is_bundled_unchanged() -> None:
         assert digest == PUBLISHED_SHA256[name], name
 
 
-@pytest.mark.skipif(not SHARED_CONFIGS.is_dir(), reason="no shared/ beside the checkout; the "
-                    "pinned digests above stand in")
+@pytest.mark.skipif(
+    not SHARED_CONFIGS.is_dir(),
+    reason="no shared/ beside the checkout; the pinned digests above stand in",
+)
 def test_presets_match_the_shared_configs_where_that_folder_exists() -> None:
     bundled = {hashlib.sha256(preset_text(n).encode()).hexdigest() for n in preset_names()}
     shared = {hashlib.sha256(p.read_bytes()).hexdigest() for p in SHARED_CONFIGS.glob("*.json")}
@@ -84,7 +86,9 @@ def test_a_missing_config_path_is_refused() -> None:
 
 @pytest.mark.parametrize("model", ["", "   "])
 def test_an_empty_model_argument_is_refused_not_read_as_the_current_folder(
-    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Path("") is ".": without the check an empty MODEL would plan whatever config.json the
     # current folder happens to hold.

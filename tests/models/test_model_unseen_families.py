@@ -51,8 +51,14 @@ GEMMA3_4B = {
     },
     "torch_dtype": "bfloat16",
     "transformers_version": "4.50.0.dev0",
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model",
-                      "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+    },
 }
 
 _GRANITE_ATTENTION = (5, 15, 25, 35)
@@ -123,8 +129,9 @@ FALCON_H1_0_5B = {
 def test_falcon_h1_plans_attention_and_mamba_in_every_layer(
     kvspec_loaded_manager: PluginManager,
 ) -> None:
-    result = plan_model(FALCON_H1_0_5B, BUDGET, PlanOptions(), kvspec_loaded_manager,
-                        name="falcon-h1-0.5b")
+    result = plan_model(
+        FALCON_H1_0_5B, BUDGET, PlanOptions(), kvspec_loaded_manager, name="falcon-h1-0.5b"
+    )
     kinds = [spec.kind for spec in result.specs.values()]
     assert kinds == ["full_attention", "mamba"] * 36
     mamba = result.specs["model.layers.0.mamba"]
@@ -156,11 +163,13 @@ def test_gemma3_plans_with_its_published_defaults(kvspec_loaded_manager: PluginM
 
 
 def test_granite_4_h_plans_as_a_mamba2_hybrid(kvspec_loaded_manager: PluginManager) -> None:
-    result = plan_model(GRANITE_4_H_SMALL, BUDGET, PlanOptions(), kvspec_loaded_manager,
-                        name="granite-4.0-h-small")
+    result = plan_model(
+        GRANITE_4_H_SMALL, BUDGET, PlanOptions(), kvspec_loaded_manager, name="granite-4.0-h-small"
+    )
     kinds = {name: spec.kind for name, spec in result.specs.items()}
     assert [n for n, k in kinds.items() if k == "full_attention"] == [
-        f"model.layers.{i}" for i in _GRANITE_ATTENTION]
+        f"model.layers.{i}" for i in _GRANITE_ATTENTION
+    ]
     assert sum(k == "mamba" for k in kinds.values()) == 36
     assert result.context.mamba_cache_mode == "align"
     # Mamba-2 state: conv (d_conv - 1, I + 2 × groups × d_state) + ssm (heads, head_dim,
@@ -177,9 +186,7 @@ def test_granite_4_h_plans_as_a_mamba2_hybrid(kvspec_loaded_manager: PluginManag
     assert {group.block_size for group in plan.groups} == {16}
 
 
-def test_unseen_configs_plan_from_a_folder_through_the_cli(
-    tmp_path: Path, capsys: object
-) -> None:
+def test_unseen_configs_plan_from_a_folder_through_the_cli(tmp_path: Path, capsys: object) -> None:
     for name, config in (("gemma3", GEMMA3_4B), ("granite", GRANITE_4_H_SMALL)):
         folder = tmp_path / name
         folder.mkdir()
@@ -194,10 +201,14 @@ def test_gemma3_with_explicit_layer_types_plans_the_same(
     kvspec_loaded_manager: PluginManager,
 ) -> None:
     # Newer transformers write the derived fields out; then no default is needed at all.
-    text = dict(GEMMA3_4B["text_config"], model_type="a_model_kvspec_never_heard_of",
-                max_position_embeddings=131072,
-                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                             for i in range(34)])
+    text = dict(
+        GEMMA3_4B["text_config"],
+        model_type="a_model_kvspec_never_heard_of",
+        max_position_embeddings=131072,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)
+        ],
+    )
     explicit = dict(GEMMA3_4B, model_type="another_unknown_model", text_config=text)
     by_default = plan_model(GEMMA3_4B, BUDGET, PlanOptions(), kvspec_loaded_manager)
     by_fields = plan_model(explicit, BUDGET, PlanOptions(), kvspec_loaded_manager)

@@ -45,8 +45,7 @@ class ChunkSpec(AttentionSpec):
     chunk: int = attrs.field(validator=positive_int)
 
     def max_blocks_per_request(self, ctx: SizingContext) -> int:
-        return cdiv(min(self.chunk + ctx.max_in_flight_tokens, ctx.max_model_len),
-                    self.block_size)
+        return cdiv(min(self.chunk + ctx.max_in_flight_tokens, ctx.max_model_len), self.block_size)
 
     def is_uniform_with(self, specs: Mapping[str, KVSpec], registry: object) -> bool:
         return all(isinstance(s, ChunkSpec) and s.chunk == self.chunk for s in specs.values())
@@ -133,22 +132,25 @@ def manager_with_test_kinds() -> PluginManager:
 
 
 def full(**fields: object) -> FullAttentionSpec:
-    values: dict[str, object] = dict(block_size=16, num_kv_heads=8, head_size=128,
-                                     dtype=torch.bfloat16)
+    values: dict[str, object] = dict(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
     values.update(fields)
     return FullAttentionSpec(**values)  # type: ignore[arg-type]
 
 
 def window(window: int, **fields: object) -> WindowSpec:
-    values: dict[str, object] = dict(block_size=16, num_kv_heads=8, head_size=128,
-                                     dtype=torch.bfloat16, window=window)
+    values: dict[str, object] = dict(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, window=window
+    )
     values.update(fields)
     return WindowSpec(**values)  # type: ignore[arg-type]
 
 
 def chunk(size: int, **fields: object) -> ChunkSpec:
-    values: dict[str, object] = dict(block_size=16, num_kv_heads=8, head_size=128,
-                                     dtype=torch.bfloat16, chunk=size)
+    values: dict[str, object] = dict(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, chunk=size
+    )
     values.update(fields)
     return ChunkSpec(**values)  # type: ignore[arg-type]
 
@@ -164,8 +166,9 @@ def llama_3_1_8b() -> dict[str, KVSpec]:
 
 def gpt_oss_20b() -> dict[str, KVSpec]:
     # layer_types alternate sliding (128) and full; 8 KV heads of 64.
-    return layers([window(128, head_size=64) if i % 2 == 0 else full(head_size=64)
-                   for i in range(24)])
+    return layers(
+        [window(128, head_size=64) if i % 2 == 0 else full(head_size=64) for i in range(24)]
+    )
 
 
 def llama_4_scout() -> dict[str, KVSpec]:
@@ -174,8 +177,9 @@ def llama_4_scout() -> dict[str, KVSpec]:
 
 
 def gemma_2_9b() -> dict[str, KVSpec]:
-    return layers([window(4096, head_size=256) if i % 2 == 0 else full(head_size=256)
-                   for i in range(42)])
+    return layers(
+        [window(4096, head_size=256) if i % 2 == 0 else full(head_size=256) for i in range(42)]
+    )
 
 
 def mistral_7b() -> dict[str, KVSpec]:
@@ -192,14 +196,15 @@ def qwen3_next_80b() -> dict[str, KVSpec]:
     # full attention every 4th layer (2 KV heads of 256); gated delta-net state
     # conv (3, 2*16*128 + 32*128) + ssm (32, 128, 128), bf16.
     state = StateSpec(block_size=16, state_bytes=(3 * 8192 + 32 * 128 * 128) * 2)
-    return layers([full(num_kv_heads=2, head_size=256) if i % 4 == 3 else state
-                   for i in range(48)])
+    return layers([full(num_kv_heads=2, head_size=256) if i % 4 == 3 else state for i in range(48)])
 
 
 def nemotron_h_56b() -> dict[str, KVSpec]:
     # hybrid_override_pattern: M = Mamba-2, * = attention, - = MLP (no cache).
-    pattern = ("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-"
-               "M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")
+    pattern = (
+        "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-"
+        "M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    )
     conv = 3 * (256 * 64 + 2 * 8 * 256) * 2
     ssm = 256 * 64 * 256 * 4  # the ssm state is kept in float32
     state = StateSpec(block_size=16, state_bytes=conv + ssm)
@@ -212,8 +217,9 @@ def nemotron_h_56b() -> dict[str, KVSpec]:
     return specs
 
 
-def vllm_inflated_concurrency(specs: Mapping[str, KVSpec], budget: int,
-                              ctx: SizingContext) -> tuple[int, float]:
+def vllm_inflated_concurrency(
+    specs: Mapping[str, KVSpec], budget: int, ctx: SizingContext
+) -> tuple[int, float]:
     """What block inflation gives (the seed's engine on attention + state hybrids): the
     attention block grows to the smallest multiple of 16 whose page holds a state, states
     are padded to that page, all layers are split into groups of the smallest type's layer
@@ -236,8 +242,9 @@ def vllm_inflated_concurrency(specs: Mapping[str, KVSpec], budget: int,
 def _byte_addresses(view: torch.Tensor, buffer_size: int) -> torch.Tensor:
     as_bytes = view if view.dtype == torch.uint8 else view.view(torch.uint8)
     addresses = torch.arange(buffer_size, dtype=torch.int64)
-    return torch.as_strided(addresses, as_bytes.shape, as_bytes.stride(),
-                            as_bytes.storage_offset()).flatten()
+    return torch.as_strided(
+        addresses, as_bytes.shape, as_bytes.stride(), as_bytes.storage_offset()
+    ).flatten()
 
 
 def _planned_addresses(buffers, layer: str) -> torch.Tensor:
@@ -246,8 +253,9 @@ def _planned_addresses(buffers, layer: str) -> torch.Tensor:
     size = buffers.plan.pools[info.pool].size_bytes
     if not info.raw:
         return _byte_addresses(buffers.views[layer], size)
-    return torch.as_strided(torch.arange(size, dtype=torch.int64), info.shape, info.strides,
-                            info.offset).flatten()
+    return torch.as_strided(
+        torch.arange(size, dtype=torch.int64), info.shape, info.strides, info.offset
+    ).flatten()
 
 
 def assert_views_sound(plan: KVCachePlan) -> None:
@@ -285,8 +293,9 @@ def assert_views_sound(plan: KVCachePlan) -> None:
             if other == layer or other in aliases or buffers.layer_views[other].raw:
                 continue
             other_view = buffers.views[other]
-            other_bytes = other_view if other_view.dtype == torch.uint8 else other_view.view(
-                torch.uint8)
+            other_bytes = (
+                other_view if other_view.dtype == torch.uint8 else other_view.view(torch.uint8)
+            )
             assert int(other_bytes.sum()) == 0, (layer, other)
         for pool_buffer in buffers.buffers:
             pool_buffer.zero_()
@@ -304,20 +313,28 @@ def agreement_worker(rank: int, port: int, out_dir: str) -> None:
     from kvspec_core.errors import PlanError
     from kvspec_core.planner import agree_plan_across_ranks
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         for scenario in ("agree", "mismatch"):
             state = StateSpec(block_size=4, state_bytes=1000)
             head = 16 if (scenario == "mismatch" and rank == 1) else 8
-            specs = layers([full(num_kv_heads=2, head_size=8, block_size=4), state,
-                            full(num_kv_heads=2, head_size=head, block_size=4), state])
+            specs = layers(
+                [
+                    full(num_kv_heads=2, head_size=8, block_size=4),
+                    state,
+                    full(num_kv_heads=2, head_size=head, block_size=4),
+                    state,
+                ]
+            )
             ctx = SizingContext(max_model_len=64)
             plan = plan_kv_with_budget(specs, (96 + 32 * rank) << 10, ctx)
             try:
                 agreed = agree_plan_across_ranks(plan)
-                outcome = {"blocks": [p.num_blocks for p in agreed.pools],
-                           "own": [p.num_blocks for p in plan.pools], "plan": agreed.to_dict()}
+                outcome = {
+                    "blocks": [p.num_blocks for p in agreed.pools],
+                    "own": [p.num_blocks for p in plan.pools],
+                    "plan": agreed.to_dict(),
+                }
             except PlanError as error:
                 outcome = {"error": str(error)}
             with open(os.path.join(out_dir, f"{scenario}{rank}.json"), "w") as handle:
@@ -326,8 +343,9 @@ def agreement_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def plan_kv_with_budget(specs: Mapping[str, KVSpec], budget: int, ctx: SizingContext
-                        ) -> KVCachePlan:
+def plan_kv_with_budget(
+    specs: Mapping[str, KVSpec], budget: int, ctx: SizingContext
+) -> KVCachePlan:
     from kvspec_core.planner import plan_kv_cache
 
     return plan_kv_cache(specs, budget, ctx, manager_with_test_kinds())

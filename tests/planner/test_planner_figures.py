@@ -24,8 +24,9 @@ from kvspec_core.planner import plan_kv_cache
 
 
 def test_llama_3_1_8b_matches_the_single_pool_figure() -> None:
-    plan = plan_kv_cache(llama_3_1_8b(), 40 * GiB, SizingContext(max_model_len=131072),
-                         manager_with_test_kinds())
+    plan = plan_kv_cache(
+        llama_3_1_8b(), 40 * GiB, SizingContext(max_model_len=131072), manager_with_test_kinds()
+    )
     assert len(plan.groups) == 1 and len(plan.pools) == 1
     assert plan.pools[0].block_bytes == 2 * (1 << 20)
     assert plan.num_blocks == 20480
@@ -46,8 +47,9 @@ def test_llama_3_1_8b_matches_the_single_pool_figure() -> None:
     ],
 )
 def test_attention_hybrids_reproduce_vllm(model, max_model_len, expected, groups) -> None:
-    plan = plan_kv_cache(model(), 40 * GiB, SizingContext(max_model_len=max_model_len),
-                         manager_with_test_kinds())
+    plan = plan_kv_cache(
+        model(), 40 * GiB, SizingContext(max_model_len=max_model_len), manager_with_test_kinds()
+    )
     assert f"{plan.max_concurrency:.2f}" == expected
     assert [len(group.layers) for group in plan.groups] == groups
     # One page-size class: every group shares one pool, block size untouched.
@@ -81,8 +83,9 @@ def test_state_hybrids_beat_block_inflation(model, max_model_len, vllm_block, vl
 
 
 def test_nemotron_state_groups_have_no_short_group() -> None:
-    plan = plan_kv_cache(nemotron_h_56b(), 40 * GiB, SizingContext(max_model_len=8192),
-                         manager_with_test_kinds())
+    plan = plan_kv_cache(
+        nemotron_h_56b(), 40 * GiB, SizingContext(max_model_len=8192), manager_with_test_kinds()
+    )
     sizes = sorted(len(group.layers) for group in plan.groups if group.kind == "planner_test_state")
     assert sizes == [9] * 6
     assert f"{plan.max_concurrency:.2f}" == "19.75"
@@ -99,15 +102,26 @@ def test_real_sliding_window_and_chunked_plugins_reproduce_the_table() -> None:
     manager = PluginManager()
     manager.load_entry_points({"KVSPEC_PLUGINS": "sliding_window,chunked_local"})
     common = dict(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
-    gpt = {f"l{i}": (swa.SlidingWindowSpec(sliding_window=128, **common) if i % 2 == 0
-                     else FullAttentionSpec(**common)) for i in range(24)}
+    gpt = {
+        f"l{i}": (
+            swa.SlidingWindowSpec(sliding_window=128, **common)
+            if i % 2 == 0
+            else FullAttentionSpec(**common)
+        )
+        for i in range(24)
+    }
     plan = plan_kv_cache(gpt, 40 * GiB, SizingContext(max_model_len=131072), manager)
     assert f"{plan.max_concurrency:.2f}" == "11.84"
     assert [group.kind for group in plan.groups] == ["sliding_window", "full_attention"]
     common["head_size"] = 128
-    scout = {f"l{i}": (FullAttentionSpec(**common) if i % 4 == 3
-                       else chunked.ChunkedLocalAttentionSpec(attention_chunk_size=8192, **common))
-             for i in range(48)}
+    scout = {
+        f"l{i}": (
+            FullAttentionSpec(**common)
+            if i % 4 == 3
+            else chunked.ChunkedLocalAttentionSpec(attention_chunk_size=8192, **common)
+        )
+        for i in range(48)
+    }
     plan = plan_kv_cache(scout, 40 * GiB, SizingContext(max_model_len=262144), manager)
     assert f"{plan.max_concurrency:.2f}" == "2.60"
     assert len(plan.groups) == 4 and len(plan.pools) == 1
@@ -123,12 +137,16 @@ def test_real_mamba_plugin_specs_beat_inflation() -> None:
     manager = PluginManager()
     manager.load_entry_points({"KVSPEC_PLUGINS": "mamba"})
     # Nemotron-H-56B: Mamba-2 conv (3, 16384 + 2*8*256) bf16 + ssm (256, 64, 256) fp32.
-    state = mamba.MambaSpec(block_size=16, shapes=((3, 20480), (256, 64, 256)),
-                            dtypes=(torch.bfloat16, torch.float32))
-    attention = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                  dtype=torch.bfloat16)
-    ours = {name: (state if isinstance(spec, StateSpec) else attention)
-            for name, spec in nemotron_h_56b().items()}
+    state = mamba.MambaSpec(
+        block_size=16, shapes=((3, 20480), (256, 64, 256)), dtypes=(torch.bfloat16, torch.float32)
+    )
+    attention = FullAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
+    ours = {
+        name: (state if isinstance(spec, StateSpec) else attention)
+        for name, spec in nemotron_h_56b().items()
+    }
     ctx = SizingContext(max_model_len=8192, mamba_cache_mode="align")
     plan = plan_kv_cache(ours, 40 * GiB, ctx, manager)
     assert f"{plan.max_concurrency:.2f}" == "19.75"
@@ -146,13 +164,14 @@ def test_real_mamba_views_are_sound_on_every_layout() -> None:
 
     manager = PluginManager()
     manager.load_entry_points({"KVSPEC_PLUGINS": "mamba"})
-    state = mamba.MambaSpec(block_size=4, shapes=((3, 8), (2, 4, 4)),
-                            dtypes=(torch.bfloat16, torch.float32))
-    attention = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8,
-                                  dtype=torch.float16)
+    state = mamba.MambaSpec(
+        block_size=4, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32)
+    )
+    attention = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
     specs = {f"l{i}": (attention if i % 3 == 0 else state) for i in range(6)}
     for layout in LAYOUTS:
-        plan = plan_kv_cache(specs, 32 << 10, SizingContext(max_model_len=64), manager,
-                             layout=layout)
+        plan = plan_kv_cache(
+            specs, 32 << 10, SizingContext(max_model_len=64), manager, layout=layout
+        )
         assert len(plan.pools) == 2
         assert_views_sound(plan)

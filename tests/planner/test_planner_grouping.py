@@ -45,24 +45,29 @@ def test_gpt_oss_groups_share_one_pool_and_declare_aliases() -> None:
     assert plan.aliased_layers("model.layers.0") == ("model.layers.1",)
     assert plan.aliased_layers("model.layers.23") == ("model.layers.22",)
     first, second = plan.tensors
-    assert (first.offset, first.size, first.layer_stride) == (second.offset, second.size,
-                                                              second.layer_stride)
+    assert (first.offset, first.size, first.layer_stride) == (
+        second.offset,
+        second.size,
+        second.layer_stride,
+    )
     assert plan.to_dict()["aliases"] == [{"pool": 0, "groups": [0, 1]}]
 
 
 def test_scout_splits_chunked_layers_in_model_order() -> None:
-    plan = plan_kv_cache(llama_4_scout(), 8 * GiB, SizingContext(max_model_len=65536),
-                         manager_with_test_kinds())
+    plan = plan_kv_cache(
+        llama_4_scout(), 8 * GiB, SizingContext(max_model_len=65536), manager_with_test_kinds()
+    )
     chunked = [i for i in range(48) if i % 4 != 3]
     assert [g.layers for g in plan.groups[:3]] == [
-        tuple(f"model.layers.{i}" for i in chunked[k * 12:(k + 1) * 12]) for k in range(3)
+        tuple(f"model.layers.{i}" for i in chunked[k * 12 : (k + 1) * 12]) for k in range(3)
     ]
     assert [g.kind for g in plan.groups] == ["planner_test_chunk"] * 3 + ["full_attention"]
 
 
 def test_encoder_only_layers_get_no_memory() -> None:
-    encoder = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=8, head_size=64,
-                                       dtype=torch.float16)
+    encoder = EncoderOnlyAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16
+    )
     specs = {"encoder.0": encoder, "encoder.1": encoder, **layers([full(), full()])}
     plan = plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds())
     assert plan.memoryless_layers == ("encoder.0", "encoder.1")
@@ -77,12 +82,23 @@ def test_same_type_different_shapes_make_one_uniform_type_group() -> None:
     assert isinstance(group.spec, UniformTypeSpecs) and group.kind == "full_attention"
     assert group.page_size_bytes == 3 * 16 * 256 * 2 * 8 - 16 * 256 * 2 * 4
     assert plan.aliases == ()
-    small = layers([full(num_kv_heads=2, head_size=8, block_size=4),
-                    full(num_kv_heads=1, head_size=8, block_size=4),
-                    full(num_kv_heads=2, head_size=4, block_size=4, dtype=torch.float32)])
+    small = layers(
+        [
+            full(num_kv_heads=2, head_size=8, block_size=4),
+            full(num_kv_heads=1, head_size=8, block_size=4),
+            full(num_kv_heads=2, head_size=4, block_size=4, dtype=torch.float32),
+        ]
+    )
     for layout in LAYOUTS:
-        assert_views_sound(plan_kv_cache(small, 64 << 10, SizingContext(max_model_len=64),
-                                         manager_with_test_kinds(), layout=layout))
+        assert_views_sound(
+            plan_kv_cache(
+                small,
+                64 << 10,
+                SizingContext(max_model_len=64),
+                manager_with_test_kinds(),
+                layout=layout,
+            )
+        )
 
 
 def test_mergeable_specs_share_a_group() -> None:
@@ -95,10 +111,17 @@ def test_mergeable_specs_share_a_group() -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_short_groups_within_a_quarter_are_padded_and_sound(layout: str) -> None:
     # 6 full and 5 window layers: vLLM's 25 % rule gives groups of 6 (one short group).
-    specs = layers([full(num_kv_heads=2, head_size=8, block_size=4)] * 6
-                   + [window(8, num_kv_heads=2, head_size=8, block_size=4)] * 5)
-    plan = plan_kv_cache(specs, 48 << 10, SizingContext(max_model_len=64, max_in_flight_tokens=8),
-                         manager_with_test_kinds(), layout=layout)
+    specs = layers(
+        [full(num_kv_heads=2, head_size=8, block_size=4)] * 6
+        + [window(8, num_kv_heads=2, head_size=8, block_size=4)] * 5
+    )
+    plan = plan_kv_cache(
+        specs,
+        48 << 10,
+        SizingContext(max_model_len=64, max_in_flight_tokens=8),
+        manager_with_test_kinds(),
+        layout=layout,
+    )
     assert [len(g.layers) for g in plan.groups] == [6, 5]
     assert len(plan.pools[0].slot_bytes) == 6
     assert_views_sound(plan)
@@ -106,12 +129,19 @@ def test_short_groups_within_a_quarter_are_padded_and_sound(layout: str) -> None
 
 def test_window_and_chunked_layers_in_one_model() -> None:
     specs = layers([window(1024), chunk(2048), full(), window(1024), chunk(2048), full()])
-    plan = plan_kv_cache(specs, 1 * GiB, SizingContext(max_model_len=32768),
-                         manager_with_test_kinds())
+    plan = plan_kv_cache(
+        specs, 1 * GiB, SizingContext(max_model_len=32768), manager_with_test_kinds()
+    )
     assert [g.kind for g in plan.groups] == [
-        "planner_test_window", "planner_test_chunk", "full_attention"]
+        "planner_test_window",
+        "planner_test_chunk",
+        "full_attention",
+    ]
     assert [g.blocks_per_request for g in plan.groups] == [
-        (1023 + 16384) // 16 + 1 + 1, (2048 + 16384) // 16, 2048]
+        (1023 + 16384) // 16 + 1 + 1,
+        (2048 + 16384) // 16,
+        2048,
+    ]
 
 
 def test_real_sliding_window_and_chunked_specs_together_and_with_dcp() -> None:
@@ -129,7 +159,10 @@ def test_real_sliding_window_and_chunked_specs_together_and_with_dcp() -> None:
     }
     plan = plan_kv_cache(specs, 1 * GiB, SizingContext(max_model_len=65536), manager)
     assert [g.kind for g in plan.groups] == [
-        "sliding_window", "chunked_local_attention", "full_attention"]
+        "sliding_window",
+        "chunked_local_attention",
+        "full_attention",
+    ]
     assert len(plan.pools) == 1
     dcp = SizingContext(max_model_len=65536, dcp_size=2)
     plan_dcp = plan_kv_cache(specs, 1 * GiB, dcp, manager)
@@ -140,12 +173,16 @@ def test_real_sliding_window_and_chunked_specs_together_and_with_dcp() -> None:
 
 def test_window_with_dcp_uses_the_per_rank_formula() -> None:
     specs = layers([window(4096), full()])
-    single = plan_kv_cache(specs, 1 * GiB, SizingContext(max_model_len=65536),
-                           manager_with_test_kinds())
-    dcp = plan_kv_cache(specs, 1 * GiB, SizingContext(max_model_len=65536, dcp_size=4),
-                        manager_with_test_kinds())
-    assert [g.blocks_per_request for g in dcp.groups] == [(4095 + 16384) // 4 // 16 + 1 + 1,
-                                                          65536 // 4 // 16]
+    single = plan_kv_cache(
+        specs, 1 * GiB, SizingContext(max_model_len=65536), manager_with_test_kinds()
+    )
+    dcp = plan_kv_cache(
+        specs, 1 * GiB, SizingContext(max_model_len=65536, dcp_size=4), manager_with_test_kinds()
+    )
+    assert [g.blocks_per_request for g in dcp.groups] == [
+        (4095 + 16384) // 4 // 16 + 1 + 1,
+        65536 // 4 // 16,
+    ]
     assert dcp.max_concurrency > 3 * single.max_concurrency
 
 
@@ -170,12 +207,14 @@ def test_mixed_precision_is_reported() -> None:
 
 
 def test_host_resident_groups_use_a_host_pool() -> None:
-    specs = layers([full(), HostSpec(block_size=16, num_kv_heads=1, head_size=64,
-                                     dtype=torch.bfloat16)])
+    specs = layers(
+        [full(), HostSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)]
+    )
     with pytest.raises(PlanError, match="host_budget_bytes"):
         plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds())
-    plan = plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds(),
-                         host_budget_bytes=32 << 20)
+    plan = plan_kv_cache(
+        specs, 64 << 20, CTX, manager_with_test_kinds(), host_budget_bytes=32 << 20
+    )
     host_pool = next(p for p in plan.pools if p.host_resident)
     assert plan.host_group_ids == (1,) and plan.transfer_group_ids == (0,)
     assert plan.host_bytes_allocated == host_pool.size_bytes <= 32 << 20
@@ -216,16 +255,18 @@ def test_invalid_inputs_are_refused_naming_the_field() -> None:
         plan_kv_cache(specs, 1 << 20, {"max_model_len": 5}, manager)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldTypeError, match=r"plan_kv_cache\.manager.*PluginManager"):
         plan_kv_cache(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError,
-                       match=re.escape("largest_fitting_max_model_len.manager")):
+    with pytest.raises(
+        InvalidFieldTypeError, match=re.escape("largest_fitting_max_model_len.manager")
+    ):
         largest_fitting_max_model_len(specs, 1 << 20, CTX, None)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError,
-                       match=re.escape("largest_fitting_max_model_len.budget")):
+    with pytest.raises(
+        InvalidFieldTypeError, match=re.escape("largest_fitting_max_model_len.budget")
+    ):
         largest_fitting_max_model_len(specs, 1.5, CTX, manager)  # type: ignore[arg-type]
-    with pytest.raises(InvalidFieldTypeError,
-                       match=re.escape("largest_fitting_max_model_len.upper")):
-        largest_fitting_max_model_len(specs, 1 << 20, CTX, manager,
-                                      upper=2.0)  # type: ignore[arg-type]
+    with pytest.raises(
+        InvalidFieldTypeError, match=re.escape("largest_fitting_max_model_len.upper")
+    ):
+        largest_fitting_max_model_len(specs, 1 << 20, CTX, manager, upper=2.0)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldError, match=re.escape("largest_fitting_max_model_len.upper")):
         largest_fitting_max_model_len(specs, 1 << 20, CTX, manager, upper=0)
 
@@ -237,14 +278,22 @@ def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
 
     manager = PluginManager()
     manager.load_entry_points({"KVSPEC_PLUGINS": "hisparse"})
-    source = HiSparseGroupSpec(inner=full(num_kv_heads=1, head_size=16, block_size=4),
-                               role="hisparse_source")
-    indexer = HiSparseGroupSpec(inner=full(num_kv_heads=1, head_size=8, block_size=4),
-                                role="hisparse_indexer")
+    source = HiSparseGroupSpec(
+        inner=full(num_kv_heads=1, head_size=16, block_size=4), role="hisparse_source"
+    )
+    indexer = HiSparseGroupSpec(
+        inner=full(num_kv_heads=1, head_size=8, block_size=4), role="hisparse_indexer"
+    )
     hot = hisparse.HiSparseHotSpec(block_size=4, page_size=256, blocks_per_request=2)
     resident = hisparse.HiSparseResidentSpec(block_size=4, page_size=256)
-    specs = {"source.0": source, "source.1": source, "indexer.0": indexer,
-             "indexer.1": indexer, "hot": hot, "resident": resident}
+    specs = {
+        "source.0": source,
+        "source.1": source,
+        "indexer.0": indexer,
+        "indexer.1": indexer,
+        "hot": hot,
+        "resident": resident,
+    }
     ctx = SizingContext(max_model_len=64, max_in_flight_tokens=16)
     plan = plan_kv_cache(specs, 64 << 10, ctx, manager, host_budget_bytes=32 << 10)
     host = [pool for pool in plan.pools if pool.host_resident]
@@ -254,7 +303,9 @@ def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
     assert source_group.host_resident and source_group.transferable
     assert not plan.group_of("hot").transferable
     assert {plan.groups[g].role for g in plan.transfer_group_ids} == {
-        "hisparse_source", "hisparse_indexer"}
+        "hisparse_source",
+        "hisparse_indexer",
+    }
     assert plan.group_of("hot").id not in plan.transfer_group_ids
     buffers = materialize(plan)
     assert buffers.views["hot"] is buffers.buffers[plan.group_of("hot").pool]
@@ -263,8 +314,9 @@ def test_real_hisparse_groups_plan_host_and_device_pools() -> None:
 
 
 def test_a_model_without_cached_layers_plans_no_pool() -> None:
-    encoder = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=8, head_size=64,
-                                       dtype=torch.float16)
+    encoder = EncoderOnlyAttentionSpec(
+        block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16
+    )
     plan = plan_kv_cache({"encoder.0": encoder}, 1 << 20, CTX, manager_with_test_kinds())
     assert plan.groups == () and plan.pools == () and plan.num_blocks == 0
     assert plan.bytes_allocated == 0 and plan.bytes_padding == 1 << 20

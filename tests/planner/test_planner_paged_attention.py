@@ -25,8 +25,9 @@ def _specs() -> dict:
     }
 
 
-def _write(view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           block: int) -> None:
+def _write(
+    view: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+) -> None:
     for token, slot in enumerate(slots.tolist()):
         view[slot // block, :, slot % block, :HEAD] = k[:, token]
         view[slot // block, :, slot % block, HEAD:] = v[:, token]
@@ -50,8 +51,11 @@ def test_paged_attention_matches_dense_on_every_layout(layout: str) -> None:
     # Hand out distinct block ids per (group, request), never the null block 0.
     free = list(range(1, plan.pools[0].num_blocks))
     free = [free[i] for i in torch.randperm(len(free), generator=generator).tolist()]
-    tables = {(group.id, r): [free.pop() for _ in range(-(-n // BLOCK))]
-              for group in plan.groups for r, n in enumerate(lengths)}
+    tables = {
+        (group.id, r): [free.pop() for _ in range(-(-n // BLOCK))]
+        for group in plan.groups
+        for r, n in enumerate(lengths)
+    }
     dense = {}
     for group in plan.groups:
         for layer in group.layers:
@@ -80,8 +84,12 @@ def test_paged_attention_matches_dense_on_every_layout(layout: str) -> None:
 def test_kernel_block_views_round_trip_pages() -> None:
     manager = manager_with_test_kinds()
     ctx = SizingContext(max_model_len=32, max_in_flight_tokens=8)
-    specs = {f"l{i}": FullAttentionSpec(block_size=8, num_kv_heads=HEADS, head_size=HEAD,
-                                        dtype=torch.float32) for i in range(3)}
+    specs = {
+        f"l{i}": FullAttentionSpec(
+            block_size=8, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+        )
+        for i in range(3)
+    }
     plan = plan_kv_cache(specs, 96 * 1024, ctx, manager, layout="LBNHC")
     buffers = materialize(plan, kernel_block_sizes={0: 4})
     view = buffers.views["l1"]

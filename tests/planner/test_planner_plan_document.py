@@ -25,12 +25,12 @@ CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
 
 def _plan() -> KVCachePlan:
     """Two device pools and a host pool, a memoryless layer: every kind of field."""
-    encoder = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                       dtype=torch.bfloat16)
+    encoder = EncoderOnlyAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
     host = HostSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     specs = layers([encoder, full(), window(64), full(head_size=128), window(64), host])
-    return plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds(),
-                         host_budget_bytes=8 << 20)
+    return plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds(), host_budget_bytes=8 << 20)
 
 
 PLAN = _plan()
@@ -68,33 +68,37 @@ def test_a_zero_demand_pool_is_refused_naming_the_field() -> None:
     assert "re-plan instead of editing a plan" in message
 
 
-@pytest.mark.parametrize("path, value, field", [
-    (("pools", 0, "blocks_per_request"), -4, "pools[0].blocks_per_request"),
-    (("pools", 0, "num_blocks"), "100", "pools[0].num_blocks"),
-    (("pools", 0, "num_blocks"), True, "pools[0].num_blocks"),
-    (("pools", 1, "block_bytes"), 0, "pools[1].block_bytes"),
-    (("pools", 0, "slot_bytes"), [], "pools[0].slot_bytes"),
-    (("pools", 0, "max_concurrency"), float("nan"), "pools[0].max_concurrency"),
-    (("pools", 0, "groups", 0), 99, "pools[0].groups[0]"),
-    (("pools", 0, "id"), 1, "pools[0].id"),
-    (("groups", 0, "pool"), 7, "groups[0].pool"),
-    (("groups", 0, "layers"), "model.layers.1", "groups[0].layers"),
-    (("groups", 0, "spec"), None, "groups[0].spec"),
-    (("groups", 0, "spec", "fields", "block_size"), 0, "groups[0].spec"),
-    (("groups", 1, "host_resident"), 0, "groups[1].host_resident"),
-    (("tensors", 0, "group"), 12, "tensors[0].group"),
-    (("tensors", 0, "strides", 1), 1.5, "tensors[0].strides[1]"),
-    (("context", "max_model_len"), 0, "context.max_model_len"),
-    (("context", "prefix_caching"), "yes", "context.prefix_caching"),
-    (("context", "page_size"), 16, "context.page_size"),
-    (("budget_bytes",), -1, "budget_bytes"),
-    (("host_budget_bytes",), 2 ** 70, "host_budget_bytes"),
-    (("padding_breakdown", "alignment"), None, "padding_breakdown.alignment"),
-    (("memoryless_layers", 0), 3, "memoryless_layers[0]"),
-    (("groups",), {}, "groups"),
-])
-def test_a_malformed_field_is_refused_naming_its_path(path: tuple[Any, ...], value: object,
-                                                      field: str) -> None:
+@pytest.mark.parametrize(
+    "path, value, field",
+    [
+        (("pools", 0, "blocks_per_request"), -4, "pools[0].blocks_per_request"),
+        (("pools", 0, "num_blocks"), "100", "pools[0].num_blocks"),
+        (("pools", 0, "num_blocks"), True, "pools[0].num_blocks"),
+        (("pools", 1, "block_bytes"), 0, "pools[1].block_bytes"),
+        (("pools", 0, "slot_bytes"), [], "pools[0].slot_bytes"),
+        (("pools", 0, "max_concurrency"), float("nan"), "pools[0].max_concurrency"),
+        (("pools", 0, "groups", 0), 99, "pools[0].groups[0]"),
+        (("pools", 0, "id"), 1, "pools[0].id"),
+        (("groups", 0, "pool"), 7, "groups[0].pool"),
+        (("groups", 0, "layers"), "model.layers.1", "groups[0].layers"),
+        (("groups", 0, "spec"), None, "groups[0].spec"),
+        (("groups", 0, "spec", "fields", "block_size"), 0, "groups[0].spec"),
+        (("groups", 1, "host_resident"), 0, "groups[1].host_resident"),
+        (("tensors", 0, "group"), 12, "tensors[0].group"),
+        (("tensors", 0, "strides", 1), 1.5, "tensors[0].strides[1]"),
+        (("context", "max_model_len"), 0, "context.max_model_len"),
+        (("context", "prefix_caching"), "yes", "context.prefix_caching"),
+        (("context", "page_size"), 16, "context.page_size"),
+        (("budget_bytes",), -1, "budget_bytes"),
+        (("host_budget_bytes",), 2**70, "host_budget_bytes"),
+        (("padding_breakdown", "alignment"), None, "padding_breakdown.alignment"),
+        (("memoryless_layers", 0), 3, "memoryless_layers[0]"),
+        (("groups",), {}, "groups"),
+    ],
+)
+def test_a_malformed_field_is_refused_naming_its_path(
+    path: tuple[Any, ...], value: object, field: str
+) -> None:
     data = _document()
     target: Any = data
     for key in path[:-1]:
@@ -115,8 +119,11 @@ def test_a_plugin_spec_answering_a_zero_size_in_a_plan_names_the_plugin() -> Non
     manager = manager_with_faulty_plugin()
     data = json.loads(json.dumps(plan_kv_cache(faulty_layers(), 64 << 20, CTX, manager).to_dict()))
     data["groups"][0]["spec"]["fields"]["answers"] = "state_content_size_bytes"
-    with pytest.raises(PluginError, match=r"plugin 'faulty' \(distribution kvspec-faulty\): "
-                                          r"FaultySpec\.state_content_size_bytes .* returned 0"):
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'faulty' \(distribution kvspec-faulty\): "
+        r"FaultySpec\.state_content_size_bytes .* returned 0",
+    ):
         plan_from_dict(data, manager)
 
 
@@ -133,16 +140,41 @@ def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 PATHS = _paths(DOCUMENT)
 
 HOSTILE = st.one_of(
-    st.sampled_from([0, -1, 1, 2, True, False, None, "", "x", 1.5, float("nan"), float("inf"),
-                     -(2 ** 63), 2 ** 64, [], {}, [0], ["model.layers.1"], {"a": 1}]),
-    st.integers(min_value=-(2 ** 66), max_value=2 ** 66),
+    st.sampled_from(
+        [
+            0,
+            -1,
+            1,
+            2,
+            True,
+            False,
+            None,
+            "",
+            "x",
+            1.5,
+            float("nan"),
+            float("inf"),
+            -(2**63),
+            2**64,
+            [],
+            {},
+            [0],
+            ["model.layers.1"],
+            {"a": 1},
+        ]
+    ),
+    st.integers(min_value=-(2**66), max_value=2**66),
 )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(edits=st.lists(st.tuples(st.sampled_from(PATHS), HOSTILE,
-                                st.sampled_from(["set", "delete", "extra"])),
-                      min_size=1, max_size=3))
+@given(
+    edits=st.lists(
+        st.tuples(st.sampled_from(PATHS), HOSTILE, st.sampled_from(["set", "delete", "extra"])),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_any_edit_gives_a_clean_error_or_the_same_plan(
     edits: list[tuple[tuple[Any, ...], object, str]],
 ) -> None:

@@ -22,12 +22,12 @@ Edit = Callable[[dict[str, Any]], object]
 
 
 def hybrid_plan_with_memoryless_and_host_layers() -> KVCachePlan:
-    encoder = EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
-                                       dtype=torch.bfloat16)
+    encoder = EncoderOnlyAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
     host = HostSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     specs = layers([encoder, full(), window(64), full(), window(64), host])
-    return plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds(),
-                         host_budget_bytes=8 << 20)
+    return plan_kv_cache(specs, 64 << 20, CTX, manager_with_test_kinds(), host_budget_bytes=8 << 20)
 
 
 def written(plan: KVCachePlan) -> dict[str, Any]:
@@ -57,47 +57,81 @@ def _set(path: str, value: object) -> Edit:
         for part in parents:
             target = target[int(part)] if part.isdigit() else target[part]
         target[int(last) if last.isdigit() else last] = value
+
     return edit
 
 
 EDITS: list[tuple[str, Edit, str]] = [
     ("total num_blocks", lambda d: d.update(num_blocks=d["num_blocks"] + 1), "num_blocks"),
-    ("a pool's num_blocks",
-     lambda d: d["pools"][0].update(num_blocks=d["pools"][0]["num_blocks"] - 1), "num_blocks"),
-    ("host_budget_bytes raised", lambda d: d.update(host_budget_bytes=d["host_budget_bytes"] * 2),
-     "host_budget_bytes"),
+    (
+        "a pool's num_blocks",
+        lambda d: d["pools"][0].update(num_blocks=d["pools"][0]["num_blocks"] - 1),
+        "num_blocks",
+    ),
+    (
+        "host_budget_bytes raised",
+        lambda d: d.update(host_budget_bytes=d["host_budget_bytes"] * 2),
+        "host_budget_bytes",
+    ),
     ("host_budget_bytes removed", _set("host_budget_bytes", None), "host_budget_bytes"),
     ("memoryless layer dropped", _set("memoryless_layers", []), "memoryless_layers"),
-    ("memoryless layer added", lambda d: d["memoryless_layers"].append("model.layers.99"),
-     "memoryless_layers"),
-    ("memoryless layer also in a group", lambda d: d["memoryless_layers"].append("model.layers.1"),
-     "memoryless_layers"),
-    ("group host_resident", lambda d: d["groups"][0].update(host_resident=True),
-     r"groups\[0\].host_resident"),
-    ("group transferable", lambda d: d["groups"][0].update(transferable=False),
-     r"groups\[0\].transferable"),
-    ("group prefix_cacheable", lambda d: d["groups"][0].update(prefix_cacheable=False),
-     r"groups\[0\].prefix_cacheable"),
+    (
+        "memoryless layer added",
+        lambda d: d["memoryless_layers"].append("model.layers.99"),
+        "memoryless_layers",
+    ),
+    (
+        "memoryless layer also in a group",
+        lambda d: d["memoryless_layers"].append("model.layers.1"),
+        "memoryless_layers",
+    ),
+    (
+        "group host_resident",
+        lambda d: d["groups"][0].update(host_resident=True),
+        r"groups\[0\].host_resident",
+    ),
+    (
+        "group transferable",
+        lambda d: d["groups"][0].update(transferable=False),
+        r"groups\[0\].transferable",
+    ),
+    (
+        "group prefix_cacheable",
+        lambda d: d["groups"][0].update(prefix_cacheable=False),
+        r"groups\[0\].prefix_cacheable",
+    ),
     ("group role", _set("groups.0.role", "hisparse_source"), r"groups\[0\].role"),
     ("group block_size", _set("groups.0.block_size", 32), r"groups\[0\].block_size"),
     ("group page_size_bytes", _set("groups.0.page_size_bytes", 1), r"groups\[0\].page_size_bytes"),
     ("pool max_concurrency", _set("pools.0.max_concurrency", 1e9), r"pools\[0\].max_concurrency"),
     ("needs_zeroing", lambda d: d.update(needs_zeroing=not d["needs_zeroing"]), "needs_zeroing"),
-    ("has_mixed_precision", lambda d: d.update(has_mixed_precision=not d["has_mixed_precision"]),
-     "has_mixed_precision"),
+    (
+        "has_mixed_precision",
+        lambda d: d.update(has_mixed_precision=not d["has_mixed_precision"]),
+        "has_mixed_precision",
+    ),
     ("host_group_ids", _set("host_group_ids", []), "host_group_ids"),
     ("transfer_group_ids", _set("transfer_group_ids", [0]), "transfer_group_ids"),
     ("context", _set("context.max_in_flight_tokens", 4096), "context"),
-    ("a spec field no figure shows", _set("groups.0.spec.fields.block_stride_alignment", 1),
-     r"groups\[0\].spec"),
-    ("a group's layers", _set("groups.0.layers", ["model.layers.3", "model.layers.1"]),
-     r"groups\[0\].layers"),
+    (
+        "a spec field no figure shows",
+        _set("groups.0.spec.fields.block_stride_alignment", 1),
+        r"groups\[0\].spec",
+    ),
+    (
+        "a group's layers",
+        _set("groups.0.layers", ["model.layers.3", "model.layers.1"]),
+        r"groups\[0\].layers",
+    ),
     ("unknown field", _set("notes", "hand edited"), "notes"),
 ]
 
 
-@pytest.mark.parametrize(("edit", "field"), [(edit, field) for _, edit, field in EDITS],
-                         ids=[name for name, _, _ in EDITS])
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [(edit, field) for _, edit, field in EDITS],
+    ids=[name for name, _, _ in EDITS],
+)
 def test_an_edited_field_is_refused_naming_it(edit: Edit, field: str) -> None:
     data = written(hybrid_plan_with_memoryless_and_host_layers())
     edit(data)

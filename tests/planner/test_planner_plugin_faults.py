@@ -101,9 +101,17 @@ def manager_with_faulty_plugin() -> PluginManager:
 
 
 def faulty_layers(broken: str = "", answers: str = "") -> dict[str, FaultySpec]:
-    return {f"model.layers.{i}": FaultySpec(block_size=16, num_kv_heads=2, head_size=64,
-                                            dtype=torch.bfloat16, broken=broken, answers=answers)
-            for i in range(3)}
+    return {
+        f"model.layers.{i}": FaultySpec(
+            block_size=16,
+            num_kv_heads=2,
+            head_size=64,
+            dtype=torch.bfloat16,
+            broken=broken,
+            answers=answers,
+        )
+        for i in range(3)
+    }
 
 
 @pytest.mark.parametrize("method", ["page_size_bytes", "max_blocks_per_request", "merge"])
@@ -120,8 +128,9 @@ def test_a_raising_spec_method_is_a_plugin_error_naming_all(method: str) -> None
 
 def test_the_fitting_length_search_names_the_plugin_too() -> None:
     with pytest.raises(PluginError, match=r"plugin 'faulty'.*FaultySpec\.max_blocks_per_request"):
-        largest_fitting_max_model_len(faulty_layers("max_blocks_per_request"), 64 << 20, CTX,
-                                      manager_with_faulty_plugin())
+        largest_fitting_max_model_len(
+            faulty_layers("max_blocks_per_request"), 64 << 20, CTX, manager_with_faulty_plugin()
+        )
 
 
 def test_kvspec_errors_and_sound_specs_are_untouched() -> None:
@@ -139,25 +148,41 @@ def test_a_bad_answer_is_a_plugin_error_naming_plugin_method_value_and_layer(met
     with pytest.raises(PluginError) as raised:
         plan_kv_cache(faulty_layers(answers=method), 64 << 20, CTX, manager_with_faulty_plugin())
     message = str(raised.value)
-    assert message.startswith("plugin 'faulty' (distribution kvspec-faulty): "
-                              f"FaultySpec.{method} of spec kind 'faulty_attention' returned "
-                              f"{BAD_ANSWERS[method]!r}")
+    assert message.startswith(
+        "plugin 'faulty' (distribution kvspec-faulty): "
+        f"FaultySpec.{method} of spec kind 'faulty_attention' returned "
+        f"{BAD_ANSWERS[method]!r}"
+    )
     assert "model.layers.0" in message and "but it must be" in message
     assert "KVSPEC_PLUGINS" in message
 
 
 def test_a_negative_admission_cap_is_refused_in_the_length_search_too() -> None:
     with pytest.raises(PluginError, match=r"FaultySpec\.max_blocks_per_request .* returned -3"):
-        largest_fitting_max_model_len(faulty_layers(answers="max_blocks_per_request"),
-                                      64 << 20, CTX, manager_with_faulty_plugin())
+        largest_fitting_max_model_len(
+            faulty_layers(answers="max_blocks_per_request"),
+            64 << 20,
+            CTX,
+            manager_with_faulty_plugin(),
+        )
 
 
 def test_a_uniformity_answer_that_is_no_bool_is_refused() -> None:
     """Layers that do not merge (other head counts) ask the first spec whether they can share
     a uniform-type group; the truthy "no" used to put them in one."""
-    specs = {f"model.layers.{i}": FaultySpec(block_size=16, num_kv_heads=2 + i, head_size=64,
-                                             dtype=torch.bfloat16, answers="is_uniform_with")
-             for i in range(3)}
-    with pytest.raises(PluginError, match=r"plugin 'faulty' \(distribution kvspec-faulty\): "
-                                          r"FaultySpec\.is_uniform_with .* returned 'no'"):
+    specs = {
+        f"model.layers.{i}": FaultySpec(
+            block_size=16,
+            num_kv_heads=2 + i,
+            head_size=64,
+            dtype=torch.bfloat16,
+            answers="is_uniform_with",
+        )
+        for i in range(3)
+    }
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'faulty' \(distribution kvspec-faulty\): "
+        r"FaultySpec\.is_uniform_with .* returned 'no'",
+    ):
         plan_kv_cache(specs, 64 << 20, CTX, manager_with_faulty_plugin())

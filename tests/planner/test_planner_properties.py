@@ -43,11 +43,17 @@ def layer_spec(draw: st.DrawFn) -> KVSpec:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     family = draw(st.sampled_from(["full", "window", "chunk", "state", "raw", "host"]))
     if family == "state":
-        return StateSpec(block_size=block_size, state_bytes=8 * draw(st.integers(1, 64)),
-                         states_per_request=draw(st.integers(1, 3)))
+        return StateSpec(
+            block_size=block_size,
+            state_bytes=8 * draw(st.integers(1, 64)),
+            states_per_request=draw(st.integers(1, 3)),
+        )
     if family == "raw":
-        return RawSpec(block_size=block_size, page_bytes=16 * draw(st.integers(1, 16)),
-                       blocks=draw(st.integers(1, 4)))
+        return RawSpec(
+            block_size=block_size,
+            page_bytes=16 * draw(st.integers(1, 16)),
+            blocks=draw(st.integers(1, 4)),
+        )
     fields = draw(attention_fields(block_size))
     if family == "full":
         return FullAttentionSpec(**fields)
@@ -79,27 +85,34 @@ def models() -> st.SearchStrategy[dict[str, KVSpec]]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(models(), st.sampled_from(list(LAYOUTS)), st.integers(0, 3000),
-       st.integers(1, 48), st.integers(1, 16))
+@given(
+    models(),
+    st.sampled_from(list(LAYOUTS)),
+    st.integers(0, 3000),
+    st.integers(1, 48),
+    st.integers(1, 16),
+)
 def test_random_hybrid_plans_are_sound(specs, layout, extra, max_len, in_flight) -> None:
     manager = manager_with_test_kinds()
     ctx = SizingContext(max_model_len=max_len, max_in_flight_tokens=in_flight)
     try:
-        probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout,
-                              host_budget_bytes=1 << 40)
+        probe = plan_kv_cache(
+            specs, 1 << 40, ctx, manager, layout=layout, host_budget_bytes=1 << 40
+        )
     except PlanError as error:
         # Only padded pages under a layout that puts heads outside the page are refused.
         assert layout in ("LHBNC", "BHLNC") and "padded" in str(error)
         return
+
     def need(host: bool) -> int:
         pools = [p for p in probe.pools if p.host_resident == host]
-        return bytes_for_one_request([p.blocks_per_request for p in pools],
-                                     [p.block_bytes for p in pools])
+        return bytes_for_one_request(
+            [p.blocks_per_request for p in pools], [p.block_bytes for p in pools]
+        )
 
     budget = need(False) + extra * 8
     host_budget = need(True) + extra * 4
-    plan = plan_kv_cache(specs, budget, ctx, manager, layout=layout,
-                         host_budget_bytes=host_budget)
+    plan = plan_kv_cache(specs, budget, ctx, manager, layout=layout, host_budget_bytes=host_budget)
 
     # Within budget, one request fits, block sizes untouched, every live layer planned once.
     assert plan.bytes_allocated <= budget and plan.host_bytes_allocated <= host_budget
@@ -122,17 +135,20 @@ def test_random_hybrid_plans_are_sound(specs, layout, extra, max_len, in_flight)
 def test_aliased_layers_never_share_bytes_across_block_ids(specs, layout, extra) -> None:
     manager = manager_with_test_kinds()
     ctx = SizingContext(max_model_len=16, max_in_flight_tokens=4)
-    probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout,
-                          host_budget_bytes=1 << 40)
-    need = bytes_for_one_request([p.blocks_per_request for p in probe.pools],
-                                 [p.block_bytes for p in probe.pools])
-    plan = plan_kv_cache(specs, need + extra, ctx, manager, layout=layout,
-                         host_budget_bytes=need + extra)
+    probe = plan_kv_cache(specs, 1 << 40, ctx, manager, layout=layout, host_budget_bytes=1 << 40)
+    need = bytes_for_one_request(
+        [p.blocks_per_request for p in probe.pools], [p.block_bytes for p in probe.pools]
+    )
+    plan = plan_kv_cache(
+        specs, need + extra, ctx, manager, layout=layout, host_budget_bytes=need + extra
+    )
     for tensor in plan.tensors:
         for position, layer in enumerate(tensor.layers):
             for other in plan.aliased_layers(layer):
                 twin = next(t for t in plan.tensors if other in t.layers)
                 # Same slot: the same byte range for the same block id.
                 assert tensor.block_stride == twin.block_stride
-                assert (tensor.offset + position * tensor.layer_stride
-                        == twin.offset + twin.layers.index(other) * twin.layer_stride)
+                assert (
+                    tensor.offset + position * tensor.layer_stride
+                    == twin.offset + twin.layers.index(other) * twin.layer_stride
+                )

@@ -24,23 +24,32 @@ CTX = SizingContext(max_model_len=64)
 
 def _specs(head: int = 8) -> dict:
     state = StateSpec(block_size=4, state_bytes=1000)
-    return layers([full(num_kv_heads=2, head_size=8, block_size=4), state,
-                   full(num_kv_heads=2, head_size=head, block_size=4), state])
+    return layers(
+        [
+            full(num_kv_heads=2, head_size=8, block_size=4),
+            state,
+            full(num_kv_heads=2, head_size=head, block_size=4),
+            state,
+        ]
+    )
 
 
 def test_reconcile_takes_the_smallest_pool_of_each_plan() -> None:
     plans = [plan_kv_with_budget(_specs(), budget, CTX) for budget in (96 << 10, 200 << 10)]
     agreed = reconcile_plans(plans)
     assert [p.num_blocks for p in agreed.pools] == [
-        min(plan.pools[i].num_blocks for plan in plans) for i in range(2)]
+        min(plan.pools[i].num_blocks for plan in plans) for i in range(2)
+    ]
     assert agreed.groups == plans[0].groups
     assert agreed.bytes_allocated <= min(plan.budget_bytes for plan in plans)
     assert reconcile_plans([plans[1]]) == plans[1]
 
 
 def test_reconcile_refuses_different_specs_naming_the_layer() -> None:
-    plans = [plan_kv_with_budget(_specs(8), 96 << 10, CTX),
-             plan_kv_with_budget(_specs(16), 200 << 10, CTX)]
+    plans = [
+        plan_kv_with_budget(_specs(8), 96 << 10, CTX),
+        plan_kv_with_budget(_specs(16), 200 << 10, CTX),
+    ]
     with pytest.raises(PlanError, match=r"plans 0 and 1 .* layer model\.layers\.2 has spec"):
         reconcile_plans(plans)
     with pytest.raises(PlanError, match="at least one plan"):
@@ -74,11 +83,16 @@ def test_two_gloo_ranks_agree_on_the_minimum_and_refuse_a_mismatch(tmp_path) -> 
 def test_reconcile_refuses_plans_whose_layers_sit_in_other_slots() -> None:
     specs = layers([full(num_kv_heads=2, head_size=8, block_size=4)] * 3)
     reordered = dict(reversed(list(specs.items())))
-    plans = [plan_kv_with_budget(specs, 96 << 10, CTX),
-             plan_kv_with_budget(reordered, 96 << 10, CTX)]
+    plans = [
+        plan_kv_with_budget(specs, 96 << 10, CTX),
+        plan_kv_with_budget(reordered, 96 << 10, CTX),
+    ]
     assert plans[0].groups[0].layers != plans[1].groups[0].layers
-    with pytest.raises(PlanError, match=r"plans 0 and 1 .* layer model\.layers\.0 is at slot 0 "
-                                        "of group 0 vs slot 2"):
+    with pytest.raises(
+        PlanError,
+        match=r"plans 0 and 1 .* layer model\.layers\.0 is at slot 0 "
+        "of group 0 vs slot 2",
+    ):
         reconcile_plans(plans)
 
 

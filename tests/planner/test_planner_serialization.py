@@ -31,12 +31,25 @@ def _plans() -> list[KVCachePlan]:
     host = HostSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     return [
         plan_kv_cache(gpt_oss_20b(), 256 << 20, CTX, manager),
-        plan_kv_cache(layers([full(num_kv_heads=8), full(num_kv_heads=2, page_size_padded=
-                                                         16 * 2 * 256 * 2 + 64)]),
-                      64 << 20, CTX, manager, layout="BLHNC"),
-        plan_kv_cache(layers([full(), state, window(64), state, RawSpec(block_size=16,
-                                                                        page_bytes=512), host]),
-                      128 << 20, CTX, manager, layout="LHBNC", host_budget_bytes=8 << 20),
+        plan_kv_cache(
+            layers(
+                [full(num_kv_heads=8), full(num_kv_heads=2, page_size_padded=16 * 2 * 256 * 2 + 64)]
+            ),
+            64 << 20,
+            CTX,
+            manager,
+            layout="BLHNC",
+        ),
+        plan_kv_cache(
+            layers(
+                [full(), state, window(64), state, RawSpec(block_size=16, page_bytes=512), host]
+            ),
+            128 << 20,
+            CTX,
+            manager,
+            layout="LHBNC",
+            host_budget_bytes=8 << 20,
+        ),
     ]
 
 
@@ -51,21 +64,41 @@ def test_json_round_trip_is_equal() -> None:
 
 def test_plan_dict_has_the_cli_contract_keys() -> None:
     data = _plans()[0].to_dict()
-    for key in ("num_blocks", "groups", "bytes_allocated", "bytes_padding", "max_concurrency",
-                "budget_bytes", "pools", "tensors", "needs_zeroing", "has_mixed_precision",
-                "transfer_group_ids", "host_group_ids", "aliases"):
+    for key in (
+        "num_blocks",
+        "groups",
+        "bytes_allocated",
+        "bytes_padding",
+        "max_concurrency",
+        "budget_bytes",
+        "pools",
+        "tensors",
+        "needs_zeroing",
+        "has_mixed_precision",
+        "transfer_group_ids",
+        "host_group_ids",
+        "aliases",
+    ):
         assert key in data
     for group in data["groups"]:
-        for key in ("kind", "layers", "block_size", "page_size_bytes", "pool",
-                    "blocks_per_request", "host_resident", "role", "transferable"):
+        for key in (
+            "kind",
+            "layers",
+            "block_size",
+            "page_size_bytes",
+            "pool",
+            "blocks_per_request",
+            "host_resident",
+            "role",
+            "transferable",
+        ):
             assert key in group
     assert data["groups"][0]["page_size_bytes"] == 12 * 16 * 8 * 128 * 2
 
 
 def test_reloaded_plan_materialises_the_same_layout() -> None:
     plan = _plans()[2]
-    again = plan_from_dict(json.loads(json.dumps(plan.to_dict())),
-                                  manager_with_test_kinds())
+    again = plan_from_dict(json.loads(json.dumps(plan.to_dict())), manager_with_test_kinds())
     assert materialize(again).layout_descriptor() == materialize(plan).layout_descriptor()
     json.dumps(materialize(plan).layout_descriptor())
 
@@ -87,10 +120,12 @@ def test_transfer_facts_follow_the_groups() -> None:
     index = plan.transfer_group_index_by_layer
     assert "model.layers.5" not in index
     assert index["model.layers.0"] == plan.transfer_group_ids.index(
-        plan.group_of("model.layers.0").id)
+        plan.group_of("model.layers.0").id
+    )
     ids = [[gid * 10] for gid in range(len(plan.groups))]
-    assert plan.select_transfer_block_ids(ids) == tuple([gid * 10]
-                                                        for gid in plan.transfer_group_ids)
+    assert plan.select_transfer_block_ids(ids) == tuple(
+        [gid * 10] for gid in plan.transfer_group_ids
+    )
     with pytest.raises(PlanError, match="expected block ids for"):
         plan.select_transfer_block_ids(ids[:-1])
     for tensor in plan.tensors:
@@ -112,12 +147,15 @@ def test_edited_plans_are_refused_as_inconsistent() -> None:
         plan_from_dict(data, manager_with_test_kinds())
 
 
-@pytest.mark.parametrize("edit", [
-    lambda data: data["groups"][0].update(kind="full_attention_but_edited"),
-    lambda data: data["pools"][0].update(num_blocks=float(data["pools"][0]["num_blocks"])),
-    lambda data: data.update(budget_bytes=float(data["budget_bytes"])),
-    lambda data: data["tensors"][0].update(raw=0),
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda data: data["groups"][0].update(kind="full_attention_but_edited"),
+        lambda data: data["pools"][0].update(num_blocks=float(data["pools"][0]["num_blocks"])),
+        lambda data: data.update(budget_bytes=float(data["budget_bytes"])),
+        lambda data: data["tensors"][0].update(raw=0),
+    ],
+)
 def test_edited_kinds_and_non_int_counts_are_refused(edit) -> None:
     data = json.loads(json.dumps(_plans()[0].to_dict()))
     edit(data)

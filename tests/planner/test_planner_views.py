@@ -38,7 +38,8 @@ def test_block_stride_alignment_rounds_blocks() -> None:
     blhnc = _plan(specs, "BLHNC")
     assert blhnc.pools[0].block_bytes == 2048 and blhnc.tensors[0].block_stride == 2048
     assert blhnc.padding_breakdown[1] == (
-        "alignment", blhnc.pools[0].num_blocks * (2048 - 3 * page)
+        "alignment",
+        blhnc.pools[0].num_blocks * (2048 - 3 * page),
     )
     lbhnc = _plan(specs, "LBHNC")
     assert lbhnc.tensors[0].block_stride == 1024 and lbhnc.pools[0].block_bytes == 3 * 1024
@@ -94,6 +95,7 @@ def test_refusal_allocates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
             if str(kwargs.get("device", "cpu")) != "meta":
                 allocations.append(real.__name__)
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(torch, "empty", spy(real_empty))
@@ -107,10 +109,15 @@ def test_refusal_allocates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_misaligned_dtype_views_are_refused_before_allocation() -> None:
     # A 2-byte int8 page ahead of a float32 layer in one block would misalign its view.
-    specs = layers([full(num_kv_heads=1, head_size=1, block_size=1, dtype=torch.int8),
-                    full(num_kv_heads=1, head_size=1, block_size=1, dtype=torch.float32)])
-    plan = plan_kv_cache(specs, 4096, SizingContext(max_model_len=4), manager_with_test_kinds(),
-                         layout="BLHNC")
+    specs = layers(
+        [
+            full(num_kv_heads=1, head_size=1, block_size=1, dtype=torch.int8),
+            full(num_kv_heads=1, head_size=1, block_size=1, dtype=torch.float32),
+        ]
+    )
+    plan = plan_kv_cache(
+        specs, 4096, SizingContext(max_model_len=4), manager_with_test_kinds(), layout="BLHNC"
+    )
     with pytest.raises(PlanError, match=re.escape("cannot be viewed as torch.float32")):
         materialize(plan)
 
@@ -156,16 +163,23 @@ def test_kernel_block_size_is_checked_even_when_it_changes_nothing() -> None:
     for bad in (8.0, True, 0):
         with pytest.raises(PlanError, match="positive divisor"):
             materialize(plan, kernel_block_sizes={0: bad})  # type: ignore[dict-item]
-    assert materialize(plan, kernel_block_sizes={0: 8}).layer_views["model.layers.0"] \
-        .kernel_block_size == 8
+    assert (
+        materialize(plan, kernel_block_sizes={0: 8}).layer_views["model.layers.0"].kernel_block_size
+        == 8
+    )
 
 
 def test_kernel_split_refused_where_pages_do_not_divide_into_kernel_states() -> None:
     from planner_testkit import StateSpec
 
     # One recurrent state per block cannot be cut into 4 kernel blocks of its own.
-    plan = plan_kv_cache(layers([StateSpec(block_size=8, state_bytes=64)] * 2), 64 << 10, CTX,
-                         manager_with_test_kinds(), layout="LBNHC")
+    plan = plan_kv_cache(
+        layers([StateSpec(block_size=8, state_bytes=64)] * 2),
+        64 << 10,
+        CTX,
+        manager_with_test_kinds(),
+        layout="LBNHC",
+    )
     with pytest.raises(PlanError, match=r"1 state.*4 kernel blocks"):
         materialize(plan, kernel_block_sizes={0: 2})
 

@@ -12,15 +12,17 @@ import pytest
 FakeDist = Callable[..., Path]
 
 
-def write_distribution(root: Path, dist_name: str, entry_point: str, module: str, source: str,
-                       version: str = "1.0") -> Path:
+def write_distribution(
+    root: Path, dist_name: str, entry_point: str, module: str, source: str, version: str = "1.0"
+) -> Path:
     """Write ``module.py`` and ``<dist>-<version>.dist-info`` declaring a kvspec entry point."""
     root.mkdir(parents=True, exist_ok=True)
     (root / f"{module}.py").write_text(textwrap.dedent(source))
     info = root / f"{dist_name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
+        f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n"
+    )
     (info / "entry_points.txt").write_text(f"[kvspec.plugins]\n{entry_point} = {module}\n")
     return root
 
@@ -31,10 +33,12 @@ def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeDist:
     fresh folder prepended to sys.path for this test only."""
     counter = iter(range(1000))
 
-    def make(dist_name: str, entry_point: str, module: str, source: str,
-             version: str = "1.0") -> Path:
-        root = write_distribution(tmp_path / f"site{next(counter)}", dist_name, entry_point,
-                                  module, source, version)
+    def make(
+        dist_name: str, entry_point: str, module: str, source: str, version: str = "1.0"
+    ) -> Path:
+        root = write_distribution(
+            tmp_path / f"site{next(counter)}", dist_name, entry_point, module, source, version
+        )
         monkeypatch.syspath_prepend(str(root))
         monkeypatch.delitem(sys.modules, module, raising=False)
         return root

@@ -20,24 +20,43 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvspec-streaming"
 def installed_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--target", str(target), str(EXAMPLE)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return target
 
 
 def streaming_layer(**config) -> LayerConfig:
     return LayerConfig(
-        index=3, name="model.layers.3", layer_type="streaming_attention", config=config,
-        options=PlanOptions(block_size=16), model_dtype=torch.bfloat16,
-        attention=AttentionShape(num_kv_heads=8, total_kv_heads=8, head_size=128,
-                                 head_size_v=128, dtype=torch.bfloat16),
+        index=3,
+        name="model.layers.3",
+        layer_type="streaming_attention",
+        config=config,
+        options=PlanOptions(block_size=16),
+        model_dtype=torch.bfloat16,
+        attention=AttentionShape(
+            num_kv_heads=8, total_kv_heads=8, head_size=128, head_size_v=128, dtype=torch.bfloat16
+        ),
     )
 
 
-def test_installed_example_plugin_loads_and_plans(installed_example: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_installed_example_plugin_loads_and_plans(
+    installed_example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(installed_example))
     monkeypatch.delitem(sys.modules, "kvspec_streaming", raising=False)
     manager = PluginManager()
@@ -45,7 +64,8 @@ def test_installed_example_plugin_loads_and_plans(installed_example: Path,
     [info] = [p for p in manager.plugins if p.name == "streaming"]
     assert info.distribution == "kvspec-streaming" and info.spec_kinds == ("streaming_attention",)
     [(owner, spec)] = manager.layer_specs(
-        streaming_layer(streaming_sink_tokens=4, streaming_recent_tokens=1024))
+        streaming_layer(streaming_sink_tokens=4, streaming_recent_tokens=1024)
+    )
     assert owner == "streaming"
     ctx = SizingContext(max_model_len=131072, max_in_flight_tokens=2048)
     # 1 sink block + cdiv(1023 + 2048, 16) window blocks + 1 for a window starting mid-block.

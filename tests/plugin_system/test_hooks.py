@@ -45,8 +45,13 @@ class ToyPlugin:
 
     @hookimpl
     def kvspec_register_kv_dtypes(self, register):
-        register(KVCacheDtype(name="int2_toy", storage_dtype=torch.uint8,
-                              quant_mode=KVQuantMode(name="int2_toy", key_bits=2, value_bits=2)))
+        register(
+            KVCacheDtype(
+                name="int2_toy",
+                storage_dtype=torch.uint8,
+                quant_mode=KVQuantMode(name="int2_toy", key_bits=2, value_bits=2),
+            )
+        )
 
     @hookimpl
     def kvspec_register_runtime_rules(self, register):
@@ -56,16 +61,25 @@ class ToyPlugin:
     def kvspec_layer_spec(self, layer: LayerConfig) -> KVSpec | None:
         if layer.layer_type != "toy":
             return None
-        return ToySpec(block_size=layer.options.block_size, num_kv_heads=1, head_size=8,
-                       dtype=layer.model_dtype)
+        return ToySpec(
+            block_size=layer.options.block_size,
+            num_kv_heads=1,
+            head_size=8,
+            dtype=layer.model_dtype,
+        )
 
 
 def layer(layer_type: str) -> LayerConfig:
     return LayerConfig(
-        index=0, name="model.layers.0", layer_type=layer_type, config={}, options=PlanOptions(),
+        index=0,
+        name="model.layers.0",
+        layer_type=layer_type,
+        config={},
+        options=PlanOptions(),
         model_dtype=torch.float16,
-        attention=AttentionShape(num_kv_heads=2, total_kv_heads=2, head_size=64, head_size_v=64,
-                                 dtype=torch.float16),
+        attention=AttentionShape(
+            num_kv_heads=2, total_kv_heads=2, head_size=64, head_size_v=64, dtype=torch.float16
+        ),
     )
 
 
@@ -80,8 +94,10 @@ def test_hook_kvspec_register_spec_kinds() -> None:
 
 @pytest.mark.parametrize(
     ("bad", "message"),
-    [(int, "not a KVSpec subclass"), (type("NoAttrs", (FullAttentionSpec,), {"kind": "x"}),
-                                      "not an attrs class")],
+    [
+        (int, "not a KVSpec subclass"),
+        (type("NoAttrs", (FullAttentionSpec,), {"kind": "x"}), "not an attrs class"),
+    ],
 )
 def test_hook_kvspec_register_spec_kinds_refuses_bad_classes(bad, message) -> None:
     class Bad:
@@ -143,7 +159,8 @@ def test_hook_kvspec_layer_spec() -> None:
         assert owner == "toy" and isinstance(spec, ToySpec)
         [(owner, spec)] = manager.layer_specs(layer("full_attention"))
         assert owner == "core" and spec == FullAttentionSpec(
-            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, max_tp_shards=2)
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, max_tp_shards=2
+        )
     assert manager.layer_specs(layer("toy")) == []
 
 
@@ -167,8 +184,12 @@ def test_hook_kvspec_layer_spec_faults_name_the_plugin() -> None:
     manager = PluginManager()
     with (
         registered(manager, Raising(), "raising"),
-        pytest.raises(PluginError, match=re.escape(
-            "plugin 'raising' raised KeyError in kvspec_layer_spec for layer model.layers.0")),
+        pytest.raises(
+            PluginError,
+            match=re.escape(
+                "plugin 'raising' raised KeyError in kvspec_layer_spec for layer model.layers.0"
+            ),
+        ),
     ):
         manager.layer_specs(layer("unclaimed_attention"))
     with (
@@ -187,4 +208,5 @@ def test_hook_kvspec_layer_spec_core_sinks() -> None:
 
     with pytest.raises(ConfigError, match=r"model.layers.0.*'attention_sink_len'='four'"):
         manager.layer_specs(
-            attrs.evolve(layer("full_attention"), config={"attention_sink_len": "four"}))
+            attrs.evolve(layer("full_attention"), config={"attention_sink_len": "four"})
+        )

@@ -67,8 +67,9 @@ def test_a_third_claimant_does_not_take_the_refused_kind(fake_dist) -> None:
 def test_strict_mode_makes_the_conflict_an_error(fake_dist) -> None:
     install_claimants(fake_dist, "alpha", "beta")
     with pytest.raises(PluginError, match=r"'shared_kind'.*'alpha'.*'beta'"):
-        PluginManager().load_entry_points({"KVSPEC_PLUGINS": "alpha,beta",
-                                           "KVSPEC_STRICT_PLUGINS": "1"})
+        PluginManager().load_entry_points(
+            {"KVSPEC_PLUGINS": "alpha,beta", "KVSPEC_STRICT_PLUGINS": "1"}
+        )
 
 
 def test_registering_a_claimed_kind_directly_still_raises(fake_dist) -> None:

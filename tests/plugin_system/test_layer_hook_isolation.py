@@ -55,17 +55,28 @@ class _Confused:
 
 def _layer(index: int, layer_type: str = "full_attention") -> LayerConfig:
     return LayerConfig(
-        index=index, name=f"model.layers.{index}", layer_type=layer_type, config={},
-        options=PlanOptions(), model_dtype=torch.float16,
-        attention=AttentionShape(num_kv_heads=2, total_kv_heads=2, head_size=64, head_size_v=64,
-                                 dtype=torch.float16),
+        index=index,
+        name=f"model.layers.{index}",
+        layer_type=layer_type,
+        config={},
+        options=PlanOptions(),
+        model_dtype=torch.float16,
+        attention=AttentionShape(
+            num_kv_heads=2, total_kv_heads=2, head_size=64, head_size_v=64, dtype=torch.float16
+        ),
     )
 
 
-@pytest.mark.parametrize("plugin, fault", [(_Raising(), "raised RuntimeError in kvspec_layer_spec"),
-                                           (_Confused(), "returned 'a spec, honest'")])
-def test_a_faulty_hook_is_one_warning_where_the_core_claims_the_layer(plugin: object,
-                                                                      fault: str) -> None:
+@pytest.mark.parametrize(
+    "plugin, fault",
+    [
+        (_Raising(), "raised RuntimeError in kvspec_layer_spec"),
+        (_Confused(), "returned 'a spec, honest'"),
+    ],
+)
+def test_a_faulty_hook_is_one_warning_where_the_core_claims_the_layer(
+    plugin: object, fault: str
+) -> None:
     manager = PluginManager()
     manager.register(plugin, "faulty", distribution="kvspec-faulty")
     with pytest.warns(PluginHookWarning) as caught:
@@ -83,9 +94,11 @@ def test_a_faulty_hook_is_an_error_where_no_other_plugin_claims_the_layer() -> N
     with pytest.raises(PluginError) as raised:
         manager.layer_specs(_layer(0, "boom_attention"))
     message = str(raised.value)
-    assert message.startswith("plugin 'faulty' (distribution kvspec-faulty) raised RuntimeError "
-                              "in kvspec_layer_spec for layer model.layers.0 (boom_attention): "
-                              "boom; no other plugin claims that layer")
+    assert message.startswith(
+        "plugin 'faulty' (distribution kvspec-faulty) raised RuntimeError "
+        "in kvspec_layer_spec for layer model.layers.0 (boom_attention): "
+        "boom; no other plugin claims that layer"
+    )
     assert "leave it out with KVSPEC_PLUGINS" in message
     assert isinstance(raised.value.__cause__, RuntimeError)
 
@@ -94,8 +107,11 @@ def test_strict_plugins_make_every_fault_an_error() -> None:
     manager = PluginManager(strict_plugins=True)
     with (
         registered(manager, _Raising(), "faulty"),
-        pytest.raises(PluginError, match=r"plugin 'faulty' raised RuntimeError .*"
-                                         r"KVSPEC_STRICT_PLUGINS=1 makes any plugin fault"),
+        pytest.raises(
+            PluginError,
+            match=r"plugin 'faulty' raised RuntimeError .*"
+            r"KVSPEC_STRICT_PLUGINS=1 makes any plugin fault",
+        ),
     ):
         manager.layer_specs(_layer(0))
 
@@ -119,7 +135,8 @@ def test_a_fresh_manager_warns_again() -> None:
 
 
 def test_cli_plans_llama_with_one_warning_naming_the_plugin(
-    fake_dist, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+    fake_dist,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.delenv("KVSPEC_STRICT_PLUGINS", raising=False)
@@ -142,20 +159,31 @@ def test_cli_plans_llama_with_one_warning_naming_the_plugin(
 
 
 def test_cli_refuses_a_layer_only_the_faulty_plugin_could_claim_and_strict_mode(
-    fake_dist, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,  # type: ignore[no-untyped-def]
+    fake_dist,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.delenv("KVSPEC_STRICT_PLUGINS", raising=False)
     monkeypatch.delenv("KVSPEC_PLUGINS", raising=False)
     fake_dist("kvspec-boom", "boom", "kvspec_boom", _RAISING_PLUGIN)
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**load_preset("llama-3.1-8b"), "num_hidden_layers": 2,
-                                  "layer_types": ["boom_attention"] * 2}))
+    config.write_text(
+        json.dumps(
+            {
+                **load_preset("llama-3.1-8b"),
+                "num_hidden_layers": 2,
+                "layer_types": ["boom_attention"] * 2,
+            }
+        )
+    )
     assert main(["plan", str(config), "--memory", "8GiB"]) == EXIT_USAGE
     error = capsys.readouterr().err
-    assert error.startswith("kvspec: error: plugin 'boom' (distribution kvspec-boom) raised "
-                            "RuntimeError in kvspec_layer_spec for layer model.layers.0 "
-                            "(boom_attention): boom; no other plugin claims that layer")
+    assert error.startswith(
+        "kvspec: error: plugin 'boom' (distribution kvspec-boom) raised "
+        "RuntimeError in kvspec_layer_spec for layer model.layers.0 "
+        "(boom_attention): boom; no other plugin claims that layer"
+    )
     assert "KVSPEC_PLUGINS" in error and "Traceback" not in error
     assert len(error.splitlines()) == 1
 

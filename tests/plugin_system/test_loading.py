@@ -61,35 +61,48 @@ def test_import_failure_is_reported_and_others_load(fake_dist, good_plugin) -> N
     assert manager.spec_kinds.owner_of("wide") == "good"
     [failure] = manager.failures
     assert (failure.name, failure.distribution, failure.version) == (
-        "broken", "kvspec-broken", "1.0")
+        "broken",
+        "kvspec-broken",
+        "1.0",
+    )
     assert "ImportError" in failure.error
 
 
 def test_strict_mode_makes_a_failure_an_error(fake_dist) -> None:
     fake_dist("kvspec-broken", "broken", "kvspec_broken", "raise ImportError('boom')\n")
-    with pytest.raises(PluginError,
-                       match=r"'broken'.*kvspec-broken.*boom.*KVSPEC_STRICT_PLUGINS=1"):
-        PluginManager().load_entry_points({"KVSPEC_PLUGINS": "broken",
-                                           "KVSPEC_STRICT_PLUGINS": "1"})
+    with pytest.raises(
+        PluginError, match=r"'broken'.*kvspec-broken.*boom.*KVSPEC_STRICT_PLUGINS=1"
+    ):
+        PluginManager().load_entry_points(
+            {"KVSPEC_PLUGINS": "broken", "KVSPEC_STRICT_PLUGINS": "1"}
+        )
 
 
 def test_raising_registration_hook_keeps_nothing(fake_dist, good_plugin) -> None:
-    fake_dist("kvspec-half", "half", "kvspec_half", good_plugin("half_kind") + """
+    fake_dist(
+        "kvspec-half",
+        "half",
+        "kvspec_half",
+        good_plugin("half_kind")
+        + """
     @hookimpl
     def kvspec_register_kv_dtypes(register):
         raise RuntimeError("dtype table missing")
-    """)
+    """,
+    )
     manager = PluginManager()
-    with pytest.warns(PluginLoadWarning,
-                      match="raised RuntimeError while registering: dtype table"):
+    with pytest.warns(
+        PluginLoadWarning, match="raised RuntimeError while registering: dtype table"
+    ):
         manager.load_entry_points({"KVSPEC_PLUGINS": "half"})
     assert "half_kind" not in manager.spec_kinds
     assert loaded(manager) == set()
 
 
 def test_other_contract_version_is_refused_naming_both(fake_dist, good_plugin) -> None:
-    fake_dist("kvspec-future", "future", "kvspec_future",
-              good_plugin("future").replace("= 1", "= 99"))
+    fake_dist(
+        "kvspec-future", "future", "kvspec_future", good_plugin("future").replace("= 1", "= 99")
+    )
     manager = PluginManager()
     with pytest.warns(PluginLoadWarning) as caught:
         manager.load_entry_points({"KVSPEC_PLUGINS": "future"})
@@ -107,8 +120,9 @@ def test_undeclared_contract_version_is_refused(fake_dist) -> None:
 def test_kind_owned_by_another_plugin_is_refused_naming_both(fake_dist, good_plugin) -> None:
     fake_dist("kvspec-thief", "thief", "kvspec_thief", good_plugin("full_attention"))
     manager = PluginManager()
-    with pytest.warns(PluginLoadWarning, match="'full_attention'.*'thief'.*already registered by "
-                                               "plugin 'core'"):
+    with pytest.warns(
+        PluginLoadWarning, match="'full_attention'.*'thief'.*already registered by plugin 'core'"
+    ):
         manager.load_entry_points({"KVSPEC_PLUGINS": "thief"})
     assert manager.spec_kinds.owner_of("full_attention") == "core"
 
@@ -119,19 +133,25 @@ def test_two_distributions_with_one_entry_point_name_are_not_shadowed(
     fake_dist("kvspec-twin-a", "twin", "kvspec_twin_a", good_plugin("twin_a"))
     fake_dist("kvspec-twin-b", "twin", "kvspec_twin_b", good_plugin("twin_b"))
     manager = PluginManager()
-    with pytest.warns(PluginLoadWarning,
-                      match="several distributions.*kvspec-twin-a.*kvspec-twin-b"):
+    with pytest.warns(
+        PluginLoadWarning, match="several distributions.*kvspec-twin-a.*kvspec-twin-b"
+    ):
         manager.load_entry_points({"KVSPEC_PLUGINS": "twin"})
     assert loaded(manager) == set()
 
 
 def test_invalid_hook_implementation_is_refused(fake_dist) -> None:
-    fake_dist("kvspec-typo", "typo", "kvspec_typo", """
+    fake_dist(
+        "kvspec-typo",
+        "typo",
+        "kvspec_typo",
+        """
         from kvspec_core import hookimpl
         kvspec_contract_version = 1
         @hookimpl
         def kvspec_register_spec_kind(register):
             pass
-    """)
+    """,
+    )
     with pytest.warns(PluginLoadWarning, match="invalid hook implementations"):
         PluginManager().load_entry_points({"KVSPEC_PLUGINS": "typo"})

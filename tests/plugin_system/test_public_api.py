@@ -26,8 +26,14 @@ from kvspec_core import (
 from kvspec_core.runtime import rules_for
 from kvspec_core.testing import manager_with, model_layer
 
-CONTRACT_NAMES = ["LayerConfig", "AttentionShape", "PlanOptions", "RegisterSpecKind",
-                  "RegisterKVDtype", "RegisterRuntimeRules"]
+CONTRACT_NAMES = [
+    "LayerConfig",
+    "AttentionShape",
+    "PlanOptions",
+    "RegisterSpecKind",
+    "RegisterKVDtype",
+    "RegisterRuntimeRules",
+]
 
 
 @pytest.mark.parametrize("package", [kvspec_core, kvspec_core.plugins], ids=lambda p: p.__name__)
@@ -80,9 +86,15 @@ class PublicNamesPlugin:
 
 def test_a_plugin_written_against_public_names_claims_layers_and_runs() -> None:
     manager = manager_with(PublicNamesPlugin(), "public-names")
-    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
-              "num_key_value_heads": 2, "hidden_size": 512, "torch_dtype": "bfloat16",
-              "layer_types": ["full_attention", "every_other"]}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 512,
+        "torch_dtype": "bfloat16",
+        "layer_types": ["full_attention", "every_other"],
+    }
     layer = model_layer(config, 1, manager)
     [(owner, spec)] = manager.layer_specs(layer)
     assert owner == "public-names" and isinstance(spec, EveryOtherBlockSpec)

@@ -13,8 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def plugin_sources() -> list[Path]:
     """Every Python file of the family plugins (sources and tests) and the example plugin."""
-    roots = [*sorted((REPO / "plugins").glob("*/src")), *sorted((REPO / "plugins").glob("*/tests")),
-             *sorted((REPO / "examples").glob("*/src"))]
+    roots = [
+        *sorted((REPO / "plugins").glob("*/src")),
+        *sorted((REPO / "plugins").glob("*/tests")),
+        *sorted((REPO / "examples").glob("*/src")),
+    ]
     return [path for root in roots for path in sorted(root.rglob("*.py"))]
 
 
@@ -35,8 +38,10 @@ def private_core_imports(paths: Iterable[Path]) -> list[str]:
             for dotted in imported:
                 parts = dotted.split(".")
                 if parts[0] == "kvspec_core" and any(part.startswith("_") for part in parts[1:]):
-                    found.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}"
-                                 f":{node.lineno}: {dotted}")
+                    found.append(
+                        f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}"
+                        f":{node.lineno}: {dotted}"
+                    )
                     break
     return found
 
@@ -59,5 +64,9 @@ def test_private_import_scan_flags_each_private_form(tmp_path: Path) -> None:
         "    from kvspec_core.runtime._internal import thing\n"
     )
     found = [line.split(": ", 1)[1] for line in private_core_imports([source])]
-    assert found == ["kvspec_core._old", "kvspec_core._old", "kvspec_core.specs._helper",
-                     "kvspec_core.runtime._internal"]
+    assert found == [
+        "kvspec_core._old",
+        "kvspec_core._old",
+        "kvspec_core.specs._helper",
+        "kvspec_core.runtime._internal",
+    ]

@@ -131,12 +131,21 @@ def test_layer_spec_of_an_unregistered_kind_names_the_plugin() -> None:
             return Stray(block_size=16)
 
     manager = PluginManager()
-    probe = LayerConfig(index=0, name="model.layers.0", layer_type="x", config={},
-                        options=PlanOptions(), model_dtype=torch.float16)
+    probe = LayerConfig(
+        index=0,
+        name="model.layers.0",
+        layer_type="x",
+        config={},
+        options=PlanOptions(),
+        model_dtype=torch.float16,
+    )
     with (
         registered(manager, Unregistered(), "stray"),
-        pytest.raises(PluginError, match=r"plugin 'stray' returned a Stray for layer "
-                                         r"model.layers.0.*not a registered spec kind"),
+        pytest.raises(
+            PluginError,
+            match=r"plugin 'stray' returned a Stray for layer "
+            r"model.layers.0.*not a registered spec kind",
+        ),
     ):
         manager.layer_specs(probe)
 
@@ -206,9 +215,15 @@ def test_a_merge_that_is_not_a_classmethod_is_refused_at_registration() -> None:
     def register_kinds(register: Any) -> None:
         register(_InstanceMergeSpec)
 
-    with pytest.raises(PluginError, match=r"plugin 'merger' .distribution kvspec-merger.: .*"
-                                          r"_InstanceMergeSpec, whose merge .* is not a "
-                                          r"classmethod; declare it as @classmethod"):
-        pm.register(plugin("merger", kvspec_register_spec_kinds=register_kinds), "merger",
-                    distribution="kvspec-merger")
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'merger' .distribution kvspec-merger.: .*"
+        r"_InstanceMergeSpec, whose merge .* is not a "
+        r"classmethod; declare it as @classmethod",
+    ):
+        pm.register(
+            plugin("merger", kvspec_register_spec_kinds=register_kinds),
+            "merger",
+            distribution="kvspec-merger",
+        )
     assert not pm.is_loaded("merger") and "instance_merge_test" not in pm.spec_kinds.kinds()

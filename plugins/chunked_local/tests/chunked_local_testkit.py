@@ -30,7 +30,10 @@ def manager_with_plugin() -> PluginManager:
 def chunked_fields(**overrides: Any) -> dict[str, Any]:
     """Fields of a Llama-4-Scout chunked layer (8 KV heads of 128, bf16, chunk 8192)."""
     fields: dict[str, Any] = dict(
-        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.bfloat16,
         attention_chunk_size=8192,
     )
     fields.update(overrides)

@@ -34,12 +34,13 @@ def worst_rank_blocks(start: int, end: int, dcp: int, block_size: int, interleav
     dcp=st.integers(1, 4),
     interleave_choice=st.sampled_from(["one", "block"]),
 )
-def test_cap_covers_every_step_of_every_request(chunk: int, in_flight: int, max_len: int,
-                                                block_size: int, dcp: int,
-                                                interleave_choice: str) -> None:
+def test_cap_covers_every_step_of_every_request(
+    chunk: int, in_flight: int, max_len: int, block_size: int, dcp: int, interleave_choice: str
+) -> None:
     interleave = 1 if interleave_choice == "one" else block_size
-    spec = ChunkedLocalAttentionSpec(**chunked_fields(attention_chunk_size=chunk,
-                                                      block_size=block_size))
+    spec = ChunkedLocalAttentionSpec(
+        **chunked_fields(attention_chunk_size=chunk, block_size=block_size)
+    )
     ctx = SizingContext(max_model_len=max_len, max_in_flight_tokens=in_flight, dcp_size=dcp)
     cap = spec.max_blocks_per_request(ctx)
     for computed in range(0, max_len):

@@ -54,10 +54,14 @@ def test_llama4_scout_chunked_layer() -> None:
     manager = manager_with_plugin()
     layer = model_layer(llama4_config(), 0, manager)
     assert layer.layer_type == "chunked_attention"
-    (plugin, spec), = manager.layer_specs(layer)
+    ((plugin, spec),) = manager.layer_specs(layer)
     assert plugin == "chunked_local" and type(spec) is ChunkedLocalAttentionSpec
     assert (spec.attention_chunk_size, spec.num_kv_heads, spec.head_size, spec.block_size) == (
-        8192, 8, 128, 16)
+        8192,
+        8,
+        128,
+        16,
+    )
     assert spec.max_tp_shards == 8
     ctx = SizingContext(max_model_len=262144, max_in_flight_tokens=16384)
     assert spec.max_blocks_per_request(ctx) == 1536
@@ -65,8 +69,12 @@ def test_llama4_scout_chunked_layer() -> None:
 
 
 def test_llama4_scout_at_tp4_block_64() -> None:
-    layer = model_layer(llama4_config(), 1, manager_with_plugin(),
-                        options=PlanOptions(block_size=64, tensor_parallel_size=4))
+    layer = model_layer(
+        llama4_config(),
+        1,
+        manager_with_plugin(),
+        options=PlanOptions(block_size=64, tensor_parallel_size=4),
+    )
     spec = chunked_local_plugin.kvspec_layer_spec(layer)
     assert (spec.num_kv_heads, spec.max_tp_shards, spec.block_size) == (2, 8, 64)
     assert spec.page_size_bytes == 64 * 2 * 256 * 2

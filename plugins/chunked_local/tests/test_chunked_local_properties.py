@@ -53,11 +53,14 @@ contexts = st.builds(
 
 @settings(max_examples=80, deadline=None)
 @given(spec=specs, ctx=contexts, more=st.integers(0, 1 << 20))
-def test_sizing_is_monotone_and_one_formula(spec: ChunkedLocalAttentionSpec, ctx: SizingContext,
-                                            more: int) -> None:
+def test_sizing_is_monotone_and_one_formula(
+    spec: ChunkedLocalAttentionSpec, ctx: SizingContext, more: int
+) -> None:
     check_sizing_invariants(spec, ctx, longer_by=more, busier_by=more)
     longer = attrs.evolve(ctx, max_model_len=ctx.max_model_len + more)
     busier = attrs.evolve(ctx, max_in_flight_tokens=ctx.max_in_flight_tokens + more)
     for context in (ctx, longer, busier):
-        assert spec.max_blocks_per_request(context) <= spec.block_table_width(
-            context, context.max_model_len) + 1
+        assert (
+            spec.max_blocks_per_request(context)
+            <= spec.block_table_width(context, context.max_model_len) + 1
+        )

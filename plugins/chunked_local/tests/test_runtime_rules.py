@@ -16,8 +16,13 @@ CTX = SizingContext(max_model_len=256, max_in_flight_tokens=16)
 
 
 def chunk_spec(chunk: int, block_size: int = 4) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(block_size=block_size, attention_chunk_size=chunk,
-                                     num_kv_heads=1, head_size=8, dtype=torch.float16)
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        attention_chunk_size=chunk,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+    )
 
 
 def manager() -> PluginManager:
@@ -42,8 +47,12 @@ def test_next_skip_position_is_where_one_more_block_is_dropped(
 
 
 @settings(max_examples=80)
-@given(chunk=st.integers(1, 20), block=st.integers(1, 6),
-       cached=st.lists(st.booleans(), max_size=24), limit=st.integers(0, 24))
+@given(
+    chunk=st.integers(1, 20),
+    block=st.integers(1, 6),
+    cached=st.lists(st.booleans(), max_size=24),
+    limit=st.integers(0, 24),
+)
 def test_longest_hit_is_the_largest_resumable_position(
     chunk: int, block: int, cached: list[bool], limit: int
 ) -> None:
@@ -56,7 +65,7 @@ def test_longest_hit_is_the_largest_resumable_position(
     def first_needed(blocks: int) -> int:
         return blocks * block // chunk * chunk // block
 
-    expected = max(k for k in range(limit + 1) if all(cached[first_needed(k):k]))
+    expected = max(k for k in range(limit + 1) if all(cached[first_needed(k) : k]))
     assert len(hit) == expected
     start = first_needed(expected)
     assert hit[:start] == [0] * start
@@ -69,8 +78,9 @@ def test_a_long_request_holds_its_chunk_within_the_cap() -> None:
     request = Request("r", list(range(100)))
     for _ in range(6):
         assert allocator.allocate_slots(request, 16)
-        assert sum(1 for block in allocator.block_ids("r")[0] if block) <= \
-            spec.max_blocks_per_request(CTX)
+        assert sum(
+            1 for block in allocator.block_ids("r")[0] if block
+        ) <= spec.max_blocks_per_request(CTX)
     computed = allocator.num_computed_tokens("r")
     table = allocator.block_ids("r")[0]
     assert all(table[computed // 8 * 8 // 4 :]) and not any(table[: computed // 8 * 8 // 4 - 4])

@@ -19,13 +19,20 @@ PROFILE = settings(max_examples=60, deadline=None)
 
 block_sizes = st.sampled_from([1, 16, 64, 256])
 pages = st.integers(1, 1 << 22)
-hots = st.builds(HiSparseHotSpec, block_size=block_sizes, page_size=pages,
-                 blocks_per_request=st.integers(1, 4096))
+hots = st.builds(
+    HiSparseHotSpec,
+    block_size=block_sizes,
+    page_size=pages,
+    blocks_per_request=st.integers(1, 4096),
+)
 residents = st.builds(HiSparseResidentSpec, block_size=block_sizes, page_size=pages)
 groups = st.builds(
     lambda block, heads, role: HiSparseGroupSpec(
-        inner=latent_like(block_size=block, num_kv_heads=heads), role=role),
-    block_sizes, st.integers(1, 4), st.sampled_from(["hisparse_source", "hisparse_indexer"]),
+        inner=latent_like(block_size=block, num_kv_heads=heads), role=role
+    ),
+    block_sizes,
+    st.integers(1, 4),
+    st.sampled_from(["hisparse_source", "hisparse_indexer"]),
 )
 any_spec = st.one_of(hots, residents, groups)
 contexts = st.builds(
@@ -44,10 +51,14 @@ def _outcome(specs: list[KVSpec], names: list[str]) -> str:
 
 
 @PROFILE
-@given(pool=st.one_of(st.lists(hots, min_size=1, max_size=2),
-                      st.lists(residents, min_size=1, max_size=2),
-                      st.lists(groups, min_size=1, max_size=2)),
-       picks=st.lists(st.integers(0, 1), min_size=1, max_size=4))
+@given(
+    pool=st.one_of(
+        st.lists(hots, min_size=1, max_size=2),
+        st.lists(residents, min_size=1, max_size=2),
+        st.lists(groups, min_size=1, max_size=2),
+    ),
+    picks=st.lists(st.integers(0, 1), min_size=1, max_size=4),
+)
 def test_merge_is_order_independent_and_idempotent(pool: list[KVSpec], picks: list[int]) -> None:
     specs = [pool[pick % len(pool)] for pick in picks]
     names = [f"l{i}" for i in range(len(specs))]
@@ -64,18 +75,28 @@ def test_merge_is_order_independent_and_idempotent(pool: list[KVSpec], picks: li
 
 
 @PROFILE
-@given(spec=any_spec, ctx=contexts, longer_by=st.integers(0, 1 << 22),
-       busier_by=st.integers(0, 1 << 17))
-def test_sizing_is_monotone_and_one_formula(spec: KVSpec, ctx: SizingContext, longer_by: int,
-                                            busier_by: int) -> None:
+@given(
+    spec=any_spec,
+    ctx=contexts,
+    longer_by=st.integers(0, 1 << 22),
+    busier_by=st.integers(0, 1 << 17),
+)
+def test_sizing_is_monotone_and_one_formula(
+    spec: KVSpec, ctx: SizingContext, longer_by: int, busier_by: int
+) -> None:
     check_sizing_invariants(spec, ctx, longer_by=longer_by, busier_by=busier_by)
 
 
 @PROFILE
-@given(budget=st.integers(0, 1 << 50), page_sizes=st.lists(pages, min_size=1, max_size=64),
-       alignment=st.sampled_from([1, 2, 256, 576, 4096, 1 << 21]), more=st.integers(0, 1 << 40))
+@given(
+    budget=st.integers(0, 1 << 50),
+    page_sizes=st.lists(pages, min_size=1, max_size=64),
+    alignment=st.sampled_from([1, 2, 256, 576, 4096, 1 << 21]),
+    more=st.integers(0, 1 << 40),
+)
 def test_host_pool_never_exceeds_the_budget_and_grows_with_it(
-        budget: int, page_sizes: list[int], alignment: int, more: int) -> None:
+    budget: int, page_sizes: list[int], alignment: int, more: int
+) -> None:
     page_bytes = sum(page_sizes)
     stride = -(-page_bytes // alignment) * alignment
     if budget < stride:
@@ -88,4 +109,5 @@ def test_host_pool_never_exceeds_the_budget_and_grows_with_it(
     assert 0 <= pool.block_stride_bytes - pool.page_bytes < alignment
     assert pool.pool_bytes <= budget < pool.pool_bytes + pool.block_stride_bytes
     assert size_host_pool(budget + more, page_sizes, alignment=alignment).num_blocks >= (
-        pool.num_blocks)
+        pool.num_blocks
+    )

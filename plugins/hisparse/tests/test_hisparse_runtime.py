@@ -15,14 +15,21 @@ CTX = SizingContext(max_model_len=2048, max_in_flight_tokens=512)
 def test_hot_cache_takes_its_blocks_once_and_groups_follow_their_wrapped_spec() -> None:
     manager = manager_with_hisparse()
     source = HiSparseGroupSpec(inner=latent_like(), role="hisparse_source")
-    indexer = HiSparseGroupSpec(inner=latent_like(head_size=64, head_size_v=64),
-                                role="hisparse_indexer")
+    indexer = HiSparseGroupSpec(
+        inner=latent_like(head_size=64, head_size_v=64), role="hisparse_indexer"
+    )
     hot = HiSparseHotSpec(block_size=64, page_size=4096, blocks_per_request=4)
     assert type(rules_for(hot, CTX, manager)) is HotCacheRules
     assert type(rules_for(source, CTX, manager)) is FullAttentionRules
     # The host-resident source has its own pool; indexer and hot share the device pool.
-    allocator = KVCacheAllocator([source, indexer, hot], [64, 64], CTX, pool_of_group=[0, 1, 1],
-                                 manager=manager, hash_salt=b"hisparse-test")
+    allocator = KVCacheAllocator(
+        [source, indexer, hot],
+        [64, 64],
+        CTX,
+        pool_of_group=[0, 1, 1],
+        manager=manager,
+        hash_salt=b"hisparse-test",
+    )
     request = Request("r", list(range(2048)))
     for step in range(1, 5):
         assert allocator.allocate_slots(request, 512)

@@ -29,10 +29,11 @@ LATENT_PAGE = 64 * 576 * 2  # 73,728 bytes: one bf16 latent page of 64 tokens
 
 
 # --------------------------------------------------------------------------- hot cache
-@pytest.mark.parametrize("max_len, in_flight, dcp", [
-    (1, 1, 1), (4096, 16384, 1), (163840, 16384, 2), (1 << 30, 1 << 20, 8)])
-def test_hot_cache_holds_a_fixed_number_of_blocks(max_len: int, in_flight: int,
-                                                  dcp: int) -> None:
+@pytest.mark.parametrize(
+    "max_len, in_flight, dcp",
+    [(1, 1, 1), (4096, 16384, 1), (163840, 16384, 2), (1 << 30, 1 << 20, 8)],
+)
+def test_hot_cache_holds_a_fixed_number_of_blocks(max_len: int, in_flight: int, dcp: int) -> None:
     hot = HiSparseHotSpec(block_size=64, page_size=LATENT_PAGE, blocks_per_request=33)
     ctx = SizingContext(max_model_len=max_len, max_in_flight_tokens=in_flight, dcp_size=dcp)
     assert hot.page_size_bytes == hot.unpadded_page_size_bytes == LATENT_PAGE
@@ -45,19 +46,25 @@ def test_hot_cache_runtime_properties() -> None:
     hot = HiSparseHotSpec(block_size=64, page_size=2048, blocks_per_request=4)
     assert hot.block_table_token_alignment is None
     assert (hot.uses_slot_mapping, hot.has_layer_views, hot.prefix_cacheable) == (
-        False, False, False)
+        False,
+        False,
+        False,
+    )
     assert (hot.host_resident, hot.group_role, hot.transferable) == (False, "default", False)
     assert hot.num_states == 1 and hot.num_heads == 1
 
 
 # --------------------------------------------------------------------------- resident pages
-@pytest.mark.parametrize("max_len, in_flight, block, blocks", [
-    (163840, 16384, 64, 256),    # cdiv(min(16384, 163840), 64)
-    (1000, 16384, 64, 16),       # capped by max_model_len: cdiv(1000, 64)
-    (163840, 1, 64, 1),
-    (163840, 8193, 16, 513),     # cdiv(8193, 16)
-    (5, 5, 1, 5),
-])
+@pytest.mark.parametrize(
+    "max_len, in_flight, block, blocks",
+    [
+        (163840, 16384, 64, 256),  # cdiv(min(16384, 163840), 64)
+        (1000, 16384, 64, 16),  # capped by max_model_len: cdiv(1000, 64)
+        (163840, 1, 64, 1),
+        (163840, 8193, 16, 513),  # cdiv(8193, 16)
+        (5, 5, 1, 5),
+    ],
+)
 def test_resident_admission_cap(max_len: int, in_flight: int, block: int, blocks: int) -> None:
     resident = HiSparseResidentSpec(block_size=block, page_size=LATENT_PAGE)
     ctx = SizingContext(max_model_len=max_len, max_in_flight_tokens=in_flight)
@@ -71,18 +78,29 @@ def test_resident_runtime_properties_and_width() -> None:
     assert resident.block_table_width(ctx, 163840) == 2560
     assert resident.block_table_width(ctx, 163841) == 2561
     assert (resident.prefix_cacheable, resident.has_layer_views, resident.transferable) == (
-        False, False, False)
+        False,
+        False,
+        False,
+    )
     assert (resident.uses_slot_mapping, resident.block_table_token_alignment) == (True, 128)
 
 
-@pytest.mark.parametrize("cls, overrides, field, error", [
-    (HiSparseHotSpec, {"page_size": 0}, "page_size", InvalidFieldError),
-    (HiSparseHotSpec, {"page_size": 2048.0}, "page_size", InvalidFieldTypeError),
-    (HiSparseHotSpec, {"blocks_per_request": 0}, "blocks_per_request", InvalidFieldError),
-    (HiSparseHotSpec, {"blocks_per_request": True}, "blocks_per_request", InvalidFieldTypeError),
-    (HiSparseResidentSpec, {"page_size": -1}, "page_size", InvalidFieldError),
-    (HiSparseResidentSpec, {"block_size": 0}, "block_size", InvalidFieldError),
-])
+@pytest.mark.parametrize(
+    "cls, overrides, field, error",
+    [
+        (HiSparseHotSpec, {"page_size": 0}, "page_size", InvalidFieldError),
+        (HiSparseHotSpec, {"page_size": 2048.0}, "page_size", InvalidFieldTypeError),
+        (HiSparseHotSpec, {"blocks_per_request": 0}, "blocks_per_request", InvalidFieldError),
+        (
+            HiSparseHotSpec,
+            {"blocks_per_request": True},
+            "blocks_per_request",
+            InvalidFieldTypeError,
+        ),
+        (HiSparseResidentSpec, {"page_size": -1}, "page_size", InvalidFieldError),
+        (HiSparseResidentSpec, {"block_size": 0}, "block_size", InvalidFieldError),
+    ],
+)
 def test_invalid_fields_are_refused(cls: type, overrides: dict, field: str, error: type) -> None:
     fields = {"block_size": 64, "page_size": 2048}
     if cls is HiSparseHotSpec:
@@ -99,8 +117,7 @@ def test_merge_and_uniformity_of_device_pages() -> None:
     assert HiSparseHotSpec.merge([hot, hot], ["a.hot", "b.hot"]) == hot
     assert HiSparseResidentSpec.merge([resident] * 3, ["a", "b", "c"]) == resident
     with pytest.raises(MergeError) as caught:
-        HiSparseHotSpec.merge([hot, attrs.evolve(hot, blocks_per_request=8)],
-                              ["l0.hot", "l1.hot"])
+        HiSparseHotSpec.merge([hot, attrs.evolve(hot, blocks_per_request=8)], ["l0.hot", "l1.hot"])
     message = str(caught.value)
     assert "'blocks_per_request'" in message and "4 in l0.hot" in message
     assert "8 in l1.hot" in message
@@ -113,12 +130,19 @@ def test_merge_and_uniformity_of_device_pages() -> None:
 def test_source_group_is_host_resident_transferable_and_sized_like_its_layers() -> None:
     inner = latent_like()
     source = HiSparseGroupSpec(inner=inner, role="hisparse_source")
-    indexer = HiSparseGroupSpec(inner=latent_like(head_size=64, head_size_v=64),
-                                role="hisparse_indexer")
+    indexer = HiSparseGroupSpec(
+        inner=latent_like(head_size=64, head_size_v=64), role="hisparse_indexer"
+    )
     assert (source.host_resident, source.group_role, source.transferable) == (
-        True, "hisparse_source", True)
+        True,
+        "hisparse_source",
+        True,
+    )
     assert (indexer.host_resident, indexer.group_role, indexer.transferable) == (
-        False, "hisparse_indexer", True)
+        False,
+        "hisparse_indexer",
+        True,
+    )
     assert (source.block_size, source.dcp_sharded) == (64, True)
     assert source.page_size_bytes == inner.page_size_bytes == LATENT_PAGE
     assert source.view_dtype == torch.bfloat16 and source.num_states == 64
@@ -150,8 +174,10 @@ def test_group_field_refusals() -> None:
         HiSparseGroupSpec(inner=latent_like(), role="hisparse_source", block_size=16)
     assert caught.value.field == "block_size" and "64" in str(caught.value)
     with pytest.raises(InvalidFieldTypeError) as caught:
-        HiSparseGroupSpec(inner=HiSparseHotSpec(block_size=64, page_size=1, blocks_per_request=1),
-                          role="hisparse_source")
+        HiSparseGroupSpec(
+            inner=HiSparseHotSpec(block_size=64, page_size=1, blocks_per_request=1),
+            role="hisparse_source",
+        )
     assert caught.value.field == "inner"
 
 
@@ -173,8 +199,9 @@ def test_group_merge() -> None:
 def test_group_uniformity_and_block_size_change() -> None:
     registry = manager_with_hisparse().spec_kinds
     source = HiSparseGroupSpec(inner=latent_like(), role="hisparse_source")
-    wide = HiSparseGroupSpec(inner=latent_like(head_size=512, head_size_v=512),
-                             role="hisparse_source")
+    wide = HiSparseGroupSpec(
+        inner=latent_like(head_size=512, head_size_v=512), role="hisparse_source"
+    )
     indexer = attrs.evolve(source, role="hisparse_indexer")
     hot = HiSparseHotSpec(block_size=64, page_size=2048, blocks_per_request=4)
     assert UniformTypeSpecs.is_uniform_type({"a": source, "b": wide}, registry)
@@ -210,16 +237,19 @@ def test_host_pool_refuses_a_budget_below_one_block_naming_bytes() -> None:
         size_host_pool(3 * 1000 - 1, [600, 400], min_blocks=3)
 
 
-@pytest.mark.parametrize("kwargs, field, error", [
-    ({"host_budget_bytes": -1}, "host_budget_bytes", InvalidFieldError),
-    ({"host_budget_bytes": 1.5}, "host_budget_bytes", InvalidFieldTypeError),
-    ({"page_sizes": []}, "page_sizes", InvalidFieldError),
-    ({"page_sizes": [4096, 0]}, "page_sizes", InvalidFieldError),
-    ({"page_sizes": 4096}, "page_sizes", InvalidFieldError),
-    ({"alignment": 0}, "alignment", InvalidFieldError),
-    ({"alignment": True}, "alignment", InvalidFieldTypeError),
-    ({"min_blocks": 0}, "min_blocks", InvalidFieldError),
-])
+@pytest.mark.parametrize(
+    "kwargs, field, error",
+    [
+        ({"host_budget_bytes": -1}, "host_budget_bytes", InvalidFieldError),
+        ({"host_budget_bytes": 1.5}, "host_budget_bytes", InvalidFieldTypeError),
+        ({"page_sizes": []}, "page_sizes", InvalidFieldError),
+        ({"page_sizes": [4096, 0]}, "page_sizes", InvalidFieldError),
+        ({"page_sizes": 4096}, "page_sizes", InvalidFieldError),
+        ({"alignment": 0}, "alignment", InvalidFieldError),
+        ({"alignment": True}, "alignment", InvalidFieldTypeError),
+        ({"min_blocks": 0}, "min_blocks", InvalidFieldError),
+    ],
+)
 def test_host_pool_refuses_invalid_arguments(kwargs: dict, field: str, error: type) -> None:
     arguments = {"host_budget_bytes": 1 << 20, "page_sizes": [4096], **kwargs}
     with pytest.raises(error) as caught:
@@ -228,10 +258,12 @@ def test_host_pool_refuses_invalid_arguments(kwargs: dict, field: str, error: ty
 
 
 def test_host_pool_for_plan_groups() -> None:
-    source = HiSparseGroupSpec(inner=latent_like(block_stride_alignment=4096),
-                               role="hisparse_source")
-    indexer = HiSparseGroupSpec(inner=latent_like(head_size=64, head_size_v=64),
-                                role="hisparse_indexer")
+    source = HiSparseGroupSpec(
+        inner=latent_like(block_stride_alignment=4096), role="hisparse_source"
+    )
+    indexer = HiSparseGroupSpec(
+        inner=latent_like(head_size=64, head_size_v=64), role="hisparse_indexer"
+    )
     hot = HiSparseHotSpec(block_size=64, page_size=2048, blocks_per_request=4)
     pool = size_host_pool_for_specs(1 << 30, [source, indexer, hot], alignment=5)
     # Only the source is on the host; stride aligned to lcm(5, 4096) = 20480.
@@ -241,7 +273,8 @@ def test_host_pool_for_plan_groups() -> None:
     ctx = SizingContext(max_model_len=163840)
     assert min_host_blocks(ctx, [64]) == 2562
     assert size_host_pool_for_specs(2562 * 81920, [source], alignment=5, ctx=ctx).num_blocks == (
-        2562)
+        2562
+    )
     with pytest.raises(CapacityError, match="2562 block"):
         size_host_pool_for_specs(2561 * 81920, [source], alignment=5, ctx=ctx)
     with pytest.raises(PlanError, match="no host-resident group"):

@@ -30,8 +30,9 @@ def nemotron_h_8b_config() -> dict[str, Any]:
     """Nemotron-H-8B's Mamba-2 geometry on the 56B config: the two share ``mamba_head_dim``
     64, ``n_groups`` 8 and ``conv_kernel`` 4; the 8B has 128 heads, ``ssm_state_size`` 128
     and ``hidden_size`` 4096."""
-    return dict(load_config(NEMOTRON_H_56B), mamba_num_heads=128, ssm_state_size=128,
-                hidden_size=4096)
+    return dict(
+        load_config(NEMOTRON_H_56B), mamba_num_heads=128, ssm_state_size=128, hidden_size=4096
+    )
 
 
 def manager_with_plugin() -> PluginManager:
@@ -39,8 +40,14 @@ def manager_with_plugin() -> PluginManager:
     return manager_with(mamba_plugin, "mamba")
 
 
-def state_layer(config: dict[str, Any], layer_type: str = "mamba", *, index: int = 0,
-                block_size: int = 16, tp: int = 1) -> LayerConfig:
+def state_layer(
+    config: dict[str, Any],
+    layer_type: str = "mamba",
+    *,
+    index: int = 0,
+    block_size: int = 16,
+    tp: int = 1,
+) -> LayerConfig:
     """A hand-built bf16 state layer (no attention geometry) for configs the core's ingestion
     would not build from: synthetic field layouts, invalid fields, a TP the model's attention
     layers refuse, another layer type. Layers of real configs come from

@@ -59,6 +59,5 @@ contexts = st.builds(
 
 @settings(max_examples=80, deadline=None)
 @given(spec=specs, ctx=contexts, more=st.integers(0, 1 << 20))
-def test_sizing_is_monotone_and_one_formula(spec: MambaSpec, ctx: SizingContext,
-                                            more: int) -> None:
+def test_sizing_is_monotone_and_one_formula(spec: MambaSpec, ctx: SizingContext, more: int) -> None:
     check_sizing_invariants(spec, ctx, longer_by=more, busier_by=more)

@@ -20,8 +20,9 @@ JAMBA_STATE = 3 * 8192 * 2 + 8192 * 16 * 2
 
 
 def jamba(**overrides: object) -> MambaSpec:
-    fields: dict[str, object] = dict(block_size=16, shapes=JAMBA_SHAPES, dtypes=(BF16, BF16),
-                                     mamba_type="mamba1")
+    fields: dict[str, object] = dict(
+        block_size=16, shapes=JAMBA_SHAPES, dtypes=(BF16, BF16), mamba_type="mamba1"
+    )
     fields.update(overrides)
     return MambaSpec(**fields)  # type: ignore[arg-type]
 
@@ -37,8 +38,9 @@ def test_page_is_the_sum_of_state_tensors() -> None:
 
 
 def test_mixed_dtypes_count_each_tensor_in_its_own_dtype() -> None:
-    spec = MambaSpec(block_size=16, shapes=((3, 10240), (128, 64, 128)),
-                     dtypes=(BF16, torch.float32))
+    spec = MambaSpec(
+        block_size=16, shapes=((3, 10240), (128, 64, 128)), dtypes=(BF16, torch.float32)
+    )
     assert spec.page_size_bytes == 3 * 10240 * 2 + 128 * 64 * 128 * 4 == 4_255_744
 
 
@@ -54,24 +56,27 @@ def test_padding_below_the_state_is_refused() -> None:
         jamba(page_size_padded=311_295)
 
 
-@pytest.mark.parametrize("field, value, error, allowed", [
-    ("shapes", (), InvalidFieldError, "non-empty tuple of shapes"),
-    ("shapes", ((3, 0), (8192, 16)), InvalidFieldError, "positive ints"),
-    ("shapes", ((3, 8192), ()), InvalidFieldError, "non-empty tuple of positive"),
-    ("shapes", [[3, 8192], [8192, 16]], InvalidFieldError, "tuple"),
-    ("shapes", ((1 << 30, 1 << 30), (1, 1)), InvalidFieldError, "above the limit"),
-    ("dtypes", (BF16,), InvalidFieldError, "one dtype per state shape"),
-    ("dtypes", ("bfloat16", BF16), InvalidFieldError, "torch dtypes"),
-    ("mamba_type", "mamba3", InvalidFieldError, "'gated_delta_net'"),
-    ("num_speculative_blocks", -1, InvalidFieldError, ">= 0|\\[0,"),
-    ("num_prefill_checkpoint_blocks", 1.5, InvalidFieldTypeError, "int"),
-    ("prefill_checkpoint_alignment", 0, InvalidFieldError, "\\[1,"),
-    ("tp_replicated", 1, InvalidFieldTypeError, "bool"),
-    ("block_size", 0, InvalidFieldError, "\\[1,"),
-])
-def test_invalid_fields_are_refused_naming_field_and_allowed(field: str, value: object,
-                                                             error: type[Exception],
-                                                             allowed: str) -> None:
+@pytest.mark.parametrize(
+    "field, value, error, allowed",
+    [
+        ("shapes", (), InvalidFieldError, "non-empty tuple of shapes"),
+        ("shapes", ((3, 0), (8192, 16)), InvalidFieldError, "positive ints"),
+        ("shapes", ((3, 8192), ()), InvalidFieldError, "non-empty tuple of positive"),
+        ("shapes", [[3, 8192], [8192, 16]], InvalidFieldError, "tuple"),
+        ("shapes", ((1 << 30, 1 << 30), (1, 1)), InvalidFieldError, "above the limit"),
+        ("dtypes", (BF16,), InvalidFieldError, "one dtype per state shape"),
+        ("dtypes", ("bfloat16", BF16), InvalidFieldError, "torch dtypes"),
+        ("mamba_type", "mamba3", InvalidFieldError, "'gated_delta_net'"),
+        ("num_speculative_blocks", -1, InvalidFieldError, ">= 0|\\[0,"),
+        ("num_prefill_checkpoint_blocks", 1.5, InvalidFieldTypeError, "int"),
+        ("prefill_checkpoint_alignment", 0, InvalidFieldError, "\\[1,"),
+        ("tp_replicated", 1, InvalidFieldTypeError, "bool"),
+        ("block_size", 0, InvalidFieldError, "\\[1,"),
+    ],
+)
+def test_invalid_fields_are_refused_naming_field_and_allowed(
+    field: str, value: object, error: type[Exception], allowed: str
+) -> None:
     with pytest.raises(error, match=rf"MambaSpec\.{field}=") as caught:
         jamba(**{field: value})
     assert caught.match(allowed)
@@ -82,7 +87,10 @@ def test_runtime_properties() -> None:
     assert spec.block_table_token_alignment is None
     assert spec.dcp_sharded is False  # the state is replicated across DCP ranks
     assert (spec.prefix_cacheable, spec.uses_slot_mapping, spec.has_layer_views) == (
-        True, True, True)
+        True,
+        True,
+        True,
+    )
     assert spec.view_dtype is None
 
 
@@ -100,8 +108,9 @@ CAP_CASES = [
 
 @pytest.mark.parametrize("mode, speculative, checkpoints, cap", CAP_CASES)
 @pytest.mark.parametrize("max_len", [1, 8192, 262144])
-def test_admission_cap_and_max_memory(mode: str, speculative: int, checkpoints: int, cap: int,
-                                      max_len: int) -> None:
+def test_admission_cap_and_max_memory(
+    mode: str, speculative: int, checkpoints: int, cap: int, max_len: int
+) -> None:
     spec = jamba(num_speculative_blocks=speculative, num_prefill_checkpoint_blocks=checkpoints)
     for dcp in (1, 4):
         ctx = SizingContext(max_model_len=max_len, mamba_cache_mode=mode, dcp_size=dcp)
@@ -109,15 +118,19 @@ def test_admission_cap_and_max_memory(mode: str, speculative: int, checkpoints: 
         assert spec.max_memory_usage_bytes(ctx) == cap * 311_296
 
 
-@pytest.mark.parametrize("mode, speculative, max_len, block, width", [
-    ("align", 0, 262144, 16, 16384),
-    ("align", 2, 262144, 16, 16386),
-    ("align", 1, 100, 16, 8),      # cdiv(100, 16) + 1
-    ("none", 2, 262144, 16, 3),    # the cap: 1 + 2
-    ("all", 0, 262144, 16, 1),
-])
-def test_block_table_width(mode: str, speculative: int, max_len: int, block: int,
-                           width: int) -> None:
+@pytest.mark.parametrize(
+    "mode, speculative, max_len, block, width",
+    [
+        ("align", 0, 262144, 16, 16384),
+        ("align", 2, 262144, 16, 16386),
+        ("align", 1, 100, 16, 8),  # cdiv(100, 16) + 1
+        ("none", 2, 262144, 16, 3),  # the cap: 1 + 2
+        ("all", 0, 262144, 16, 1),
+    ],
+)
+def test_block_table_width(
+    mode: str, speculative: int, max_len: int, block: int, width: int
+) -> None:
     spec = jamba(num_speculative_blocks=speculative, block_size=block)
     ctx = SizingContext(max_model_len=max_len, mamba_cache_mode=mode)
     assert spec.block_table_width(ctx, max_len) == width
@@ -128,18 +141,23 @@ def test_merge_of_equal_layers_returns_the_spec() -> None:
     assert MambaSpec.merge([jamba(), jamba(), jamba()], ["a", "b", "c"]) == jamba()
 
 
-@pytest.mark.parametrize("field, other", [
-    ("shapes", ((3, 4096), (4096, 16))),
-    ("dtypes", (BF16, torch.float32)),
-    ("mamba_type", "mamba2"),
-    ("num_speculative_blocks", 2),
-    ("page_size_padded", 400_000),
-    ("tp_replicated", True),
-])
+@pytest.mark.parametrize(
+    "field, other",
+    [
+        ("shapes", ((3, 4096), (4096, 16))),
+        ("dtypes", (BF16, torch.float32)),
+        ("mamba_type", "mamba2"),
+        ("num_speculative_blocks", 2),
+        ("page_size_padded", 400_000),
+        ("tp_replicated", True),
+    ],
+)
 def test_merge_refusal_names_field_values_and_layers(field: str, other: object) -> None:
     with pytest.raises(MergeError) as caught:
-        MambaSpec.merge([jamba(), jamba(**{field: other}), jamba()],
-                        ["model.layers.0", "model.layers.1", "model.layers.2"])
+        MambaSpec.merge(
+            [jamba(), jamba(**{field: other}), jamba()],
+            ["model.layers.0", "model.layers.1", "model.layers.2"],
+        )
     message = str(caught.value)
     assert f"field {field!r} differs" in message
     assert f"{getattr(jamba(), field)!r} in model.layers.0, model.layers.2" in message
@@ -148,8 +166,9 @@ def test_merge_refusal_names_field_values_and_layers(field: str, other: object) 
 
 def test_merge_refuses_an_attention_layer() -> None:
     attention = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=BF16)
-    with pytest.raises(MergeError, match=re.escape(
-            "model.layers.4 is a FullAttentionSpec, not a MambaSpec")):
+    with pytest.raises(
+        MergeError, match=re.escape("model.layers.4 is a FullAttentionSpec, not a MambaSpec")
+    ):
         MambaSpec.merge([jamba(), attention], ["model.layers.0", "model.layers.4"])  # type: ignore[list-item]
 
 
@@ -158,17 +177,22 @@ def test_uniformity_decisions() -> None:
     registry = manager_with_plugin().spec_kinds
     base = jamba()
     # Another shape padded to the same page: may share a uniform group.
-    same_page = MambaSpec(block_size=16, shapes=((3, 4096), (4096, 16)), dtypes=(BF16, BF16),
-                          page_size_padded=311_296, mamba_type="mamba2")
+    same_page = MambaSpec(
+        block_size=16,
+        shapes=((3, 4096), (4096, 16)),
+        dtypes=(BF16, BF16),
+        page_size_padded=311_296,
+        mamba_type="mamba2",
+    )
     attention = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=BF16)
 
     def uniform(*specs: object) -> bool:
-        return UniformTypeSpecs.is_uniform_type(
-            {f"l{i}": s for i, s in enumerate(specs)}, registry)  # type: ignore[misc]
+        return UniformTypeSpecs.is_uniform_type({f"l{i}": s for i, s in enumerate(specs)}, registry)  # type: ignore[misc]
 
     assert uniform(base, same_page) and uniform(same_page, base)
-    assert not uniform(base, MambaSpec(block_size=16, shapes=((3, 4096), (4096, 16)),
-                                       dtypes=(BF16, BF16)))
+    assert not uniform(
+        base, MambaSpec(block_size=16, shapes=((3, 4096), (4096, 16)), dtypes=(BF16, BF16))
+    )
     assert not uniform(base, jamba(num_speculative_blocks=1))
     assert not uniform(base, jamba(num_prefill_checkpoint_blocks=1))
     assert not uniform(base, jamba(prefill_checkpoint_alignment=16))
@@ -182,8 +206,14 @@ def test_uniformity_decisions() -> None:
 
 
 def test_round_trip_through_plain_data() -> None:
-    spec = MambaSpec(block_size=64, shapes=((3, 10240), (128, 64, 128)),
-                     dtypes=(BF16, torch.float32), page_size_padded=5_000_000,
-                     num_speculative_blocks=2, num_prefill_checkpoint_blocks=1,
-                     prefill_checkpoint_alignment=64, tp_replicated=True)
+    spec = MambaSpec(
+        block_size=64,
+        shapes=((3, 10240), (128, 64, 128)),
+        dtypes=(BF16, torch.float32),
+        page_size_padded=5_000_000,
+        num_speculative_blocks=2,
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=64,
+        tp_replicated=True,
+    )
     assert spec_from_dict(spec_to_dict(spec), manager_with_plugin().spec_kinds) == spec

@@ -15,13 +15,18 @@ NONE = SizingContext(max_model_len=256, max_in_flight_tokens=64, mamba_cache_mod
 
 
 def state_spec(block_size: int = 4, speculative: int = 0) -> MambaSpec:
-    return MambaSpec(block_size=block_size, shapes=((2, 4),), dtypes=(torch.float32,),
-                     num_speculative_blocks=speculative)
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((2, 4),),
+        dtypes=(torch.float32,),
+        num_speculative_blocks=speculative,
+    )
 
 
 def full(block_size: int = 4) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
-                             dtype=torch.float16)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
 
 
 def manager() -> PluginManager:
@@ -53,8 +58,9 @@ def test_align_mode_keeps_the_start_state_and_the_running_state_only() -> None:
 
 
 def test_a_prefill_past_a_boundary_saves_no_state_there() -> None:
-    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
-                                 pool_of_group=[0, 1], manager=manager())
+    allocator = KVCacheAllocator(
+        [full(), state_spec()], [32, 8], ALIGN, pool_of_group=[0, 1], manager=manager()
+    )
     assert allocator.allocate_slots(Request("a", list(range(18))), 18)
     assert allocator.usage.cached_blocks == 4  # attention blocks only
     assert allocator.find_cached_prefix(Request("b", list(range(17)) + [0])).num_tokens == 0
@@ -64,8 +70,9 @@ def test_a_prefill_past_a_boundary_saves_no_state_there() -> None:
 
 def test_none_mode_holds_fixed_states_and_never_caches() -> None:
     spec = state_spec(speculative=1)
-    allocator = KVCacheAllocator([full(), spec], [32, 8], NONE, pool_of_group=[0, 1],
-                                 manager=manager())
+    allocator = KVCacheAllocator(
+        [full(), spec], [32, 8], NONE, pool_of_group=[0, 1], manager=manager()
+    )
     request = Request("a", list(range(12)))
     result = allocator.allocate_slots(request, 12)
     assert [len(ids) for ids in result.new_block_ids] == [3, 2]
@@ -89,8 +96,9 @@ def test_longest_hit_returns_the_latest_saved_state() -> None:
 def test_a_step_past_the_appended_tokens_saves_no_checkpoint() -> None:
     # 16 tokens scheduled but only 14 known (drafts): the state at 16 is not the state of
     # a known prefix, so it is not cached; attention caches its full known blocks.
-    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
-                                 pool_of_group=[0, 1], manager=manager())
+    allocator = KVCacheAllocator(
+        [full(), state_spec()], [32, 8], ALIGN, pool_of_group=[0, 1], manager=manager()
+    )
     request = Request("a", list(range(14)))
     assert allocator.allocate_slots(request, 16)
     assert allocator.usage.cached_blocks == 3
@@ -100,8 +108,9 @@ def test_a_step_past_the_appended_tokens_saves_no_checkpoint() -> None:
 def test_a_start_state_inside_a_block_is_never_cached_as_its_boundary_state() -> None:
     # Steps end at 10 and 15: block 2 holds the state at 10 when the second step starts
     # from it; it is not the state at 12 and must not be found as such.
-    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
-                                 pool_of_group=[0, 1], manager=manager())
+    allocator = KVCacheAllocator(
+        [full(), state_spec()], [32, 8], ALIGN, pool_of_group=[0, 1], manager=manager()
+    )
     first = Request("a", list(range(20)))
     assert allocator.allocate_slots(first, 10)
     assert allocator.allocate_slots(first, 5)
@@ -111,8 +120,9 @@ def test_a_start_state_inside_a_block_is_never_cached_as_its_boundary_state() ->
 def test_speculative_slots_beyond_the_cap_are_not_now() -> None:
     # Without speculative blocks a request holds 2 states; a step from 4 to 8 with one
     # lookahead slot would need the start state plus two more.
-    allocator = KVCacheAllocator([full(), state_spec()], [32, 8], ALIGN,
-                                 pool_of_group=[0, 1], manager=manager())
+    allocator = KVCacheAllocator(
+        [full(), state_spec()], [32, 8], ALIGN, pool_of_group=[0, 1], manager=manager()
+    )
     request = Request("a", list(range(12)))
     assert allocator.allocate_slots(request, 4)
     before = allocator.block_ids("a")

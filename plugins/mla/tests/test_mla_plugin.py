@@ -29,8 +29,11 @@ def test_registration_lists_the_kinds_and_the_dtype() -> None:
     info = manager.register(mla_plugin, "mla")
     assert list(info.spec_kinds) == MLA_KINDS
     assert set(info.hooks) == {
-        "kvspec_register_spec_kinds", "kvspec_register_kv_dtypes",
-        "kvspec_register_runtime_rules", "kvspec_layer_spec"}
+        "kvspec_register_spec_kinds",
+        "kvspec_register_kv_dtypes",
+        "kvspec_register_runtime_rules",
+        "kvspec_layer_spec",
+    }
     for kind in MLA_KINDS:
         assert manager.spec_kinds.owner_of(kind) == "mla"
     fp8_ds_mla = manager.kv_dtypes.get("fp8_ds_mla")
@@ -92,26 +95,32 @@ def test_deepseek_v2_lite_stores_576_values_x_2_bytes_x_27_layers_per_token() ->
 def test_the_latent_is_replicated_across_tensor_parallelism() -> None:
     config = load_config()
     for tp in (1, 2, 8, 16):
-        layer = model_layer(config, 0, manager_with_mla(),
-                            options=PlanOptions(tensor_parallel_size=tp))
+        layer = model_layer(
+            config, 0, manager_with_mla(), options=PlanOptions(tensor_parallel_size=tp)
+        )
         spec = mla_plugin.kvspec_layer_spec(layer)
         assert (spec.num_kv_heads, spec.max_tp_shards) == (1, 1)
         assert spec.page_size_bytes == 16 * 576 * 2
 
 
-@pytest.mark.parametrize("kv_cache_dtype, dtype, cache_dtype_str, per_token", [
-    ("auto", torch.bfloat16, None, 1152),
-    ("bfloat16", torch.bfloat16, None, 1152),
-    ("float32", torch.float32, None, 2304),
-    ("fp8", torch.float8_e4m3fn, None, 576),
-    ("fp8_ds_mla", torch.uint8, "fp8_ds_mla", 656),
-    ("nvfp4_ds_mla", torch.uint8, "nvfp4_ds_mla", 352),
-])
-def test_kv_cache_dtype_choice(kv_cache_dtype: str, dtype: torch.dtype,
-                               cache_dtype_str: str | None, per_token: int) -> None:
+@pytest.mark.parametrize(
+    "kv_cache_dtype, dtype, cache_dtype_str, per_token",
+    [
+        ("auto", torch.bfloat16, None, 1152),
+        ("bfloat16", torch.bfloat16, None, 1152),
+        ("float32", torch.float32, None, 2304),
+        ("fp8", torch.float8_e4m3fn, None, 576),
+        ("fp8_ds_mla", torch.uint8, "fp8_ds_mla", 656),
+        ("nvfp4_ds_mla", torch.uint8, "nvfp4_ds_mla", 352),
+    ],
+)
+def test_kv_cache_dtype_choice(
+    kv_cache_dtype: str, dtype: torch.dtype, cache_dtype_str: str | None, per_token: int
+) -> None:
     options = PlanOptions(block_size=64, kv_cache_dtype=kv_cache_dtype)
-    spec = mla_plugin.kvspec_layer_spec(model_layer(load_config(), 0, manager_with_mla(),
-                                                    options=options))
+    spec = mla_plugin.kvspec_layer_spec(
+        model_layer(load_config(), 0, manager_with_mla(), options=options)
+    )
     assert spec.dtype == dtype
     assert spec.cache_dtype_str == cache_dtype_str
     assert spec.page_size_bytes == 64 * per_token
@@ -119,22 +128,38 @@ def test_kv_cache_dtype_choice(kv_cache_dtype: str, dtype: torch.dtype,
 
 def test_the_cores_resolved_dtype_is_used_when_given() -> None:
     fp8 = next(mode for mode in BUILTIN_QUANT_MODES if mode.name == "fp8_per_tensor")
-    shape = AttentionShape(num_kv_heads=16, total_kv_heads=16, head_size=192, head_size_v=128,
-                           dtype=torch.float8_e5m2, kv_quant_mode=fp8, kv_cache_dtype="fp8_e5m2")
+    shape = AttentionShape(
+        num_kv_heads=16,
+        total_kv_heads=16,
+        head_size=192,
+        head_size_v=128,
+        dtype=torch.float8_e5m2,
+        kv_quant_mode=fp8,
+        kv_cache_dtype="fp8_e5m2",
+    )
     spec = mla_plugin.kvspec_layer_spec(
-        mla_layer(load_config(), kv_cache_dtype="fp8_e5m2", attention=shape))
+        mla_layer(load_config(), kv_cache_dtype="fp8_e5m2", attention=shape)
+    )
     # Dtype and quant mode come from the core; heads and sizes from the latent, not from
     # the config's per-head attention geometry.
     assert (spec.dtype, spec.kv_quant_mode) == (torch.float8_e5m2, fp8)
     assert (spec.num_kv_heads, spec.head_size, spec.head_size_v) == (1, 576, 0)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("kv_lora_rank", None), ("kv_lora_rank", 0), ("kv_lora_rank", "512"),
-    ("qk_rope_head_dim", None), ("qk_rope_head_dim", -64), ("qk_rope_head_dim", True),
-])
-def test_missing_latent_fields_are_refused_naming_field_and_layer(field: str,
-                                                                  value: object) -> None:
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("kv_lora_rank", None),
+        ("kv_lora_rank", 0),
+        ("kv_lora_rank", "512"),
+        ("qk_rope_head_dim", None),
+        ("qk_rope_head_dim", -64),
+        ("qk_rope_head_dim", True),
+    ],
+)
+def test_missing_latent_fields_are_refused_naming_field_and_layer(
+    field: str, value: object
+) -> None:
     config = load_config()
     if value is None:
         del config[field]
@@ -155,12 +180,16 @@ def test_other_layer_types_are_left_to_other_families() -> None:
 def test_sliding_mla_layers() -> None:
     config = {**load_config(), "sliding_window": 128}
     spec = mla_plugin.kvspec_layer_spec(
-        mla_layer(config, layer_type="sliding_mla_attention", kv_cache_dtype="fp8_ds_mla"))
+        mla_layer(config, layer_type="sliding_mla_attention", kv_cache_dtype="fp8_ds_mla")
+    )
     assert isinstance(spec, SlidingWindowMLASpec)
     assert (spec.sliding_window, spec.head_size, spec.page_size_bytes) == (128, 576, 16 * 656)
     del config["sliding_window"]
-    with pytest.raises(ConfigError, match=r"'sliding_window'.*model.layers.0"
-                                          r"|model.layers.0.*'sliding_window'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'sliding_window'.*model.layers.0"
+        r"|model.layers.0.*'sliding_window'",
+    ):
         mla_plugin.kvspec_layer_spec(mla_layer(config, layer_type="sliding_mla_attention"))
 
 

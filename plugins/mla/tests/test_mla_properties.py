@@ -48,8 +48,12 @@ def mla_specs(draw: st.DrawFn, cls: type[MLAAttentionSpec] = MLAAttentionSpec) -
 def sliding_specs(draw: st.DrawFn) -> SlidingWindowMLASpec:
     base = draw(mla_specs())
     return SlidingWindowMLASpec(
-        block_size=base.block_size, num_kv_heads=1, head_size=base.head_size, dtype=base.dtype,
-        cache_dtype_str=base.cache_dtype_str, alignment=base.alignment,
+        block_size=base.block_size,
+        num_kv_heads=1,
+        head_size=base.head_size,
+        dtype=base.dtype,
+        cache_dtype_str=base.cache_dtype_str,
+        alignment=base.alignment,
         sliding_window=draw(st.integers(1, 1 << 16)),
         extra_retained_tokens=draw(st.integers(0, 64)),
         bounded_replay=draw(st.booleans()),
@@ -57,8 +61,13 @@ def sliding_specs(draw: st.DrawFn) -> SlidingWindowMLASpec:
 
 
 def rings() -> st.SearchStrategy[CircularBufferSpec]:
-    return st.builds(CircularBufferSpec, block_size=block_sizes, num_kv_heads=st.integers(1, 8),
-                     head_size=st.sampled_from([64, 128, 512]), dtype=dtypes)
+    return st.builds(
+        CircularBufferSpec,
+        block_size=block_sizes,
+        num_kv_heads=st.integers(1, 8),
+        head_size=st.sampled_from([64, 128, 512]),
+        dtype=dtypes,
+    )
 
 
 any_spec = st.one_of(mla_specs(), mla_specs(HiddenStateCacheSpec), sliding_specs(), rings())
@@ -78,10 +87,13 @@ def _merge_outcome(specs: list[KVSpec], names: list[str]) -> KVSpec | type[Merge
 
 
 @PROFILE
-@given(pool=st.lists(mla_specs(), min_size=1, max_size=2),
-       picks=st.lists(st.integers(0, 1), min_size=1, max_size=4))
-def test_mla_merge_is_order_independent_and_idempotent(pool: list[MLAAttentionSpec],
-                                                       picks: list[int]) -> None:
+@given(
+    pool=st.lists(mla_specs(), min_size=1, max_size=2),
+    picks=st.lists(st.integers(0, 1), min_size=1, max_size=4),
+)
+def test_mla_merge_is_order_independent_and_idempotent(
+    pool: list[MLAAttentionSpec], picks: list[int]
+) -> None:
     # Varying only the any-merged flag keeps many groups mergeable.
     pool = pool + [attrs.evolve(pool[0], non_causal_multi_token_decode=True)]
     specs = [pool[pick % len(pool)] for pick in picks] + [pool[-1]]
@@ -108,10 +120,15 @@ def test_sliding_mla_merge_is_symmetric(a: SlidingWindowMLASpec, b: SlidingWindo
 
 
 @PROFILE
-@given(spec=any_spec, ctx=contexts, longer_by=st.integers(0, 1 << 22),
-       busier_by=st.integers(0, 1 << 17))
-def test_sizing_is_monotone_and_one_formula(spec: KVSpec, ctx: SizingContext, longer_by: int,
-                                            busier_by: int) -> None:
+@given(
+    spec=any_spec,
+    ctx=contexts,
+    longer_by=st.integers(0, 1 << 22),
+    busier_by=st.integers(0, 1 << 17),
+)
+def test_sizing_is_monotone_and_one_formula(
+    spec: KVSpec, ctx: SizingContext, longer_by: int, busier_by: int
+) -> None:
     check_sizing_invariants(spec, ctx, longer_by=longer_by, busier_by=busier_by)
 
 

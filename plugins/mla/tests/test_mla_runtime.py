@@ -34,8 +34,9 @@ def test_groups_hold_what_their_admission_caps_say() -> None:
     specs = _groups()
     caps = [spec.max_blocks_per_request(CTX) for spec in specs]
     assert caps == [256, 1, 25]  # cdiv(4096, 16); one ring block; cdiv(127 + 256, 16) + 1
-    allocator = KVCacheAllocator(specs, 1000, CTX, manager=manager_with_mla(),
-                                 hash_salt=b"mla-test")
+    allocator = KVCacheAllocator(
+        specs, 1000, CTX, manager=manager_with_mla(), hash_salt=b"mla-test"
+    )
     request = Request("r", list(range(4096)))
     computed = 0
     held: list[list[int]] = [[], [], []]

@@ -17,8 +17,14 @@ CTX = SizingContext(max_model_len=256, max_in_flight_tokens=16)
 
 
 def window_spec(window: int, block_size: int = 4, extra: int = 0) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=block_size, sliding_window=window, num_kv_heads=1,
-                             head_size=8, dtype=torch.float16, extra_retained_tokens=extra)
+    return SlidingWindowSpec(
+        block_size=block_size,
+        sliding_window=window,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+        extra_retained_tokens=extra,
+    )
 
 
 def manager() -> PluginManager:
@@ -35,8 +41,12 @@ def test_hook_registers_rules_for_the_plugins_kinds() -> None:
 
 
 @settings(max_examples=60)
-@given(window=st.integers(1, 40), block=st.integers(1, 8), extra=st.integers(0, 9),
-       skipped=st.integers(0, 30))
+@given(
+    window=st.integers(1, 40),
+    block=st.integers(1, 8),
+    extra=st.integers(0, 9),
+    skipped=st.integers(0, 30),
+)
 def test_next_skip_position_is_where_one_more_block_is_dropped(
     window: int, block: int, extra: int, skipped: int
 ) -> None:
@@ -48,8 +58,13 @@ def test_next_skip_position_is_where_one_more_block_is_dropped(
 
 
 @settings(max_examples=80)
-@given(window=st.integers(1, 30), block=st.integers(1, 6), extra=st.integers(0, 5),
-       cached=st.lists(st.booleans(), max_size=24), limit=st.integers(0, 24))
+@given(
+    window=st.integers(1, 30),
+    block=st.integers(1, 6),
+    extra=st.integers(0, 5),
+    cached=st.lists(st.booleans(), max_size=24),
+    limit=st.integers(0, 24),
+)
 def test_longest_hit_is_the_largest_resumable_position(
     window: int, block: int, extra: int, cached: list[bool], limit: int
 ) -> None:
@@ -91,8 +106,9 @@ def test_a_long_request_never_holds_more_than_the_admission_cap() -> None:
 
 
 def test_kpool_tail_holds_one_block_for_life_and_blocks_hits() -> None:
-    tail = KpoolTailSpec(block_size=4, sliding_window=4, num_kv_heads=1, head_size=8,
-                         dtype=torch.float16)
+    tail = KpoolTailSpec(
+        block_size=4, sliding_window=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
     full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16)
     allocator = KVCacheAllocator([full, tail], 64, CTX, manager=manager())
     first = Request("a", list(range(20)))

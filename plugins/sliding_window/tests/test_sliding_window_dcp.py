@@ -17,8 +17,9 @@ from kvspec_core.arithmetic import cdiv
 from kvspec_sliding_window import SlidingWindowSpec
 
 
-def blocks_per_rank(start: int, num_tokens: int, dcp: int, block_size: int,
-                    interleave: int = 1) -> list[int]:
+def blocks_per_rank(
+    start: int, num_tokens: int, dcp: int, block_size: int, interleave: int = 1
+) -> list[int]:
     """Distinct blocks each rank touches holding positions ``[start, start + num_tokens)``."""
     touched: list[set[int]] = [set() for _ in range(dcp)]
     for position in range(start, start + num_tokens):
@@ -44,11 +45,12 @@ def tokens_per_rank(start: int, num_tokens: int, dcp: int) -> list[int]:
     dcp=st.integers(1, 5),
     interleave_choice=st.sampled_from(["one", "two", "block"]),
 )
-def test_cap_covers_every_rank_for_every_placement(window: int, in_flight: int, max_len: int,
-                                                   block_size: int, dcp: int,
-                                                   interleave_choice: str) -> None:
+def test_cap_covers_every_rank_for_every_placement(
+    window: int, in_flight: int, max_len: int, block_size: int, dcp: int, interleave_choice: str
+) -> None:
     interleave = {"one": 1, "two": 2 if block_size % 2 == 0 else 1, "block": block_size}[
-        interleave_choice]
+        interleave_choice
+    ]
     spec = SlidingWindowSpec(**swa_fields(sliding_window=window, block_size=block_size))
     ctx = SizingContext(max_model_len=max_len, max_in_flight_tokens=in_flight, dcp_size=dcp)
     held = spec.retained_tokens(ctx)
@@ -78,8 +80,7 @@ def test_worked_example_four_ranks() -> None:
 
 def test_without_sharding_every_rank_holds_the_whole_window() -> None:
     sharded = SlidingWindowSpec(**swa_fields(sliding_window=8, block_size=2))
-    replicated = SlidingWindowSpec(**swa_fields(sliding_window=8, block_size=2,
-                                                dcp_sharded=False))
+    replicated = SlidingWindowSpec(**swa_fields(sliding_window=8, block_size=2, dcp_sharded=False))
     ctx = SizingContext(max_model_len=1000, max_in_flight_tokens=8, dcp_size=4)
     assert replicated.max_blocks_per_request(ctx) == cdiv(15, 2) + 1 == 9
     assert sharded.max_blocks_per_request(ctx) < replicated.max_blocks_per_request(ctx)

@@ -61,14 +61,18 @@ def test_no_source_or_test_imports_another_family_plugin() -> None:
 
 
 # --------------------------------------------------------------------------- layer claims
-@pytest.mark.parametrize("name, index, window, kv_heads, head_size", [
-    ("mistralai__Mistral-7B-v0.1", 0, 4096, 8, 128),
-    ("microsoft__Phi-3-mini-4k-instruct", 5, 2047, 32, 96),
-    ("google__gemma-2-9b-it", 0, 4096, 8, 256),
-    ("openai__gpt-oss-20b", 2, 128, 8, 64),
-])
-def test_sliding_layers_of_real_models(name: str, index: int, window: int, kv_heads: int,
-                                       head_size: int) -> None:
+@pytest.mark.parametrize(
+    "name, index, window, kv_heads, head_size",
+    [
+        ("mistralai__Mistral-7B-v0.1", 0, 4096, 8, 128),
+        ("microsoft__Phi-3-mini-4k-instruct", 5, 2047, 32, 96),
+        ("google__gemma-2-9b-it", 0, 4096, 8, 256),
+        ("openai__gpt-oss-20b", 2, 128, 8, 64),
+    ],
+)
+def test_sliding_layers_of_real_models(
+    name: str, index: int, window: int, kv_heads: int, head_size: int
+) -> None:
     manager = manager_with_plugin()
     layer = model_layer(load_config(name), index, manager)
     assert layer.layer_type == "sliding_attention"
@@ -77,24 +81,34 @@ def test_sliding_layers_of_real_models(name: str, index: int, window: int, kv_he
     spec = claims[0][1]
     assert type(spec) is SlidingWindowSpec
     assert (spec.sliding_window, spec.num_kv_heads, spec.head_size, spec.head_size_v) == (
-        window, kv_heads, head_size, head_size)
+        window,
+        kv_heads,
+        head_size,
+        head_size,
+    )
     assert spec.max_tp_shards == kv_heads and spec.block_size == 16
     assert spec.extra_retained_tokens == 0 and spec.dcp_sharded
 
 
 def test_gpt_oss_sliding_layer_at_tp2_with_block_32() -> None:
     manager = manager_with_plugin()
-    layer = model_layer(load_config("openai__gpt-oss-20b"), 0, manager,
-                        options=PlanOptions(block_size=32, tensor_parallel_size=2))
-    (_, spec), = manager.layer_specs(layer)
+    layer = model_layer(
+        load_config("openai__gpt-oss-20b"),
+        0,
+        manager,
+        options=PlanOptions(block_size=32, tensor_parallel_size=2),
+    )
+    ((_, spec),) = manager.layer_specs(layer)
     assert (spec.num_kv_heads, spec.max_tp_shards, spec.block_size) == (4, 8, 32)
     assert spec.page_size_bytes == 32 * 4 * (64 + 64) * 2
     ctx = SizingContext(max_model_len=131072, max_in_flight_tokens=16384)
     assert spec.max_blocks_per_request(ctx) == (127 + 16384 + 31) // 32 + 1 == 517
 
 
-@pytest.mark.parametrize("layer_type", ["full_attention", "chunked_attention", "mamba",
-                                        "mla_attention", "linear_attention"])
+@pytest.mark.parametrize(
+    "layer_type",
+    ["full_attention", "chunked_attention", "mamba", "mla_attention", "linear_attention"],
+)
 def test_other_layer_types_are_left_to_other_families(layer_type: str) -> None:
     # A real sliding layer relabelled: only the type tells the plugin to leave it.
     real = model_layer(load_config("mistralai__Mistral-7B-v0.1"), 0, PluginManager())
@@ -126,8 +140,12 @@ def test_sliding_layer_without_attention_geometry_is_refused() -> None:
 def test_quantised_cache_dtype_flows_into_the_spec() -> None:
     manager = manager_with_plugin()
     fp8 = manager.kv_dtypes.get("fp8")
-    layer = model_layer(load_config("mistralai__Mistral-7B-v0.1"), 0, manager,
-                        options=PlanOptions(kv_cache_dtype="fp8"))
+    layer = model_layer(
+        load_config("mistralai__Mistral-7B-v0.1"),
+        0,
+        manager,
+        options=PlanOptions(kv_cache_dtype="fp8"),
+    )
     assert layer.attention.kv_cache_dtype == "fp8"
     spec = sliding_window_plugin.kvspec_layer_spec(layer)
     assert spec.kv_quant_mode == fp8.quant_mode

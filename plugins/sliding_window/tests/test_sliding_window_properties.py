@@ -71,13 +71,16 @@ contexts = st.builds(
 @pytest.mark.parametrize("cls", SPEC_CLASSES)
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), ctx=contexts, more=st.integers(0, 1 << 20))
-def test_sizing_is_monotone_and_one_formula(cls: type, data: st.DataObject, ctx: SizingContext,
-                                            more: int) -> None:
+def test_sizing_is_monotone_and_one_formula(
+    cls: type, data: st.DataObject, ctx: SizingContext, more: int
+) -> None:
     spec = data.draw(specs_of(cls))
     check_sizing_invariants(spec, ctx, longer_by=more, busier_by=more)
     longer = attrs.evolve(ctx, max_model_len=ctx.max_model_len + more)
     busier = attrs.evolve(ctx, max_in_flight_tokens=ctx.max_in_flight_tokens + more)
     for context in (ctx, longer, busier):
         # A request never holds more blocks than its block-table row has entries.
-        assert spec.max_blocks_per_request(context) <= spec.block_table_width(
-            context, context.max_model_len) + 1
+        assert (
+            spec.max_blocks_per_request(context)
+            <= spec.block_table_width(context, context.max_model_len) + 1
+        )

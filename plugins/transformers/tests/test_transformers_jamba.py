@@ -34,8 +34,10 @@ from kvspec_transformers import (
 from kvspec_transformers.state_layers import StateLayer
 
 #: AI21-Jamba-1.5-Mini's published config, shrunk: Mamba-1 at 0, 1, 3, attention at 2.
-CONFIG = {**shrink_config(read_config(CONFIGS / "ai21labs__AI21-Jamba-1.5-Mini.json")),
-          "initializer_range": INITIALIZER_RANGE}
+CONFIG = {
+    **shrink_config(read_config(CONFIGS / "ai21labs__AI21-Jamba-1.5-Mini.json")),
+    "initializer_range": INITIALIZER_RANGE,
+}
 
 
 def jamba_model() -> torch.nn.Module:
@@ -51,16 +53,24 @@ def jamba_model() -> torch.nn.Module:
 @functools.cache
 def references() -> dict[str, tuple[int, ...]]:
     model = jamba_model()
-    return {"prompt": reference_generate(model, PROMPT), "a": reference_generate(model, PROMPT_A),
-            "b": reference_generate(model, PROMPT_B)}
+    return {
+        "prompt": reference_generate(model, PROMPT),
+        "a": reference_generate(model, PROMPT_A),
+        "b": reference_generate(model, PROMPT_B),
+    }
 
 
 def test_jamba_without_prefix_caching_is_token_identical_to_transformers() -> None:
     engine = TransformersEngine(jamba_model(), kvspec_config=CONFIG, enable_prefix_caching=False)
     assert [type(layer).__name__ for layer in engine.cache.layers] == [
-        "StateLayer", "StateLayer", "PagedAttentionLayer", "StateLayer"]
-    assert {layer.spec.mamba_type for layer in engine.cache.layers
-            if isinstance(layer, StateLayer)} == {"mamba1"}
+        "StateLayer",
+        "StateLayer",
+        "PagedAttentionLayer",
+        "StateLayer",
+    ]
+    assert {
+        layer.spec.mamba_type for layer in engine.cache.layers if isinstance(layer, StateLayer)
+    } == {"mamba1"}
     for key, prompt in (("prompt", PROMPT), ("a", PROMPT_A), ("b", PROMPT_B)):
         result = engine.generate(prompt, NEW_TOKENS)
         assert result.cached_tokens == 0
@@ -68,8 +78,11 @@ def test_jamba_without_prefix_caching_is_token_identical_to_transformers() -> No
 
 
 def test_jamba_with_prefix_caching_is_refused_at_start() -> None:
-    with pytest.raises(EngineError, match=r"layer model.layers.0: transformers' Mamba-1 scan "
-                       r".* zero SSM state.*enable_prefix_caching=False"):
+    with pytest.raises(
+        EngineError,
+        match=r"layer model.layers.0: transformers' Mamba-1 scan "
+        r".* zero SSM state.*enable_prefix_caching=False",
+    ):
         TransformersEngine(jamba_model(), kvspec_config=CONFIG)
 
 

@@ -47,10 +47,12 @@ def model_with_sinks(sinks: str = "learned") -> torch.nn.Module:
 @functools.cache
 def references() -> dict[str, tuple[int, ...]]:
     model = model_with_sinks()
-    return {"prompt": reference_generate(model, PROMPT),
-            "long": reference_generate(model, LONG_PROMPT),
-            "b": reference_generate(model, PROMPT_B),
-            "no sinks": reference_generate(model_with_sinks("none"), PROMPT)}
+    return {
+        "prompt": reference_generate(model, PROMPT),
+        "long": reference_generate(model, LONG_PROMPT),
+        "b": reference_generate(model, PROMPT_B),
+        "no sinks": reference_generate(model_with_sinks("none"), PROMPT),
+    }
 
 
 def test_the_sinks_change_transformers_own_tokens() -> None:

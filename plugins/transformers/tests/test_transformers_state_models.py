@@ -51,8 +51,10 @@ from kvspec_transformers.state_layers import StateLayer
 BAMBA_9B = Path(__file__).parent / "data" / "ibm-ai-platform__Bamba-9B.json"
 #: Real configs: Qwen3-Next-80B-A3B-Thinking from kvspec's bundled preset (the Hugging Face
 #: config.json, byte for byte), Bamba-9B from tests/data.
-CONFIGS = {"qwen3_next": lambda: load_preset("qwen3-next-80b"),
-           "bamba": lambda: read_config(BAMBA_9B)}
+CONFIGS = {
+    "qwen3_next": lambda: load_preset("qwen3-next-80b"),
+    "bamba": lambda: read_config(BAMBA_9B),
+}
 #: The mixer module of a state layer in each model.
 MIXERS = {"qwen3_next": "linear_attn", "bamba": "mamba"}
 MODELS = list(CONFIGS)
@@ -68,9 +70,11 @@ def case(name: str) -> tuple[dict[str, Any], torch.nn.Module, dict[str, tuple[in
     switches the model to the paged attention)."""
     config = shrink_config(CONFIGS[name]())
     model = build_model(config, seed=0)
-    reference = {"prompt": reference_generate(model, PROMPT),
-                 "b": reference_generate(model, PROMPT_B),
-                 "c": reference_generate(model, PROMPT_C)}
+    reference = {
+        "prompt": reference_generate(model, PROMPT),
+        "b": reference_generate(model, PROMPT_B),
+        "c": reference_generate(model, PROMPT_C),
+    }
     return config, model, reference
 
 
@@ -89,8 +93,9 @@ def hit_state_blocks(engine: TransformersEngine, prompt: Sequence[int]) -> dict[
     blocks = {}
     for layer in state_layers(engine):
         binding = layer.binding
-        column = layer.spec.state_columns(prefix.num_tokens, len(prompt) - prefix.num_tokens,
-                                          engine.plan.context.mamba_cache_mode).read
+        column = layer.spec.state_columns(
+            prefix.num_tokens, len(prompt) - prefix.num_tokens, engine.plan.context.mamba_cache_mode
+        ).read
         assert column is not None
         blocks[binding.layer_name] = prefix.block_ids[binding.group][column]
     return blocks
@@ -101,7 +106,8 @@ def forward_tokens(model: torch.nn.Module) -> Iterator[list[int]]:
     """Tokens of each forward ``model`` runs (an embedding hook)."""
     counts: list[int] = []
     handle = model.get_input_embeddings().register_forward_pre_hook(
-        lambda module, args: counts.append(int(args[0].numel())))
+        lambda module, args: counts.append(int(args[0].numel()))
+    )
     try:
         yield counts
     finally:
@@ -126,8 +132,9 @@ def test_state_and_kv_live_in_kvspec_blocks(name: str) -> None:
     _, model, _ = case(name)
     assert engine.plan.context.mamba_cache_mode == "align"
     layer_types = model.config.layer_types
-    expected = [StateLayer if kind == "linear_attention" else PagedAttentionLayer
-                for kind in layer_types]
+    expected = [
+        StateLayer if kind == "linear_attention" else PagedAttentionLayer for kind in layer_types
+    ]
     assert [type(layer) for layer in engine.cache.layers] == expected
     assert "linear_attention" in layer_types and "full_attention" in layer_types
     pools = {engine.plan.groups[layer.binding.group].pool for layer in state_layers(engine)}
@@ -141,8 +148,11 @@ def test_state_and_kv_live_in_kvspec_blocks(name: str) -> None:
             offset = state.data_ptr() - buffer.data_ptr()
             inside.append(0 <= offset < buffer.numel())
 
-    handles = [getattr(block, MIXERS[name]).register_forward_pre_hook(check)
-               for block in model.model.layers if hasattr(block, MIXERS[name])]
+    handles = [
+        getattr(block, MIXERS[name]).register_forward_pre_hook(check)
+        for block in model.model.layers
+        if hasattr(block, MIXERS[name])
+    ]
     try:
         engine.generate(PROMPT, 2)
     finally:
@@ -211,8 +221,9 @@ def test_decode_steps_save_states_a_continuation_resumes_from() -> None:
 def test_a_state_spec_without_a_conv_window_is_refused() -> None:
     engine = engine_for("bamba")
     binding = state_layers(engine)[0].binding
-    lone = MambaSpec(block_size=16, shapes=((4, 16, 16),), dtypes=(torch.float32,),
-                     mamba_type="linear_attention")
+    lone = MambaSpec(
+        block_size=16, shapes=((4, 16, 16),), dtypes=(torch.float32,), mamba_type="linear_attention"
+    )
     with pytest.raises(ConfigError, match="conv window plus a recurrent state"):
         StateLayer(attrs.evolve(binding, spec=lone))
 
@@ -244,8 +255,10 @@ def test_a_failed_prefill_step_keeps_only_the_states_it_saved(name: str) -> None
     config = case(name)[0]
     model = build_model(config, seed=0)
     long_prompt = PREFIX + token_ids(17, seed=12)
-    expected = {"long": reference_generate(model, long_prompt),
-                "b": reference_generate(model, PROMPT_B)}
+    expected = {
+        "long": reference_generate(model, long_prompt),
+        "b": reference_generate(model, PROMPT_B),
+    }
     engine = TransformersEngine(model, kvspec_config=config)
     for prompt, call, kept in ((long_prompt, 1, 0), (PROMPT_A, 2, SHARED_PREFIX)):
         handle = fail_on_call(model, 2, call)

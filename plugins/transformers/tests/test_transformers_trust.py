@@ -53,8 +53,12 @@ def test_concurrent_generate_calls_answer_as_sequential_ones() -> None:
     def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
         active[0] -= 1
 
-    def run(index: int, barrier: threading.Barrier, results: list[Generation | None],
-            errors: list[BaseException]) -> None:
+    def run(
+        index: int,
+        barrier: threading.Barrier,
+        results: list[Generation | None],
+        errors: list[BaseException],
+    ) -> None:
         barrier.wait()
         try:
             results[index] = engine.generate(prompts[index], NEW_TOKENS)
@@ -67,8 +71,10 @@ def test_concurrent_generate_calls_answer_as_sequential_ones() -> None:
             results: list[Generation | None] = [None] * len(prompts)
             errors: list[BaseException] = []
             barrier = threading.Barrier(len(prompts))
-            threads = [threading.Thread(target=run, args=(index, barrier, results, errors))
-                       for index in range(len(prompts))]
+            threads = [
+                threading.Thread(target=run, args=(index, barrier, results, errors))
+                for index in range(len(prompts))
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -215,8 +221,7 @@ def hog_all_blocks_but(engine: TransformersEngine, keep: int) -> None:
         index += 1
 
 
-def test_running_out_of_blocks_mid_decode_raises_the_engine_error_with_the_partial_output(
-) -> None:
+def test_running_out_of_blocks_mid_decode_raises_the_engine_error_with_the_partial_output() -> None:
     config, model = fresh_model("llama")
     prompt = token_ids(30, seed=45)
     expected = reference_generate(model, prompt)
@@ -246,8 +251,9 @@ CONVERSIONS: dict[str, Callable[[list[int]], Any]] = {
 @pytest.mark.parametrize("kind", list(CONVERSIONS))
 def test_prompts_of_numpy_and_torch_integers_are_accepted(kind: str) -> None:
     engine = engine_for("llama")
-    result = engine.generate(CONVERSIONS[kind](PROMPT), NEW_TOKENS,
-                             stop_token_ids=numpy.array([511]))
+    result = engine.generate(
+        CONVERSIONS[kind](PROMPT), NEW_TOKENS, stop_token_ids=numpy.array([511])
+    )
     assert result.token_ids == model_case("llama").reference["prompt"]
     assert result.prompt_token_ids == tuple(PROMPT)
     assert all(type(token) is int for token in result.prompt_token_ids)
@@ -263,8 +269,10 @@ def test_prompts_of_numpy_and_torch_integers_are_accepted(kind: str) -> None:
         ([numpy.float32(3)], r"prompt_token_ids\[0\]=.*float32.*must be a token id"),
         (torch.tensor([1.0, 2.0]), r"prompt_token_ids\[0\]=tensor\(1.\).*dtype torch.float32"),
         ([1, -1], r"prompt_token_ids\[1\]=-1 must be a token id in \[0, 512\)"),
-        (numpy.array([3, 512]),
-         r"prompt_token_ids\[1\]=.*512\) must be a token id in \[0, 512\) \(the model's"),
+        (
+            numpy.array([3, 512]),
+            r"prompt_token_ids\[1\]=.*512\) must be a token id in \[0, 512\) \(the model's",
+        ),
         (torch.tensor([[1, 2]]), r"shape \(1, 2\); pass one prompt's 1-d token ids"),
         ("hello", r"is a str; pass token ids \(tokenize the text first\)"),
         (b"hi", r"is a bytes; pass token ids"),
@@ -290,18 +298,30 @@ def test_bad_stop_tokens_are_refused() -> None:
 @pytest.mark.parametrize(
     ("name", "override", "match"),
     [
-        ("mistral", {"sliding_window": 4096},
-         r"layer model.layers.0: the model computes sliding_attention "
-         r"\(model.config.sliding_window=24\) but the kvspec plan has a sliding_window spec "
-         r"with sliding_window=4096 .*: set kvspec_config's sliding_window to 24"),
-        ("gemma2", {"sliding_window": 100_000},
-         r"layer model.layers.0: .*sliding_window=24\) .*sliding_window=100000 .*to 24"),
-        ("llama4", {"attention_chunk_size": 8192},
-         r"layer model.layers.0: the model computes chunked_attention "
-         r"\(model.config.attention_chunk_size=32\) .*attention_chunk_size=8192 .*to 32"),
-        ("llama", {"sliding_window": 24},
-         r"layer model.layers.0: the model computes full_attention but the kvspec plan has a "
-         r"sliding_window spec with sliding_window=24 .*\(layer_types\)"),
+        (
+            "mistral",
+            {"sliding_window": 4096},
+            r"layer model.layers.0: the model computes sliding_attention "
+            r"\(model.config.sliding_window=24\) but the kvspec plan has a sliding_window spec "
+            r"with sliding_window=4096 .*: set kvspec_config's sliding_window to 24",
+        ),
+        (
+            "gemma2",
+            {"sliding_window": 100_000},
+            r"layer model.layers.0: .*sliding_window=24\) .*sliding_window=100000 .*to 24",
+        ),
+        (
+            "llama4",
+            {"attention_chunk_size": 8192},
+            r"layer model.layers.0: the model computes chunked_attention "
+            r"\(model.config.attention_chunk_size=32\) .*attention_chunk_size=8192 .*to 32",
+        ),
+        (
+            "llama",
+            {"sliding_window": 24},
+            r"layer model.layers.0: the model computes full_attention but the kvspec plan has a "
+            r"sliding_window spec with sliding_window=24 .*\(layer_types\)",
+        ),
     ],
 )
 def test_a_plan_that_disagrees_with_the_model_is_refused_at_start(
@@ -321,8 +341,11 @@ def test_a_state_layer_planned_as_attention_is_refused_at_start() -> None:
 
     config = shrink_config(load_preset("qwen3-next-80b"))  # layers 0-2 linear, 3 full
     model = build_model(config, seed=0)
-    with pytest.raises(EngineError, match=r"layer model.layers.1: the model computes "
-                       r"linear_attention but the kvspec plan has a full_attention spec"):
+    with pytest.raises(
+        EngineError,
+        match=r"layer model.layers.1: the model computes "
+        r"linear_attention but the kvspec plan has a full_attention spec",
+    ):
         TransformersEngine(model, kvspec_config={**config, "full_attention_interval": 2})
 
 
@@ -343,21 +366,33 @@ def test_the_model_reading_follows_transformers_masks() -> None:
     assert kinds(sliding_window=24, use_sliding_window=False) == [("full_attention", None)] * 2
     assert kinds() == [("full_attention", None)] * 2
     assert kinds(layer_types=["chunked_attention", "mlp"], attention_chunk_size=32) == [
-        ("chunked_attention", 32), ("mlp", None)]
+        ("chunked_attention", 32),
+        ("mlp", None),
+    ]
     with pytest.raises(EngineError, match="layer_types has 1 entries for num_hidden_layers=2"):
         kinds(layer_types=["full_attention"])
-    with pytest.raises(EngineError, match=r"sliding_attention but model.config.sliding_window="
-                       r"None is not a positive int"):
+    with pytest.raises(
+        EngineError,
+        match=r"sliding_attention but model.config.sliding_window="
+        r"None is not a positive int",
+    ):
         kinds(layer_types=["sliding_attention"] * 2)
     full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
     config = SimpleNamespace(num_hidden_layers=3, layer_types=["full_attention", "mlp", "moe"])
     check_plan_against_model(config, {0: ("model.layers.0", full)}, 64)
-    with pytest.raises(EngineError, match=r"layer model.layers.1: the model computes an mlp "
-                       r"layer \(no cache\) but the kvspec plan has a full_attention spec"):
-        check_plan_against_model(config, {0: ("model.layers.0", full),
-                                          1: ("model.layers.1", full)}, 64)
-    with pytest.raises(EngineError, match=r"layer model.layers.0: the model computes "
-                       r"full_attention but the kvspec plan keeps no cache for it"):
+    with pytest.raises(
+        EngineError,
+        match=r"layer model.layers.1: the model computes an mlp "
+        r"layer \(no cache\) but the kvspec plan has a full_attention spec",
+    ):
+        check_plan_against_model(
+            config, {0: ("model.layers.0", full), 1: ("model.layers.1", full)}, 64
+        )
+    with pytest.raises(
+        EngineError,
+        match=r"layer model.layers.0: the model computes "
+        r"full_attention but the kvspec plan keeps no cache for it",
+    ):
         check_plan_against_model(config, {}, 64)
     odd = SimpleNamespace(num_hidden_layers=1, layer_types=["indexed_attention"])
     with pytest.raises(EngineError, match="computes a 'indexed_attention' layer"):

@@ -58,13 +58,14 @@ def config_of(name: str, **overrides: Any) -> dict[str, Any]:
     return {**config, "initializer_range": INITIALIZER_RANGE, **overrides}
 
 
-def reference_generate(model: torch.nn.Module, prompt: Sequence[int],
-                       new_tokens: int = NEW_TOKENS) -> tuple[int, ...]:
+def reference_generate(
+    model: torch.nn.Module, prompt: Sequence[int], new_tokens: int = NEW_TOKENS
+) -> tuple[int, ...]:
     """transformers' own greedy ``generate`` (default DynamicCache, default attention)."""
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-    return tuple(out[0, len(prompt):].tolist())
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 @attrs.frozen
@@ -99,8 +100,9 @@ def fresh_model(name: str, **overrides: Any) -> tuple[dict[str, Any], torch.nn.M
     return config, build_model(config, seed=0)
 
 
-def fail_on_call(model: torch.nn.Module, layer: int, call: int,
-                 error: type[BaseException] = RuntimeError) -> Any:
+def fail_on_call(
+    model: torch.nn.Module, layer: int, call: int, error: type[BaseException] = RuntimeError
+) -> Any:
     """Make decoder layer ``layer`` raise ``error("injected failure")`` on its ``call``-th
     forward (1-based), after the layers before it wrote their K/V or state for the step (a
     half-computed step). Returns the hook handle (``.remove()`` it)."""

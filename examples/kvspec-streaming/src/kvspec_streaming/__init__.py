@@ -24,8 +24,10 @@ class StreamingAttentionSpec(AttentionSpec):
         sink = min(self.sink_tokens, ctx.max_model_len)
         # The window may start mid-block, hence the extra block (as for sliding windows).
         recent = min(self.recent_tokens - 1 + ctx.max_in_flight_tokens, ctx.max_model_len)
-        return min(cdiv(sink, self.block_size) + cdiv(recent, self.block_size) + 1,
-                   cdiv(ctx.max_model_len, self.block_size))
+        return min(
+            cdiv(sink, self.block_size) + cdiv(recent, self.block_size) + 1,
+            cdiv(ctx.max_model_len, self.block_size),
+        )
 
 
 @hookimpl

@@ -34,7 +34,9 @@ GROUP_ROLES = (ROLE_SOURCE, ROLE_INDEXER)
 def _check_inner(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, KVSpec) or isinstance(value, (HiSparseGroupSpec, RawPageSpec)):
         raise InvalidFieldTypeError(
-            type(instance).__name__, attribute.name, value,
+            type(instance).__name__,
+            attribute.name,
+            value,
             "expected the KVSpec of the group's layers (not a HiSparse spec)",
         )
 
@@ -74,7 +76,9 @@ class HiSparseGroupSpec(KVSpec):
             inner_value = getattr(self.inner, name)
             if getattr(self, name) != inner_value:
                 raise InvalidFieldError(
-                    type(self).__name__, name, getattr(self, name),
+                    type(self).__name__,
+                    name,
+                    getattr(self, name),
                     f"must equal the wrapped {type(self.inner).__name__}'s {name}="
                     f"{inner_value!r} (leave it unset to take it from the wrapped spec)",
                 )
@@ -172,7 +176,8 @@ class HiSparseGroupSpec(KVSpec):
             by_role = {
                 role: [
                     layer_names[i] if i < len(layer_names) else f"#{i}"
-                    for i, spec in enumerate(groups) if spec.role == role
+                    for i, spec in enumerate(groups)
+                    if spec.role == role
                 ]
                 for role in sorted(roles)
             }

@@ -86,7 +86,9 @@ def size_host_pool(
     is_sequence = isinstance(page_sizes, Sequence) and not isinstance(page_sizes, (str, bytes))
     if not is_sequence or not page_sizes:
         raise InvalidFieldError(
-            _OWNER, "page_sizes", page_sizes,
+            _OWNER,
+            "page_sizes",
+            page_sizes,
             "must be a non-empty sequence of the host-resident groups' page sizes in bytes",
         )
     pages = [_require_int("page_sizes", page, 1, MAX_FIELD_VALUE) for page in page_sizes]
@@ -104,7 +106,9 @@ def size_host_pool(
             f"{needed} bytes"
         )
     return HostPoolSizing(
-        num_blocks=num_blocks, block_stride_bytes=stride, page_bytes=page_bytes,
+        num_blocks=num_blocks,
+        block_stride_bytes=stride,
+        page_bytes=page_bytes,
         budget_bytes=budget,
     )
 

@@ -23,8 +23,9 @@ def _int_arg(function: str, name: str, value: object, minimum: int) -> int:
     return value
 
 
-def prefill_checkpoint_position(num_tokens: int, hash_block_size: int,
-                                drop_eagle_block: bool) -> int:
+def prefill_checkpoint_position(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool
+) -> int:
     """The reusable checkpoint boundary of a prefill of ``num_tokens`` tokens.
 
     The last full hash block boundary strictly before the final token (whose state the
@@ -34,8 +35,9 @@ def prefill_checkpoint_position(num_tokens: int, hash_block_size: int,
     _int_arg("prefill_checkpoint_position", "num_tokens", num_tokens, 0)
     _int_arg("prefill_checkpoint_position", "hash_block_size", hash_block_size, 1)
     if not isinstance(drop_eagle_block, bool):
-        raise InvalidFieldTypeError("prefill_checkpoint_position", "drop_eagle_block",
-                                    drop_eagle_block, "expected a bool")
+        raise InvalidFieldTypeError(
+            "prefill_checkpoint_position", "drop_eagle_block", drop_eagle_block, "expected a bool"
+        )
     position = (num_tokens - 1) // hash_block_size * hash_block_size
     if drop_eagle_block:
         position -= hash_block_size
@@ -96,8 +98,9 @@ class StateColumns:
     write: int
 
 
-def state_columns(num_computed: int, num_new_tokens: int, block_size: int,
-                  mamba_cache_mode: str) -> StateColumns:
+def state_columns(
+    num_computed: int, num_new_tokens: int, block_size: int, mamba_cache_mode: str
+) -> StateColumns:
     """Which block-table columns a step over tokens ``[num_computed, num_computed +
     num_new_tokens)`` reads its start state from and writes its end state to.
 
@@ -112,16 +115,21 @@ def state_columns(num_computed: int, num_new_tokens: int, block_size: int,
     _int_arg(function, "num_new_tokens", num_new_tokens, 1)
     _int_arg(function, "block_size", block_size, 1)
     if mamba_cache_mode not in MAMBA_CACHE_MODES:
-        raise InvalidFieldError(function, "mamba_cache_mode", mamba_cache_mode,
-                                f"must be one of {', '.join(MAMBA_CACHE_MODES)}")
+        raise InvalidFieldError(
+            function,
+            "mamba_cache_mode",
+            mamba_cache_mode,
+            f"must be one of {', '.join(MAMBA_CACHE_MODES)}",
+        )
     if mamba_cache_mode != "align":
         return StateColumns(read=0 if num_computed else None, write=0)
     read = (num_computed - 1) // block_size if num_computed else None
     return StateColumns(read=read, write=(num_computed + num_new_tokens - 1) // block_size)
 
 
-def prefill_step_ends(num_computed: int, num_tokens: int, block_size: int,
-                      checkpoint_at: int | None = None) -> tuple[int, ...]:
+def prefill_step_ends(
+    num_computed: int, num_tokens: int, block_size: int, checkpoint_at: int | None = None
+) -> tuple[int, ...]:
     """Where to end the prefill steps of a prompt of ``num_tokens`` tokens (``num_computed``
     of them already computed, e.g. a prefix hit) so that ``align`` prefix caching saves the
     states later requests resume from, on a backend that exports no mid-query checkpoints
@@ -142,7 +150,9 @@ def prefill_step_ends(num_computed: int, num_tokens: int, block_size: int,
         _int_arg(function, "checkpoint_at", checkpoint_at, num_computed + 1)
         if checkpoint_at >= num_tokens or checkpoint_at % block_size:
             raise InvalidFieldError(
-                function, "checkpoint_at", checkpoint_at,
+                function,
+                "checkpoint_at",
+                checkpoint_at,
                 f"must be a multiple of block_size={block_size} strictly between "
                 f"num_computed={num_computed} and num_tokens={num_tokens} (pass the "
                 "CachedPrefix.checkpoint_at found for this prompt)",

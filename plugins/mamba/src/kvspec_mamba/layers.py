@@ -55,8 +55,11 @@ def _field(layer: LayerConfig, *names: str, minimum: int = 1) -> int:
             continue
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # some configs write sizes as 2.0
-        if (isinstance(value, bool) or not isinstance(value, int)
-                or not minimum <= value <= MAX_FIELD_VALUE):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not minimum <= value <= MAX_FIELD_VALUE
+        ):
             allowed = "a positive int" if minimum == 1 else f"an int >= {minimum}"
             raise ConfigError(
                 f"layer {layer.name}: config field {name!r} is {value!r}; it must be {allowed}. "
@@ -65,7 +68,8 @@ def _field(layer: LayerConfig, *names: str, minimum: int = 1) -> int:
         return value
     raise MissingConfigFieldError(
         f"layer {layer.name} is a {layer.layer_type} layer but the config has no "
-        f"{' / '.join(repr(n) for n in names)}; add it to the config", fields=names
+        f"{' / '.join(repr(n) for n in names)}; add it to the config",
+        fields=names,
     )
 
 
@@ -130,8 +134,9 @@ def mamba1_state(layer: LayerConfig) -> StateLayout:
 
 
 def mamba2_state(layer: LayerConfig) -> StateLayout:
-    heads_field = "mamba_num_heads" if layer.config.get("mamba_num_heads") is not None \
-        else "mamba_n_heads"
+    heads_field = (
+        "mamba_num_heads" if layer.config.get("mamba_num_heads") is not None else "mamba_n_heads"
+    )
     heads = _field(layer, heads_field)
     d_state = _field(layer, "ssm_state_size", "mamba_d_state")
     d_conv = _field(layer, "conv_kernel", "mamba_d_conv", minimum=MIN_CONV_KERNEL)
@@ -145,8 +150,9 @@ def mamba2_state(layer: LayerConfig) -> StateLayout:
         else:
             inner = _field(layer, "mamba_expand") * _field(layer, "hidden_size")
         head_dim_value = layer.config.get("mamba_d_head")
-        head_dim = inner // heads if head_dim_value in (None, "auto") else _field(
-            layer, "mamba_d_head")
+        head_dim = (
+            inner // heads if head_dim_value in (None, "auto") else _field(layer, "mamba_d_head")
+        )
         if heads * head_dim != inner:
             raise ConfigError(
                 f"layer {layer.name}: mamba_n_heads={heads} x mamba_d_head={head_dim} != the "
@@ -175,8 +181,9 @@ def lightning_attention_state(layer: LayerConfig) -> StateLayout:
         head_dim = _field(layer, "head_dim")
     else:
         head_dim = _field(layer, "hidden_size") // heads
-    return "linear_attention", ((_per_rank(layer, "num_attention_heads", heads), head_dim,
-                                 head_dim),)
+    return "linear_attention", (
+        (_per_rank(layer, "num_attention_heads", heads), head_dim, head_dim),
+    )
 
 
 def _layout_of(layer: LayerConfig) -> Callable[[LayerConfig], StateLayout]:

@@ -45,7 +45,9 @@ def _check_shapes(instance: Any, attribute: Any, value: object) -> None:
         not isinstance(value, tuple)
         or not value
         or not all(
-            isinstance(shape, tuple) and shape and all(
+            isinstance(shape, tuple)
+            and shape
+            and all(
                 isinstance(dim, int) and not isinstance(dim, bool) and 0 < dim <= MAX_FIELD_VALUE
                 for dim in shape
             )
@@ -53,7 +55,9 @@ def _check_shapes(instance: Any, attribute: Any, value: object) -> None:
         )
     ):
         raise InvalidFieldError(
-            type(instance).__name__, attribute.name, value,
+            type(instance).__name__,
+            attribute.name,
+            value,
             "must be a non-empty tuple of shapes, each a non-empty tuple of positive ints "
             "(e.g. ((3, 8192), (8192, 16)))",
         )
@@ -67,7 +71,9 @@ def _check_dtypes(instance: Any, attribute: Any, value: object) -> None:
     shapes = instance.shapes
     if len(value) != len(shapes):
         raise InvalidFieldError(
-            type(instance).__name__, attribute.name, value,
+            type(instance).__name__,
+            attribute.name,
+            value,
             f"must hold one dtype per state shape ({len(shapes)} shapes, {len(value)} dtypes)",
         )
 
@@ -106,7 +112,9 @@ class MambaSpec(KVSpec):
         real = self.state_content_size_bytes
         if real > MAX_FIELD_VALUE:
             raise InvalidFieldError(
-                type(self).__name__, "shapes", self.shapes,
+                type(self).__name__,
+                "shapes",
+                self.shapes,
                 f"make a state of {real} bytes, above the limit of {MAX_FIELD_VALUE}",
             )
         super().__attrs_post_init__()
@@ -124,8 +132,10 @@ class MambaSpec(KVSpec):
     @property
     def state_content_size_bytes(self) -> int:
         # One dtype per shape (checked at construction).
-        return sum(prod(shape) * dtype.itemsize
-                   for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
+        return sum(
+            prod(shape) * dtype.itemsize
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
 
     @property
     def block_table_token_alignment(self) -> int | None:
@@ -169,34 +179,47 @@ class MambaSpec(KVSpec):
         """
         owner = "MambaSpec.state_views"
         content = self.state_content_size_bytes
-        expected = ("this layer's materialised view: a torch.uint8 tensor "
-                    f"[num_blocks, 1, 1, {content}]")
+        expected = (
+            f"this layer's materialised view: a torch.uint8 tensor [num_blocks, 1, 1, {content}]"
+        )
         if not isinstance(layer_view, torch.Tensor):
-            raise InvalidFieldTypeError(owner, "layer_view", type(layer_view).__name__,
-                                        f"expected {expected}")
-        if (layer_view.dtype != torch.uint8 or layer_view.dim() != 4
-                or tuple(layer_view.shape[1:]) != (1, 1, content)):
-            raise InvalidFieldError(owner, "layer_view",
-                                    f"{layer_view.dtype} tensor {list(layer_view.shape)}",
-                                    f"must be {expected}")
+            raise InvalidFieldTypeError(
+                owner, "layer_view", type(layer_view).__name__, f"expected {expected}"
+            )
+        if (
+            layer_view.dtype != torch.uint8
+            or layer_view.dim() != 4
+            or tuple(layer_view.shape[1:]) != (1, 1, content)
+        ):
+            raise InvalidFieldError(
+                owner,
+                "layer_view",
+                f"{layer_view.dtype} tensor {list(layer_view.shape)}",
+                f"must be {expected}",
+            )
         num_blocks = layer_view.shape[0]
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise InvalidFieldTypeError(owner, "block_id", block_id, "expected an int block id")
         if block_id == 0:
-            raise InvalidFieldError(owner, "block_id", block_id,
-                                    "block 0 is the pool's null block (a skipped block-table "
-                                    "entry) and holds no state; pass a real block of the "
-                                    "request's block table")
+            raise InvalidFieldError(
+                owner,
+                "block_id",
+                block_id,
+                "block 0 is the pool's null block (a skipped block-table "
+                "entry) and holds no state; pass a real block of the "
+                "request's block table",
+            )
         if not 0 < block_id < num_blocks:
-            raise InvalidFieldError(owner, "block_id", block_id,
-                                    f"must be a block id in 1..{num_blocks - 1}")
+            raise InvalidFieldError(
+                owner, "block_id", block_id, f"must be a block id in 1..{num_blocks - 1}"
+            )
         page = layer_view[block_id, 0, 0]
         views = []
         start = 0
         for index, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
             size = prod(shape) * dtype.itemsize
             try:
-                state = page[start:start + size].view(dtype).view(shape)
+                state = page[start : start + size].view(dtype).view(shape)
             except RuntimeError as error:
                 raise PlanError(
                     f"state {index} ({dtype}, shape {shape}) of block {block_id} starts at byte "
@@ -210,8 +233,9 @@ class MambaSpec(KVSpec):
             start += size
         return tuple(views)
 
-    def state_columns(self, num_computed: int, num_new_tokens: int,
-                      mamba_cache_mode: str) -> StateColumns:
+    def state_columns(
+        self, num_computed: int, num_new_tokens: int, mamba_cache_mode: str
+    ) -> StateColumns:
         """The block-table columns a step reads its start state from and writes its end
         state to (:func:`kvspec_mamba.checkpoints.state_columns` with this block size)."""
         return state_columns(num_computed, num_new_tokens, self.block_size, mamba_cache_mode)

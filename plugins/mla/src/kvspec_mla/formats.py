@@ -54,17 +54,25 @@ DS_MLA_FORMATS: dict[tuple[str, str | None], DSMLAFormat] = {
     (fmt.name, fmt.model_version): fmt
     for fmt in (
         DSMLAFormat(
-            name="fp8_ds_mla", model_version=None, latent_values=576, bytes_per_token=656,
+            name="fp8_ds_mla",
+            model_version=None,
+            latent_values=576,
+            bytes_per_token=656,
             layout="512 float8_e4m3 NoPE values + 4 float32 scales + 64 bfloat16 RoPE values",
         ),
         DSMLAFormat(
-            name="fp8_ds_mla", model_version="deepseek_v4", latent_values=512,
+            name="fp8_ds_mla",
+            model_version="deepseek_v4",
+            latent_values=512,
             bytes_per_token=584,
             layout="448 float8_e4m3 NoPE values + 64 bfloat16 RoPE values + 7 ue8m0 scales "
             "+ 1 pad byte",
         ),
         DSMLAFormat(
-            name="nvfp4_ds_mla", model_version=None, latent_values=576, bytes_per_token=352,
+            name="nvfp4_ds_mla",
+            model_version=None,
+            latent_values=576,
+            bytes_per_token=352,
             layout="512 e2m1 NoPE values packed 2 per byte + 64 float8_e4m3 RoPE values "
             "+ 32 float8_e4m3 scales (one per 16 NoPE values)",
         ),
@@ -90,14 +98,18 @@ def ds_mla_format(
     fmt = DS_MLA_FORMATS.get((cache_dtype_str, model_version))
     if fmt is None:
         raise InvalidFieldError(
-            owner, "cache_dtype_str", cache_dtype_str,
+            owner,
+            "cache_dtype_str",
+            cache_dtype_str,
             f"no byte size is published for this packed MLA record with model_version="
             f"{model_version!r}; published: {'; '.join(known)}. Pass the backend's record size "
             "as state_content_bytes, or choose a published format",
         )
     if head_size != fmt.latent_values:
         raise InvalidFieldError(
-            owner, "head_size", head_size,
+            owner,
+            "head_size",
+            head_size,
             f"cache_dtype_str={cache_dtype_str!r} (model_version={model_version!r}) packs "
             f"{fmt.latent_values} latent values per token ({fmt.layout}); give head_size="
             f"{fmt.latent_values}, or pass the backend's record size as state_content_bytes",

@@ -37,7 +37,9 @@ def check_cache_dtype_str(instance: Any, attribute: Any, value: object) -> None:
         )
     if not value:
         raise InvalidFieldError(
-            type(instance).__name__, attribute.name, value,
+            type(instance).__name__,
+            attribute.name,
+            value,
             "must be None or a cache dtype name such as 'auto', 'fp8' or 'fp8_ds_mla'",
         )
 
@@ -64,7 +66,9 @@ def validate_mla_page(spec: MLAPageFields) -> None:
         and spec.page_size_padded % spec.alignment
     ):
         raise InvalidFieldError(
-            type(spec).__name__, "page_size_padded", spec.page_size_padded,
+            type(spec).__name__,
+            "page_size_padded",
+            spec.page_size_padded,
             f"must be a multiple of alignment={spec.alignment} (or None, to pad the page up to "
             "the next multiple of alignment)",
         )

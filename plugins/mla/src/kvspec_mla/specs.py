@@ -82,8 +82,10 @@ class MLAAttentionSpec(MLAPaging, FullAttentionSpec):
                 f"MLAAttentionSpec.latent_columns: cache_dtype_str={self.cache_dtype_str!r} "
                 "packs the latent into a kernel record; only a dense latent has columns"
             )
-        if isinstance(qk_rope_head_dim, bool) or not isinstance(qk_rope_head_dim, int) or not (
-            0 < qk_rope_head_dim < self.head_size
+        if (
+            isinstance(qk_rope_head_dim, bool)
+            or not isinstance(qk_rope_head_dim, int)
+            or not (0 < qk_rope_head_dim < self.head_size)
         ):
             raise KVSpecError(
                 f"MLAAttentionSpec.latent_columns: qk_rope_head_dim={qk_rope_head_dim!r} must "

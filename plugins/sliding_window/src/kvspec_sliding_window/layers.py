@@ -14,7 +14,8 @@ WINDOW_FIELD = "sliding_window"
 def window_of(layer: LayerConfig) -> int:
     """The layer's window from the config's ``sliding_window``; refused unless a positive int."""
     return layer.positive_int(
-        WINDOW_FIELD, "tokens each query attends to",
+        WINDOW_FIELD,
+        "tokens each query attends to",
         f"Set {WINDOW_FIELD!r} in the config, or type the layer as full attention",
     )
 

@@ -84,15 +84,20 @@ class TransformersEngine:
         self.manager = manager if manager is not None else load_plugins()
         config = dict(kvspec_config) if kvspec_config is not None else model.config.to_dict()
         prepared = prepare_model(
-            config, options if options is not None else PlanOptions(), self.manager,
+            config,
+            options if options is not None else PlanOptions(),
+            self.manager,
             max_model_len=max_model_len,
         )
         self.plan: KVCachePlan = prepared.plan(budget_bytes, self.manager).plan
         planned_layers = {name for group in self.plan.groups for name in group.layers}
         check_plan_against_model(
             model.config.get_text_config(),
-            {layer.index: (layer.name, prepared.specs[layer.name])
-             for layer in prepared.model.layers if layer.name in planned_layers},
+            {
+                layer.index: (layer.name, prepared.specs[layer.name])
+                for layer in prepared.model.layers
+                if layer.name in planned_layers
+            },
             max_model_len,
         )
         self.buffers: KVCacheBuffers = materialize(self.plan, device="cpu")
@@ -198,8 +203,9 @@ class TransformersEngine:
             finally:
                 self._running_thread = None
 
-    def _generate(self, rid: str, prompt: list[int], max_new_tokens: int,
-                  stops: frozenset[int]) -> Generation:
+    def _generate(
+        self, rid: str, prompt: list[int], max_new_tokens: int, stops: frozenset[int]
+    ) -> Generation:
         request = Request(rid, list(prompt))
         prefix = self.allocator.find_cached_prefix(request)
         step_ends = self._prefill_step_ends(prefix, len(prompt))
@@ -218,8 +224,10 @@ class TransformersEngine:
                 token = int(torch.argmax(logits))
                 generated.append(token)
                 # vLLM's order: the length caps first, then stop tokens.
-                if (len(generated) >= max_new_tokens
-                        or len(prompt) + len(generated) >= self.allocator.max_model_len):
+                if (
+                    len(generated) >= max_new_tokens
+                    or len(prompt) + len(generated) >= self.allocator.max_model_len
+                ):
                     break
                 if token in stops:
                     finish_reason = "stop"
@@ -238,8 +246,9 @@ class TransformersEngine:
         return self._generation(rid, prompt, generated, prefix, finish_reason)
 
     @staticmethod
-    def _generation(rid: str, prompt: list[int], generated: list[int], prefix: CachedPrefix,
-                    finish_reason: str) -> Generation:
+    def _generation(
+        rid: str, prompt: list[int], generated: list[int], prefix: CachedPrefix, finish_reason: str
+    ) -> Generation:
         return Generation(
             request_id=rid,
             prompt_token_ids=tuple(prompt),
@@ -262,8 +271,10 @@ class TransformersEngine:
         return sorted(end for end in ends if end > prefix.num_tokens)
 
     def _check_prompt(self, prompt_token_ids: Iterable[Any], max_new_tokens: int) -> list[int]:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-            max_new_tokens < 1
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or (max_new_tokens < 1)
         ):
             raise EngineError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
         prompt = prompt_token_ids_of(prompt_token_ids, self._vocab_size())

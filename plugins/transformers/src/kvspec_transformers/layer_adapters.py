@@ -213,4 +213,3 @@ class MLALatentLayer(PagedAttentionLayer):
         expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         expand = getattr(module, "expand_kv")  # noqa: B009
         return expand(latent[..., compressed], latent[..., rope_key])
-

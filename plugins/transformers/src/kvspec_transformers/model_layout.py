@@ -125,8 +125,10 @@ def check_plan_against_model(
     ``first_attended_position`` equals the model's for every query position; each state
     layer must be bound to a state (non-attention) spec.
     """
-    fix = ("plan the model's own config (TransformersEngine(model) without kvspec_config), or "
-           "make kvspec_config agree with model.config")
+    fix = (
+        "plan the model's own config (TransformersEngine(model) without kvspec_config), or "
+        "make kvspec_config agree with model.config"
+    )
     known = ATTENTION_TYPES + STATE_TYPES + MEMORYLESS_TYPES
     # Layers of one type and span with one spec read alike: each pair is checked once.
     agreed: set[tuple[str, int | None, KVSpec]] = set()
@@ -165,9 +167,11 @@ def check_plan_against_model(
         for position in _positions(max_model_len, layer, spec):
             if spec.first_attended_position(position) != layer.first_attended_position(position):
                 field = SPAN_FIELDS.get(layer.layer_type)
-                how = (f"set kvspec_config's {field} to {layer.span}, or {fix}"
-                       if field is not None and getattr(spec, field, None) is not None
-                       else f"{fix} (layer_types)")
+                how = (
+                    f"set kvspec_config's {field} to {layer.span}, or {fix}"
+                    if field is not None and getattr(spec, field, None) is not None
+                    else f"{fix} (layer_types)"
+                )
                 raise EngineError(
                     f"layer {name}: the model computes {layer.describe()} but the kvspec plan "
                     f"has {describe_spec(spec)} (the query at position {position} would read "

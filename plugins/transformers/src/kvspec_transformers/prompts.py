@@ -22,7 +22,8 @@ def _is_bool(token: Any) -> bool:
     if isinstance(token, (bool, numpy.bool_)):
         return True
     return isinstance(token, (torch.Tensor, numpy.ndarray)) and token.dtype in (
-        torch.bool, numpy.dtype(bool)
+        torch.bool,
+        numpy.dtype(bool),
     )
 
 
@@ -69,9 +70,7 @@ def prompt_token_ids_of(prompt: Iterable[Any], vocab: int) -> list[int]:
     try:
         items = list(prompt)
     except TypeError:
-        raise EngineError(
-            f"prompt_token_ids={prompt!r} is not a sequence of token ids"
-        ) from None
+        raise EngineError(f"prompt_token_ids={prompt!r} is not a sequence of token ids") from None
     if not items:
         raise EngineError("prompt_token_ids is empty; give at least one token")
     return [token_id_of(token, index, vocab) for index, token in enumerate(items)]

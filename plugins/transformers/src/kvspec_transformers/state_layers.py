@@ -40,7 +40,7 @@ _STATE = 0
 #: split at a block boundary, would drop the state and answer with wrong tokens.
 NO_MULTI_TOKEN_RESUME = {
     "mamba1": "transformers' Mamba-1 scan (mamba_selective_scan) starts every multi-token "
-              "step from a zero SSM state, so a prefill cannot resume from a cached state",
+    "step from a zero SSM state, so a prefill cannot resume from a cached state",
 }
 
 
@@ -105,8 +105,9 @@ class StateLayer(StepDriven, LinearAttentionCacheLayerMixin):
         # A fresh request starts from a zero state: the model then takes its no-state path.
         self.has_previous_state[_STATE] = step.start > 0
 
-    def prefill_step_ends(self, num_computed: int, num_tokens: int,
-                          checkpoint_at: int | None) -> tuple[int, ...]:
+    def prefill_step_ends(
+        self, num_computed: int, num_tokens: int, checkpoint_at: int | None
+    ) -> tuple[int, ...]:
         """Where a prefill of ``num_tokens`` tokens (``num_computed`` cached) ends its steps:
         in ``align`` mode also at the prefix's checkpoint hint and the last block boundary
         before the final token, so the states there are saved (transformers' modules export
@@ -123,9 +124,13 @@ class StateLayer(StepDriven, LinearAttentionCacheLayerMixin):
         self.has_previous_state[_STATE] = False
 
     # -- transformers LinearAttentionCacheLayerMixin
-    def lazy_initialization(self, conv_states: torch.Tensor | None = None,
-                            recurrent_states: torch.Tensor | None = None,
-                            state_idx: int = 0, **kwargs: Any) -> None:
+    def lazy_initialization(
+        self,
+        conv_states: torch.Tensor | None = None,
+        recurrent_states: torch.Tensor | None = None,
+        state_idx: int = 0,
+        **kwargs: Any,
+    ) -> None:
         return None  # the states live in the block views bound at begin_step
 
     def _bound(self, what: str, state_idx: int) -> torch.Tensor:
@@ -143,8 +148,13 @@ class StateLayer(StepDriven, LinearAttentionCacheLayerMixin):
             )
         return tensor
 
-    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0,
-                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """Store the last ``d_conv - 1`` inputs of ``conv_states`` ``[1, channels, tokens]``
         and return what the causal convolution must see, as transformers does: the stored
         window followed by the new inputs, or (no previous state) the inputs left-padded
@@ -156,12 +166,12 @@ class StateLayer(StepDriven, LinearAttentionCacheLayerMixin):
             kernel = conv_kernel_size or stored.shape[-1] + 1
             full = F.pad(conv_states, (max(kernel - conv_states.shape[-1], 0), 0), value=0)
             self.has_previous_state[state_idx] = True
-        stored.copy_(full[..., -stored.shape[-1]:])
+        stored.copy_(full[..., -stored.shape[-1] :])
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
-                               **kwargs: Any) -> torch.Tensor:
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
         stored = self._bound("recurrent", state_idx)
         stored.copy_(recurrent_states)
         return stored
-
