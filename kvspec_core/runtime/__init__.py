@@ -25,7 +25,6 @@ from kvspec_core.runtime.results import (
     NotNow,
     Usage,
 )
-from kvspec_core.runtime.simulation import SimulationReport, simulate
 from kvspec_core.runtime.rules import (
     NEVER,
     CrossAttentionRules,
@@ -38,6 +37,7 @@ from kvspec_core.runtime.rules import (
     block_tokens_of,
     rules_for,
 )
+from kvspec_core.runtime.simulation import SimulationReport, simulate
 
 __all__ = [
     "NEVER",

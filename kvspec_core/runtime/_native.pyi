@@ -1,7 +1,7 @@
 """Types of the compiled kernels (``_native_src/``); see :mod:`kvspec_core.runtime.native`."""
 
-from collections.abc import Callable, Iterable, Iterator
 from array import array
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 def blake2b(data: bytes, digest_size: int, /) -> bytes: ...

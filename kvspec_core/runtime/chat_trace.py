@@ -37,7 +37,7 @@ VOCAB = 151_936
 
 
 class _Conversation:
-    __slots__ = ("history", "turns_left", "next_user_len")
+    __slots__ = ("history", "next_user_len", "turns_left")
 
     def __init__(self, history: list[int], turns: int, user_len: int) -> None:
         self.history = history

@@ -132,7 +132,7 @@ def _index_values(request: Request, tokens: list[int], start: int, stop: int) ->
 
 def _first_bad_token(values: list[int], tokens: list[int], start: int) -> str:
     """Which token is out of range (``values``: the tokens as ints)."""
-    for position, (value, token) in enumerate(zip(values, tokens), start):
+    for position, (value, token) in enumerate(zip(values, tokens, strict=True), start):
         if not 0 <= value < 2**32:
             return f"token {position} is {_describe(token)}, not an int in [0, 2**32)"
     return f"struct cannot pack tokens [{start}, {start + len(values)})"
@@ -219,7 +219,9 @@ class PrefixHasher:
                 append(parent)
         else:
             for offset in range(0, len(data), step):
-                parent = blake2b(parent + data[offset : offset + step], digest_size=DIGEST_SIZE).digest()
+                parent = blake2b(
+                    parent + data[offset : offset + step], digest_size=DIGEST_SIZE
+                ).digest()
                 append(parent)
         return hashes
 

@@ -356,7 +356,10 @@ class BlockPool:
             return kernels.cache_blocks(gid, digests, blocks, cache, block_hash,
                                         block_group if shared else None, self._move_hash)
         stored = 0
-        for digest, block in zip(digests, blocks):
+        # strict=False: the compiled twin (pool.c) stops at the shorter list too, and the two
+        # must answer alike; the callers pass equal lengths, and a shorter list only caches
+        # fewer blocks (the pairs stay aligned: no hash can name the wrong block).
+        for digest, block in zip(digests, blocks, strict=False):
             if block and block_hash[block] is None:
                 old = cache.setdefault(digest, block)
                 if old != block:
@@ -419,9 +422,13 @@ class BlockPool:
                 raise AllocatorError(f"block {block} is in use ({count}) and free")
             if block in fresh and self._block_hash[block] is not None:
                 raise AllocatorError(f"uncached free block {block} still holds a cached prefix")
-            if block in self._evictable and (self._block_hash[block] is None or self._reused[block]):
+            if block in self._evictable and (
+                self._block_hash[block] is None or self._reused[block]
+            ):
                 raise AllocatorError(f"evictable block {block} holds no cached prefix or is reused")
-            if block in self._protected and (self._block_hash[block] is None or not self._reused[block]):
+            if block in self._protected and (
+                self._block_hash[block] is None or not self._reused[block]
+            ):
                 raise AllocatorError(f"protected block {block} holds no cached prefix or is unused")
         for gid, cache in self.caches.items():
             for digest, block in cache.items():

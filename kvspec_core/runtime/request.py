@@ -48,14 +48,14 @@ class Request:
     """
 
     __slots__ = (
-        "request_id",
-        "token_ids",
+        "_hash_owner",
+        "block_hashes",
         "cache_salt",
         "lora_name",
         "mm_inputs",
         "num_encoder_tokens",
-        "block_hashes",
-        "_hash_owner",
+        "request_id",
+        "token_ids",
     )
 
     def __init__(

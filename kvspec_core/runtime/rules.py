@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from kvspec_core.specs.base import KVSpec
 
 __all__ = [
-    "CORE_RULES",
     "COMPILED_SHAPES",
+    "CORE_RULES",
     "NEVER",
     "STEP_METHODS",
     "CrossAttentionRules",

@@ -35,16 +35,16 @@ class _Running:
     """Allocator-side state of one running request."""
 
     __slots__ = (
-        "request",
-        "computed",
         "blocks",
-        "num_skipped",
-        "num_real",
-        "num_cached",
         "cache_at",
+        "computed",
+        "computed_limit",
         "end_limit",
         "known_limit",
-        "computed_limit",
+        "num_cached",
+        "num_real",
+        "num_skipped",
+        "request",
     )
 
     def __init__(self, request: Request, computed: int, blocks: list[list[int]]) -> None:

@@ -201,11 +201,11 @@ def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: in
     prompt = [*prefix, *suffix] or [0]
     requests = tuple(Request(next_id, list(prompt)) for _ in allocators)
     hits = [allocator.find_cached_prefix(request)
-            for allocator, request in zip(allocators, requests)]
+            for allocator, request in zip(allocators, requests, strict=True)]
     assert all(hit == hits[0] for hit in hits)
     count = min(chunk, len(prompt) - hits[0].num_tokens)
     results = [allocator.allocate_slots(request, count, prefix=hit)
-               for allocator, request, hit in zip(allocators, requests, hits)]
+               for allocator, request, hit in zip(allocators, requests, hits, strict=True)]
     assert all(result == results[0] for result in results)
     if results[0]:
         running.append(requests)

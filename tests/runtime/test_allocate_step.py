@@ -8,6 +8,8 @@ every result, hit, block table and every field of every pool must stay equal.
 
 from __future__ import annotations
 
+import re
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -70,7 +72,7 @@ def assert_alike(first: KVCacheAllocator, second: KVCacheAllocator) -> None:
 def finish_on_each(allocators: tuple[KVCacheAllocator, ...], running: list, index: int) -> None:
     """Free running pair ``index`` (modulo their number) on each allocator."""
     pair = running.pop(index % len(running))
-    for allocator, request in zip(allocators, pair):
+    for allocator, request in zip(allocators, pair, strict=True):
         allocator.free(request.request_id)
 
 
@@ -140,13 +142,13 @@ def test_allocate_step_refuses_malformed_items_naming_the_index() -> None:
     allocator = make_allocator([full(2)], 16)
     first = Request(1, [1, 2, 3])
     with pytest.raises(AllocatorError,
-                       match="item 1 is 'oops', not a Request or a \\(Request, int\\) pair"):
+                       match=r"item 1 is 'oops', not a Request or a \(Request, int\) pair"):
         allocator.allocate_step([(first, 3), "oops"])
     # The item before the malformed one was allocated, as in a loop of allocate_slots.
     assert allocator.num_computed_tokens(1) == 3
     with pytest.raises(AllocatorError, match="lookahead=-1 must be an int >= 0"):
         allocator.allocate_step([(first, 1)], lookahead=-1)
-    with pytest.raises(AllocatorError, match="num_new_tokens=1.5"):
+    with pytest.raises(AllocatorError, match=re.escape("num_new_tokens=1.5")):
         allocator.allocate_step([(first, 1.5)])
     assert allocator.num_computed_tokens(1) == 3
 

@@ -81,7 +81,7 @@ def test_free_twice_and_unknown_request_are_refused_without_change() -> None:
 def test_over_max_model_len_is_not_now_and_changes_nothing() -> None:
     allocator = make_allocator([full(4)], 64, ctx=context(max_model_len=16))
     request = Request("a", list(range(17)))
-    prefix, result = admit(allocator, request)
+    _prefix, result = admit(allocator, request)
     assert isinstance(result, NotNow) and not result
     assert result.reason == OVER_ADMISSION_CAP and "max_model_len=16" in result.message
     assert not allocator.is_running("a") and allocator.usage.used_blocks == 0
@@ -261,8 +261,9 @@ def test_from_plan_reads_groups_and_pools() -> None:
 
 def test_kinds_without_rules_use_their_nearest_ancestors() -> None:
     import attrs
-    from kvspec_sliding_window.specs import SlidingWindowSpec
     from runtime_testkit import manager_with_families
+
+    from kvspec_sliding_window.specs import SlidingWindowSpec
 
     @attrs.frozen(kw_only=True)
     class VendorWindowSpec(SlidingWindowSpec):

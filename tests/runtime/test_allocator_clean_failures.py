@@ -84,7 +84,7 @@ def test_a_freed_request_is_not_silently_readmitted() -> None:
     request = admitted(allocator, "a", list(range(9)))
     allocator.free("a")
     before = snapshot(allocator)
-    with pytest.raises(AllocatorError, match="was freed.*find_cached_prefix"):
+    with pytest.raises(AllocatorError, match=r"was freed.*find_cached_prefix"):
         allocator.allocate_slots(request, 1)
     assert snapshot(allocator) == before
     # Re-admission after preemption goes through find_cached_prefix, and works.

@@ -51,7 +51,9 @@ tokens = st.lists(st.integers(0, 2), min_size=0, max_size=24)
 class AllocatorMachine(RuleBasedStateMachine):
     running = Bundle("running")
 
-    @initialize(name=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(["segmented", "lru"]))
+    @initialize(
+        name=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(["segmented", "lru"])
+    )
     def build(self, name: str, eviction: str) -> None:
         specs, blocks, pools = CONFIGS[name]
         self.name = name

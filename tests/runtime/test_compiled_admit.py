@@ -60,7 +60,7 @@ programs = st.lists(st.one_of(new_op, admit_op, admit_op, grow_op, free_op), min
 
 def look_up(sides: tuple, pair: tuple[Request, Request]) -> list[Any]:
     prefixes = [outcome(lambda s=side, r=request: s.find_cached_prefix(r))
-                for side, request in zip(sides, pair)]
+                for side, request in zip(sides, pair, strict=True)]
     assert prefixes[0] == prefixes[1]
     return prefixes
 
@@ -103,9 +103,11 @@ def test_compiled_admissions_equal_the_python_ones(config: str, blocks: int, evi
                 count = length - hit - 1 - count
             elif count == -3:
                 count = (prefixes[0].checkpoint_at or length) - hit
-            results = [outcome(lambda s=side, r=request, p=prefix: s.allocate_slots(
-                           r, count, lookahead, prefix=None if which == "none" else p))
-                       for side, request, prefix in zip(sides, pair, prefixes)]
+            # Each call runs at once (outcome): the defaults bind this iteration's values.
+            results = [outcome(lambda s=side, r=request, p=prefix, n=count, ahead=lookahead,
+                               w=which: s.allocate_slots(
+                               r, n, ahead, prefix=None if w == "none" else p))
+                       for side, request, prefix in zip(sides, pair, prefixes, strict=True)]
             assert results[0] == results[1]
             if results[0] and not isinstance(results[0], tuple):  # Allocated, not an error
                 pending.remove(entry)
@@ -115,7 +117,7 @@ def test_compiled_admissions_equal_the_python_ones(config: str, blocks: int, evi
             grow_on_each(sides, running[index % len(running)], count, lookahead, token)
         elif op[0] == "free" and running:
             pair = running.pop(op[1] % len(running))
-            for side, request in zip(sides, pair):
+            for side, request in zip(sides, pair, strict=True):
                 side.free(request.request_id)
             if op[2]:
                 # Preempted: its tokens so far come back as a prompt (same id: a re-admission).
@@ -227,7 +229,8 @@ def test_prefix_lookups_of_one_full_attention_group_run_compiled() -> None:
     assert allocator.find_cached_prefix(Request("c", [1, 2])).num_tokens == 0
     with pytest.raises(AllocatorError, match="must be a str or an int"):
         allocator.find_cached_prefix(Request(2.5, [1, 2, 3, 4]))  # type: ignore[arg-type]
-    with pytest.raises(AllocatorError, match=r"request 'd': token ids in \[0, 2\) .* token 1 is -2"):
+    with pytest.raises(AllocatorError,
+                       match=r"request 'd': token ids in \[0, 2\) .* token 1 is -2"):
         allocator.find_cached_prefix(Request("d", [1, -2, 3, 4]))
     assert looked_up == ["a", "c", 2.5]
 

@@ -46,7 +46,7 @@ programs = st.lists(st.one_of(admit_op, decode_op, decode_op, decode_op, finish_
 def loop_of_slots(allocator, requests, tokens, lookahead):  # type: ignore[no-untyped-def]
     """What decode_step stands for, with the error it raises at the first bad item."""
     results = []
-    for position, (request, token) in enumerate(zip(requests, tokens)):
+    for request, token in zip(requests, tokens, strict=True):
         if request is None or not allocator.is_running(request.request_id):
             return results, "not running"
         request.token_ids.append(token)
@@ -119,7 +119,8 @@ def test_decode_step_refuses_mismatched_lists_and_ids_it_does_not_run() -> None:
         allocator.decode_step((1, 2), (7, 8))
     assert first.token_ids == [1, 2, 3, 7] and second.token_ids == [4, 5, 6]
     assert allocator.num_computed_tokens(1) == 4
-    with pytest.raises(AllocatorError, match=r"item 0: request_id=<a list> must be a str or an int"):
+    with pytest.raises(AllocatorError,
+                       match=r"item 0: request_id=<a list> must be a str or an int"):
         allocator.decode_step([[1]], [7])
     # Any iterables: they are read once, into tuples.
     results = allocator.decode_step(iter([1]), iter([9]))
@@ -145,7 +146,7 @@ def test_a_refused_step_takes_its_token_back_and_changes_nothing() -> None:
     pairs = [(Request(1, [1, 2, 3]), Request(1, [1, 2, 3])),
              (Request(2, [4, 5, 6]), Request(2, [4, 5, 6]))]
     for pair in pairs:
-        for side, request in zip(sides, pair):
+        for side, request in zip(sides, pair, strict=True):
             assert side.allocate_slots(request, 3, prefix=side.find_cached_prefix(request))
     # Request 2's token completes its second block, which cannot be hashed with it.
     with pytest.raises(AllocatorError, match="token 3 is -5"):

@@ -50,7 +50,7 @@ def grow_on_each(allocators, pair, count, lookahead, token):  # type: ignore[no-
         for request in pair:
             request.append_token(-5 if token == -2 else token)
     results = [outcome(lambda a=allocator, r=request: a.allocate_slots(r, count, lookahead))
-               for allocator, request in zip(allocators, pair)]
+               for allocator, request in zip(allocators, pair, strict=True)]
     assert results[0] == results[1]
     if token == -2:
         # Refused (nothing changed); take the bad token back on both sides.

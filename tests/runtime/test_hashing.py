@@ -34,7 +34,7 @@ def test_one_changed_token_changes_its_block_and_every_later_one() -> None:
     base = hashes(list(range(16)))
     changed = hashes(list(range(5)) + [99] + list(range(6, 16)))
     assert changed[0] == base[0]
-    assert all(a != b for a, b in zip(changed[1:], base[1:]))
+    assert all(a != b for a, b in zip(changed[1:], base[1:], strict=True))
 
 
 def test_salts_separate_processes_tenants_and_adapters() -> None:

@@ -78,7 +78,7 @@ def run_case(body: str, runtime_kernels: str) -> str:
                           text=True, timeout=300)
     assert done.returncode == 0, (
         f"the case exited with {done.returncode} (a negative number is a signal: "
-        f"{done.returncode == -11 and 'SIGSEGV' or ''})\nstdout:\n{done.stdout}\n"
+        f"{(done.returncode == -11 and 'SIGSEGV') or ''})\nstdout:\n{done.stdout}\n"
         f"stderr:\n{done.stderr[-3000:]}"
     )
     return done.stdout
@@ -258,13 +258,13 @@ def test_request_ids_other_than_str_and_int_are_refused_before_anything_changes(
     assert allocator.allocate_slots(Request("r0", list(range(8))), 8)
     before = allocator.usage
     request = Request(request_id, list(range(12)))  # type: ignore[arg-type]
-    with pytest.raises(AllocatorError, match="request_id=.* must be a str or an int"):
+    with pytest.raises(AllocatorError, match=r"request_id=.* must be a str or an int"):
         allocator.find_cached_prefix(request)
-    with pytest.raises(AllocatorError, match="request_id=.* must be a str or an int"):
+    with pytest.raises(AllocatorError, match=r"request_id=.* must be a str or an int"):
         allocator.allocate_slots(request, 12)
     genuine = allocator.find_cached_prefix(Request("x", list(range(12))))
     forged = attrs.evolve(genuine, request_id=request_id)
-    with pytest.raises(AllocatorError, match="request_id=.* must be a str or an int"):
+    with pytest.raises(AllocatorError, match=r"request_id=.* must be a str or an int"):
         allocator.allocate_slots(request, 4, prefix=forged)
     assert allocator.usage == before and allocator.num_running == 1
     allocator.check_invariants()
@@ -366,7 +366,7 @@ def test_forged_prefixes_are_refused_and_change_nothing(specs: list) -> None:
         "negative": attrs.evolve(genuine, num_tokens=-16, block_ids=victim_table),
         "another request's blocks": attrs.evolve(
             genuine, block_ids=tuple(table[: len(mine)] for table, mine in
-                                     zip(victim_table, genuine.block_ids))),
+                                     zip(victim_table, genuine.block_ids, strict=True))),
         "more tokens than blocks": attrs.evolve(genuine, num_tokens=genuine.num_tokens + 4),
         "past the prompt": attrs.evolve(genuine, num_tokens=40),
         "out of range ids": attrs.evolve(

@@ -14,8 +14,8 @@ import pytest
 
 from kvspec_core import load_plugins
 from kvspec_core.models.catalog import load_preset
-from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.models.planning import plan_model
+from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.runtime import NO_FREE_BLOCKS, KVCacheAllocator, NotNow, Request
 
 MAX_LEN = 32768

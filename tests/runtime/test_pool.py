@@ -49,7 +49,7 @@ def test_lru_evicts_least_recently_freed_first() -> None:
 
 def test_uncached_free_blocks_go_before_any_cached_one() -> None:
     pool = BlockPool(4, eviction="lru")
-    first, second, third = pool.take(3)
+    first, second, _third = pool.take(3)
     pool.cache_blocks(0, [digest(1)], [first])
     pool.release([first, second])
     assert pool.take(1) == [second]

@@ -32,7 +32,9 @@ def test_full_attention_preset_admits_everything_and_hits_shared_prompts(
     assert report["requests"] == report["admitted"] == 40
     assert report["waited_admissions"] == 0 and report["preemptions"] == 0
     assert 0 < report["hit_tokens"] < report["prompt_tokens"]
-    assert report["prefix_hit_rate"] == pytest.approx(report["hit_tokens"] / report["prompt_tokens"])
+    assert report["prefix_hit_rate"] == pytest.approx(
+        report["hit_tokens"] / report["prompt_tokens"]
+    )
     assert 0 < report["peak_usage"] <= 1 and report["peak_used_blocks"] <= report["usable_blocks"]
     again = simulate(capsys, "llama-3.1-8b", "--memory", "40GiB", "--requests", "40",
                      "--max-model-len", "8192")
