@@ -6,46 +6,89 @@ from typing import Any
 
 def blake2b(data: bytes, digest_size: int, /) -> bytes: ...
 def chain_hashes(
-    parent: bytes, tokens: list[int], start: int, stop: int, block_tokens: int,
-    out: list[bytes], /,
+    parent: bytes,
+    tokens: list[int],
+    start: int,
+    stop: int,
+    block_tokens: int,
+    out: list[bytes],
+    /,
 ) -> None: ...
 def release(
-    blocks: list[int], reverse: bool, refs: list[int], block_hash: list[bytes | None],
-    reused: bytearray, fresh: array[int], evictable: BlockQueue,
-    protected: BlockQueue, /,
+    blocks: list[int],
+    reverse: bool,
+    refs: list[int],
+    block_hash: list[bytes | None],
+    reused: bytearray,
+    fresh: array[int],
+    evictable: BlockQueue,
+    protected: BlockQueue,
+    /,
 ) -> None: ...
 def touch(
-    blocks: list[int], refs: list[int], reused: bytearray, evictable: BlockQueue,
-    protected: BlockQueue, segmented: bool, check: bool, /,
+    blocks: list[int],
+    refs: list[int],
+    reused: bytearray,
+    evictable: BlockQueue,
+    protected: BlockQueue,
+    segmented: bool,
+    check: bool,
+    /,
 ) -> int: ...
 def evict_take(
-    count: int, out: list[int], evictable: BlockQueue,
-    caches: dict[int, dict[bytes, int]], block_group: array[int],
-    block_hash: list[bytes | None], refs: list[int], /,
+    count: int,
+    out: list[int],
+    evictable: BlockQueue,
+    caches: dict[int, dict[bytes, int]],
+    block_group: array[int],
+    block_hash: list[bytes | None],
+    refs: list[int],
+    /,
 ) -> None: ...
 def cache_blocks(
-    gid: int, digests: list[bytes], blocks: list[int], cache: dict[bytes, int],
-    block_hash: list[bytes | None], block_group: array[int] | None,
-    move_hash: Callable[[dict[bytes, int], bytes, int, int], None], /,
+    gid: int,
+    digests: list[bytes],
+    blocks: list[int],
+    cache: dict[bytes, int],
+    block_hash: list[bytes | None],
+    block_group: array[int] | None,
+    move_hash: Callable[[dict[bytes, int], bytes, int, int], None],
+    /,
 ) -> int: ...
 def step(
-    pairs: Iterable[Any], running: dict[Any, Any], lookahead: int, no_new_blocks: Any,
-    allocate_slots: Callable[[Any, int, int], Any], one_pair: Callable[[Any, int], Any],
-    results: list[Any], /,
+    pairs: Iterable[Any],
+    running: dict[Any, Any],
+    lookahead: int,
+    no_new_blocks: Any,
+    allocate_slots: Callable[[Any, int, int], Any],
+    one_pair: Callable[[Any, int], Any],
+    results: list[Any],
+    /,
 ) -> None: ...
 def count_unreferenced(blocks: list[int], refs: list[int], /) -> int: ...
 def decode_step(
-    request_ids: list[Any] | tuple[Any, ...], tokens: list[Any] | tuple[Any, ...],
-    running: dict[Any, Any], lookahead: int, no_new_blocks: Any,
-    allocate_slots: Callable[[Any, int, int], Any], results: list[Any], /,
+    request_ids: list[Any] | tuple[Any, ...],
+    tokens: list[Any] | tuple[Any, ...],
+    running: dict[Any, Any],
+    lookahead: int,
+    no_new_blocks: Any,
+    allocate_slots: Callable[[Any, int, int], Any],
+    results: list[Any],
+    /,
 ) -> int: ...
 def longest_hit(digests: list[bytes], cache: dict[bytes, int], max_blocks: int, /) -> list[int]: ...
 def register_types(
-    state_class: type, request_class: type, allocated_class: type, prefix_class: type, /,
+    state_class: type,
+    request_class: type,
+    allocated_class: type,
+    prefix_class: type,
+    /,
 ) -> None: ...
 def find_prefix(
     config: tuple[dict[Any, Any], Any, Any, dict[bytes, int], int],
-    method: Callable[[Any], Any], request: Any, /,
+    method: Callable[[Any], Any],
+    request: Any,
+    /,
 ) -> Any: ...
 
 class BlockQueue:
@@ -77,13 +120,16 @@ class SlotsFastPath:
 
     __wrapped__: Callable[..., Any]
 
-    def __init__(self, running: dict[Any, Any], no_new_blocks: Any,
-                 general: Callable[..., Any],
-                 dense: tuple[Any, Any, int, int, int, int, bool] | None = None,
-                 groups: tuple[Any, int, int, bool, int,
-                               tuple[tuple[int, int, int, int, int, bool, Any], ...]]
-                 | None = None,
-                 admit: tuple[dict[Any, None], type, tuple[Any, ...], tuple[Any, ...]]
-                 | None = None,
-                 ) -> None: ...
+    def __init__(
+        self,
+        running: dict[Any, Any],
+        no_new_blocks: Any,
+        general: Callable[..., Any],
+        dense: tuple[Any, Any, int, int, int, int, bool] | None = None,
+        groups: tuple[
+            Any, int, int, bool, int, tuple[tuple[int, int, int, int, int, bool, Any], ...]
+        ]
+        | None = None,
+        admit: tuple[dict[Any, None], type, tuple[Any, ...], tuple[Any, ...]] | None = None,
+    ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

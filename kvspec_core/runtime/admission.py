@@ -84,7 +84,8 @@ class Admission(BlockCaching):
         if shortfall is not None:
             return shortfall
         self._preflight(
-            request, known,
+            request,
+            known,
             {gid: len(blocks[gid]) + nulls + real for gid, nulls, real in plans},
             dict(enumerate(num_skipped)),
             [len(ids) for ids in prefix.block_ids] if prefix is not None else [0] * group_count,
@@ -147,29 +148,44 @@ class Admission(BlockCaching):
         block_ids = prefix.block_ids
         group_count = len(self.specs)
         if num_tokens.__class__ is not int or not (
-                num_tokens == 0 or 0 < num_tokens < len(request.token_ids)):
-            raise self._forged(request, f"num_tokens={_describe(num_tokens)} is not in "
-                               f"[0, {len(request.token_ids)}) (the prompt, its last token "
-                               "excluded)")
+            num_tokens == 0 or 0 < num_tokens < len(request.token_ids)
+        ):
+            raise self._forged(
+                request,
+                f"num_tokens={_describe(num_tokens)} is not in "
+                f"[0, {len(request.token_ids)}) (the prompt, its last token "
+                "excluded)",
+            )
         if block_ids.__class__ is not tuple or len(block_ids) != group_count:
             raise self._forged(request, f"block_ids must be a tuple of {group_count} tables")
         holding = set(self._holding)
         for gid, ids in enumerate(block_ids):
             tokens = self._block_tokens[gid]
-            expected = (num_tokens // tokens if gid in holding else 0)
-            if ids.__class__ is not tuple or len(ids) != expected or (
-                    gid in holding and num_tokens % tokens):
-                raise self._forged(request, f"group {gid}'s table must hold {expected} block "
-                                   f"ids for {num_tokens} tokens")
+            expected = num_tokens // tokens if gid in holding else 0
+            if (
+                ids.__class__ is not tuple
+                or len(ids) != expected
+                or (gid in holding and num_tokens % tokens)
+            ):
+                raise self._forged(
+                    request,
+                    f"group {gid}'s table must hold {expected} block ids for {num_tokens} tokens",
+                )
             if set(map(type, ids)) - _INT_ONLY:
                 raise self._forged(request, f"group {gid}'s block ids must be ints")
         if not num_tokens:
             return None
         current = tuple(pool.epoch for pool in self.pools)
         entry = self._handed_out.get(rid)
-        if (entry is not None and entry[0] is prefix and entry[1] is request
-                and entry[2] is num_tokens and entry[3] is block_ids
-                and entry[4] is prefix.epochs and current == prefix.epochs):
+        if (
+            entry is not None
+            and entry[0] is prefix
+            and entry[1] is request
+            and entry[2] is num_tokens
+            and entry[3] is block_ids
+            and entry[4] is prefix.epochs
+            and current == prefix.epochs
+        ):
             # Handed out for this very request, unchanged, nothing evicted since: every
             # block is still cached under its hash (the structure was checked above).
             return None
@@ -180,16 +196,21 @@ class Admission(BlockCaching):
             ids = block_ids[gid]
             skip = self.rules[gid].skipped_tokens(num_tokens) // self._block_tokens[gid]
             if not all(ids[skip:]):
-                raise self._forged(request, f"group {gid} needs its blocks from {skip} on to "
-                                   "resume, the table has null entries there")
+                raise self._forged(
+                    request,
+                    f"group {gid} needs its blocks from {skip} on to "
+                    "resume, the table has null entries there",
+                )
             stride = self._hash_stride[gid]
             cache = self._caches[gid]
             for index, block in enumerate(ids):
                 if block and cache.get(fine[(index + 1) * stride - 1]) != block:
                     if not evicted_since:
                         raise self._forged(
-                            request, f"block {block} at position {index} of group {gid} is "
-                            "not cached for this request's tokens here")
+                            request,
+                            f"block {block} at position {index} of group {gid} is "
+                            "not cached for this request's tokens here",
+                        )
                     if stale is None:
                         stale = gid
         return stale

@@ -154,7 +154,8 @@ class KVCacheAllocator(CompiledFastPaths, Freeing, InvariantChecks):
         self._guarded = [gid for gid in self._holding if self._rules_owners[gid] is not None]
         self._guarded_methods = {
             gid: frozenset(
-                name for name in ("next_allocation_end", "next_skip_position", "cache_range")
+                name
+                for name in ("next_allocation_end", "next_skip_position", "cache_range")
                 if getattr(type(self.rules[gid]), name, None)
                 is not getattr(FullAttentionRules, name)
             )
@@ -166,14 +167,17 @@ class KVCacheAllocator(CompiledFastPaths, Freeing, InvariantChecks):
         # Every holding group keeps all its blocks and caches them as they fill (the core's
         # full-attention rules, not a subclass) and no events are recorded: decode steps
         # that cross a block boundary take the short path of _grow_dense.
-        self._dense = (
-            self._events is None
-            and all(type(self.rules[gid]) is FullAttentionRules for gid in self._holding)
+        self._dense = self._events is None and all(
+            type(self.rules[gid]) is FullAttentionRules for gid in self._holding
         )
         # One full-attention group whose blocks are hash blocks: find_cached_prefix asks it
         # directly, and the compiled fast path may take its block-boundary steps.
-        self._single_full = (self._dense and len(self.specs) == 1 and self._holding == [0]
-                             and self._hash_stride == [1])
+        self._single_full = (
+            self._dense
+            and len(self.specs) == 1
+            and self._holding == [0]
+            and self._hash_stride == [1]
+        )
         # Hash blocks finer than every group's block: the general path hashes each one as
         # it completes, before any group block is full.
         self._hash_finer = min((self._hash_stride[gid] for gid in self._holding), default=1) > 1

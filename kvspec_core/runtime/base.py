@@ -84,10 +84,12 @@ class AllocatorBase:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise AllocatorError(
                     f"allocate_slots(request {request.request_id!r}): {name}={value!r} must "
-                    "be an int >= 0: pass " + (
+                    "be an int >= 0: pass "
+                    + (
                         "the number of tokens to give slots to (1 per decode step; on "
                         "admission the prompt length minus the cached prefix)"
-                        if name == "num_new_tokens" else "the speculative slots wanted, or 0"
+                        if name == "num_new_tokens"
+                        else "the speculative slots wanted, or 0"
                     )
                 )
 

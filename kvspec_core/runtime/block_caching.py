@@ -21,9 +21,15 @@ from kvspec_core.runtime.running import _Running
 class BlockCaching(AllocatorBase):
     """Preflight, caching of filled blocks, step thresholds (part of ``KVCacheAllocator``)."""
 
-    def _preflight(self, request: Request, known: int, lengths: dict[int, int],
-                   skips: dict[int, int], num_cached: Sequence[int],
-                   cache_at: Sequence[int]) -> None:
+    def _preflight(
+        self,
+        request: Request,
+        known: int,
+        lengths: dict[int, int],
+        skips: dict[int, int],
+        num_cached: Sequence[int],
+        cache_at: Sequence[int],
+    ) -> None:
         """Do, before a step changes anything, what could fail after it started: hash the
         tokens it caches (bad token ids), and ask the plugin rules what the step will ask
         them afterwards (new table ``lengths`` and ``skips`` per changed group)."""
@@ -38,8 +44,12 @@ class BlockCaching(AllocatorBase):
                     rules.next_allocation_end(lengths[gid])
                 if "next_skip_position" in methods:
                     rules.next_skip_position(skips[gid])
-            if ("cache_range" in methods and self._cacheable and available >= cache_at[gid]
-                    and not (self._is_state_group[gid] and known > available)):
+            if (
+                "cache_range" in methods
+                and self._cacheable
+                and available >= cache_at[gid]
+                and not (self._is_state_group[gid] and known > available)
+            ):
                 rules.cache_range(num_cached[gid], available)
 
     def _cache_new_blocks(self, state: _Running, known: int) -> None:
@@ -74,8 +84,16 @@ class BlockCaching(AllocatorBase):
                 num_cached[gid] = stop
             cache_at[gid] = (num_cached[gid] + 1) * tokens
 
-    def _record_stored(self, events: list[KVCacheEvent], gid: int, request: Request,
-                       fine: Sequence[bytes], table: list[int], start: int, stop: int) -> None:
+    def _record_stored(
+        self,
+        events: list[KVCacheEvent],
+        gid: int,
+        request: Request,
+        fine: Sequence[bytes],
+        table: list[int],
+        start: int,
+        stop: int,
+    ) -> None:
         """One :class:`BlockStored` per run of real blocks in ``table[start:stop]``: a null
         entry (a block the window skipped before its tokens were known) holds nothing."""
         tokens = self._block_tokens[gid]

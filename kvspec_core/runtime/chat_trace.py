@@ -66,9 +66,9 @@ def make_trace(
         [randrange(VOCAB) for _ in range(randint(*system_tokens))]
         for _ in range(num_system_prompts)
     ]
-    cum_weights = list(itertools.accumulate(
-        1.0 / (rank + 1) ** zipf_s for rank in range(num_system_prompts)
-    ))
+    cum_weights = list(
+        itertools.accumulate(1.0 / (rank + 1) ** zipf_s for rank in range(num_system_prompts))
+    )
     running: dict[int, tuple[_Conversation, int]] = {}  # rid -> (conversation, tokens left)
     thinking: list[tuple[int, int, _Conversation]] = []  # (ready round, tie-break, conv)
     ready: deque[_Conversation] = deque()
@@ -83,8 +83,7 @@ def make_trace(
                 conv = ready.popleft()
             else:
                 system = rng.choices(range(num_system_prompts), cum_weights=cum_weights)[0]
-                conv = _Conversation(list(systems[system]), randint(*turns),
-                                     randint(*user_tokens))
+                conv = _Conversation(list(systems[system]), randint(*turns), randint(*user_tokens))
             prompt = conv.history + [randrange(VOCAB) for _ in range(conv.next_user_len)]
             conv.history = prompt.copy()  # decode tokens are appended to the history only
             running[next_id] = (conv, randint(*output_tokens))
@@ -113,12 +112,12 @@ def make_trace(
 # ----------------------------------------------------------------------------- statistics
 def _common_length(a: Sequence[int], ai: int, b: Sequence[int], bi: int, n: int) -> int:
     """Length of the longest common run of ``a[ai:ai+n]`` and ``b[bi:bi+n]``."""
-    if a[ai:ai + n] == b[bi:bi + n]:
+    if a[ai : ai + n] == b[bi : bi + n]:
         return n
     lo, hi = 0, n  # a common run of lo tokens exists, one of hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[ai:ai + mid] == b[bi:bi + mid]:
+        if a[ai : ai + mid] == b[bi : bi + mid]:
             lo = mid
         else:
             hi = mid

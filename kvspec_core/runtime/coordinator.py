@@ -45,12 +45,12 @@ class PrefixCoordinator:
         self.caches = list(caches)
         self.order = sorted(holding, key=lambda gid: self.rules[gid].hit_priority)
         self.state_groups = [
-            gid for gid in self.order
-            if getattr(self.rules[gid], "resumes_at_checkpoints", False)
+            gid for gid in self.order if getattr(self.rules[gid], "resumes_at_checkpoints", False)
         ]
         self.positional_order = [gid for gid in self.order if gid not in self.state_groups]
-        self.common_block_tokens = math.lcm(*(self.block_tokens[gid] for gid in holding)) \
-            if holding else 1
+        self.common_block_tokens = (
+            math.lcm(*(self.block_tokens[gid] for gid in holding)) if holding else 1
+        )
 
     def find(
         self, hashes: Sequence[bytes], max_tokens: int
@@ -70,8 +70,14 @@ class PrefixCoordinator:
                 checkpoint_at = aligned
         return hit, found, checkpoint_at
 
-    def _fixed_point(self, order: list[int], hit: int, hashes: Sequence[bytes],
-                     found: dict[int, list[int]], settled: dict[int, int]) -> int:
+    def _fixed_point(
+        self,
+        order: list[int],
+        hit: int,
+        hashes: Sequence[bytes],
+        found: dict[int, list[int]],
+        settled: dict[int, int],
+    ) -> int:
         """Ask ``order``'s groups in turn, each at most the current hit, until none lowers
         it; ``found`` / ``settled`` keep each group's last answer."""
         while True:

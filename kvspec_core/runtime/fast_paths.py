@@ -19,8 +19,16 @@ from kvspec_core.runtime.rules import compiled_shape
 from kvspec_core.runtime.stepping import Stepping
 
 #: What an admission runs: a subclass overriding one of them admits through its Python code.
-_ADMISSION_METHODS = ("_admit", "_admit_checked", "_check_counts", "_check_prefix",
-                      "_preflight", "_cache_new_blocks", "_update_limits", "_shortfall")
+_ADMISSION_METHODS = (
+    "_admit",
+    "_admit_checked",
+    "_check_counts",
+    "_check_prefix",
+    "_preflight",
+    "_cache_new_blocks",
+    "_update_limits",
+    "_shortfall",
+)
 
 
 class CompiledFastPaths(Stepping, PrefixLookup):
@@ -37,16 +45,30 @@ class CompiledFastPaths(Stepping, PrefixLookup):
             dense = self._compiled_dense_step()
             groups = self._compiled_group_step()
             self.allocate_slots = native.SlotsFastPath(  # type: ignore[method-assign]
-                self._running, self._no_new_blocks, self._allocate_slots, dense,
-                None if dense is not None else groups, self._compiled_admission(groups),
+                self._running,
+                self._no_new_blocks,
+                self._allocate_slots,
+                dense,
+                None if dense is not None else groups,
+                self._compiled_admission(groups),
             )
-            if (dense is not None and len(self.pools) == 1 and self._cacheable
-                    and type(self).find_cached_prefix is CompiledFastPaths.find_cached_prefix):
+            if (
+                dense is not None
+                and len(self.pools) == 1
+                and self._cacheable
+                and type(self).find_cached_prefix is CompiledFastPaths.find_cached_prefix
+            ):
                 # Prefix lookups too (every one the kernel does not answer reaches the method).
                 self.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
                     native.find_prefix,
-                    (self._running, dense[0], self._hasher, self._caches[0], dense[2],
-                     self._handed_out),
+                    (
+                        self._running,
+                        dense[0],
+                        self._hasher,
+                        self._caches[0],
+                        dense[2],
+                        self._handed_out,
+                    ),
                     self._find_cached_prefix,
                 )
 
@@ -64,8 +86,15 @@ class CompiledFastPaths(Stepping, PrefixLookup):
             and type(self)._grow_dense is CompiledFastPaths._grow_dense
         ):
             return None
-        return (pool, self._hasher, self._block_tokens[0], self.admission_caps[0],
-                self.max_model_len, self.hash_block_size, self._cacheable)
+        return (
+            pool,
+            self._hasher,
+            self._block_tokens[0],
+            self.admission_caps[0],
+            self.max_model_len,
+            self.hash_block_size,
+            self._cacheable,
+        )
 
     def _compiled_group_step(self) -> tuple[Any, ...] | None:
         """What ``native.SlotsFastPath`` needs to do :meth:`_grow_checked` itself, or None
@@ -74,14 +103,22 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         parametric shapes (:func:`~kvspec_core.runtime.rules.compiled_shape`), each
         group's block one hash block, in pools built with the kernels, with the core's own
         allocator, pool and hasher methods."""
-        methods = ("_grow", "_grow_checked", "_grow_dense", "_preflight", "_cache_new_blocks",
-                   "_update_limits")
+        methods = (
+            "_grow",
+            "_grow_checked",
+            "_grow_dense",
+            "_preflight",
+            "_cache_new_blocks",
+            "_update_limits",
+        )
         if (
             self._events is not None
             or not self._holding
             or type(self._hasher) is not PrefixHasher
-            or any(getattr(type(self), name) is not getattr(CompiledFastPaths, name)
-                   for name in methods)
+            or any(
+                getattr(type(self), name) is not getattr(CompiledFastPaths, name)
+                for name in methods
+            )
         ):
             return None
         groups = []
@@ -99,10 +136,25 @@ class CompiledFastPaths(Stepping, PrefixLookup):
                 or not 0 <= retained < self.max_model_len + 1
             ):
                 return None
-            groups.append((gid, shape, self._block_tokens[gid], self.admission_caps[gid],
-                           retained, self._is_state_group[gid], pool))
-        return (self._hasher, self.max_model_len, self.hash_block_size, self._cacheable,
-                len(self.specs), tuple(groups))
+            groups.append(
+                (
+                    gid,
+                    shape,
+                    self._block_tokens[gid],
+                    self.admission_caps[gid],
+                    retained,
+                    self._is_state_group[gid],
+                    pool,
+                )
+            )
+        return (
+            self._hasher,
+            self.max_model_len,
+            self.hash_block_size,
+            self._cacheable,
+            len(self.specs),
+            tuple(groups),
+        )
 
     def _compiled_admission(self, groups: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """What ``native.SlotsFastPath`` needs to do :meth:`_admit_checked` itself (the
@@ -110,7 +162,9 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         :meth:`_compiled_group_step` gave), or None where the compiled admission does not
         apply: where the group steps are not compiled, or a subclass changes how
         admissions are made."""
-        if groups is None or any(getattr(type(self), name) is not getattr(CompiledFastPaths, name)
-                                 for name in _ADMISSION_METHODS):
+        if groups is None or any(
+            getattr(type(self), name) is not getattr(CompiledFastPaths, name)
+            for name in _ADMISSION_METHODS
+        ):
             return None
         return (self._freed, CachedPrefix, tuple(self.pools), groups, self._handed_out)

@@ -60,7 +60,7 @@ class Freeing(AllocatorBase):
             removed: list[bytes] = []
             # Block i is cached under the hash of tokens [0, (i + 1) * block): it claims
             # content past num_valid_tokens from index num_valid_tokens // block on.
-            for block in state.blocks[gid][num_valid_tokens // self._block_tokens[gid]:]:
+            for block in state.blocks[gid][num_valid_tokens // self._block_tokens[gid] :]:
                 digest = block_hash[block] if block else None
                 if digest is not None:
                     cache.pop(digest, None)

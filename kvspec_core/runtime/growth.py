@@ -32,8 +32,10 @@ class Growth(BlockCaching):
     ) -> Allocated | NotNow:
         request = state.request
         if (
-            type(num_new_tokens) is not int or type(lookahead) is not int
-            or num_new_tokens < 0 or lookahead < 0
+            type(num_new_tokens) is not int
+            or type(lookahead) is not int
+            or num_new_tokens < 0
+            or lookahead < 0
         ):
             self._check_counts(request, num_new_tokens, lookahead)
         computed = state.computed
@@ -186,7 +188,8 @@ class Growth(BlockCaching):
                     stop = cached_upto // tokens
                     stride = self._hash_stride[gid]
                     self._group_pools[gid].cache_blocks(
-                        gid, fine[(start + 1) * stride - 1 : stop * stride : stride],
+                        gid,
+                        fine[(start + 1) * stride - 1 : stop * stride : stride],
                         table[start:stop],
                     )
                     num_cached[gid] = stop

@@ -106,8 +106,11 @@ def _pack_tokens(request: Request, start: int, stop: int) -> bytes:
         length = len(token_list)
         held = token_list[:stop]
         values = _index_values(request, tokens, start, stop)
-        if (request.token_ids is not token_list or len(token_list) != length
-                or not all(map(operator.is_, token_list[:stop], held))):
+        if (
+            request.token_ids is not token_list
+            or len(token_list) != length
+            or not all(map(operator.is_, token_list[:stop], held))
+        ):
             raise _bad_tokens(request, start, stop, _CHANGED)
     try:
         # struct packs a list about twice as fast as array("I", ...).tobytes().
@@ -125,8 +128,11 @@ def _index_values(request: Request, tokens: list[int], start: int, stop: int) ->
             values.append(operator.index(token))
         except Exception:
             raise _bad_tokens(
-                request, start, stop,
-                f"token {position} is {_describe(token)}, not an int in [0, 2**32)") from None
+                request,
+                start,
+                stop,
+                f"token {position} is {_describe(token)}, not an int in [0, 2**32)",
+            ) from None
     return values
 
 
@@ -225,8 +231,9 @@ class PrefixHasher:
                 append(parent)
         return hashes
 
-    def _check_unchanged(self, request: Request, hashes: list[bytes], start: int,
-                         stop: int) -> None:
+    def _check_unchanged(
+        self, request: Request, hashes: list[bytes], start: int, stop: int
+    ) -> None:
         """Refuse a request whose hash list or owner a token's ``__index__`` replaced while
         it was hashed (the list a hash lands in must be the request's own)."""
         if request.block_hashes is not hashes or request._hash_owner is not self:

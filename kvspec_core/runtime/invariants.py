@@ -67,8 +67,10 @@ class InvariantChecks(AllocatorBase):
                             "is cached under another prefix's hash than the request's"
                         )
                     other = seen.setdefault((pool_index, block), (index, mine, rid))
-                    if other[2] != rid and (other[0] != index or (
-                            mine is not None and other[1] is not None and other[1] != mine)):
+                    if other[2] != rid and (
+                        other[0] != index
+                        or (mine is not None and other[1] is not None and other[1] != mine)
+                    ):
                         raise AllocatorError(
                             f"pool {pool_index} block {block} is shared by requests "
                             f"{other[2]!r} (position {other[0]}) and {rid!r} (position "

@@ -166,8 +166,15 @@ class BlockPool:
                 # pool; their reused flag is 0 already): evict and hand out in one pass.
                 kernels = native if self._compiled else None
                 if kernels is not None:
-                    kernels.evict_take(count - available, blocks, self._evictable, self.caches,
-                                       self._block_group, self._block_hash, refs)
+                    kernels.evict_take(
+                        count - available,
+                        blocks,
+                        self._evictable,
+                        self.caches,
+                        self._block_group,
+                        self._block_hash,
+                        refs,
+                    )
                 else:
                     self._evict_take(count - available, blocks)
                 self.epoch += 1
@@ -246,8 +253,9 @@ class BlockPool:
         num_blocks = self.num_blocks
         kernels = native if self._compiled else None
         if kernels is not None:
-            bad = kernels.touch(blocks, refs, reused, evictable, protected, self._segmented,
-                                not known_cached)
+            bad = kernels.touch(
+                blocks, refs, reused, evictable, protected, self._segmented, not known_cached
+            )
             if bad >= 0:
                 raise self._not_reusable(blocks[bad])
             return
@@ -315,8 +323,16 @@ class BlockPool:
         >= 0); ``reverse``: last block first."""
         kernels = native if self._compiled else None
         if kernels is not None and blocks.__class__ is list:
-            kernels.release(blocks, reverse, self.ref_counts, self._block_hash, self._reused,
-                            self._fresh, self._evictable, self._protected)
+            kernels.release(
+                blocks,
+                reverse,
+                self.ref_counts,
+                self._block_hash,
+                self._reused,
+                self._fresh,
+                self._evictable,
+                self._protected,
+            )
             return
         if reverse:
             blocks = blocks[::-1]
@@ -353,8 +369,15 @@ class BlockPool:
         shared = len(self.caches) > 1
         kernels = native if self._compiled else None
         if kernels is not None and digests.__class__ is list and blocks.__class__ is list:
-            return kernels.cache_blocks(gid, digests, blocks, cache, block_hash,
-                                        block_group if shared else None, self._move_hash)
+            return kernels.cache_blocks(
+                gid,
+                digests,
+                blocks,
+                cache,
+                block_hash,
+                block_group if shared else None,
+                self._move_hash,
+            )
         stored = 0
         # strict=False: the compiled twin (pool.c) stops at the shorter list too, and the two
         # must answer alike; the callers pass equal lengths, and a shorter list only caches

@@ -45,8 +45,9 @@ class PrefixLookup(AllocatorBase):
         epochs = tuple(pool.epoch for pool in self.pools)
         max_tokens = len(request.token_ids) - 1
         if not self._cacheable or max_tokens < self.hash_block_size:
-            return CachedPrefix(request_id=request.request_id, num_tokens=0, block_ids=empty,
-                                epochs=epochs)
+            return CachedPrefix(
+                request_id=request.request_id, num_tokens=0, block_ids=empty, epochs=epochs
+            )
         fine = self._hasher.hashes(request, max_tokens)
         if self._single_full:
             # One full-attention group whose blocks are hash blocks: its longest cached run
@@ -66,15 +67,23 @@ class PrefixLookup(AllocatorBase):
                 tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
             )
         prefix = CachedPrefix(
-            request_id=request.request_id, num_tokens=hit, block_ids=block_ids, epochs=epochs,
+            request_id=request.request_id,
+            num_tokens=hit,
+            block_ids=block_ids,
+            epochs=epochs,
             checkpoint_at=checkpoint_at,
         )
         if hit:
             handed = self._handed_out
             if len(handed) >= _HANDED_OUT_KEPT:
                 handed.clear()
-            handed[request.request_id] = (prefix, request, prefix.num_tokens, prefix.block_ids,
-                                          prefix.epochs)
+            handed[request.request_id] = (
+                prefix,
+                request,
+                prefix.num_tokens,
+                prefix.block_ids,
+                prefix.epochs,
+            )
         return prefix
 
     #: The method itself, also under this name: what an instance's compiled lookup

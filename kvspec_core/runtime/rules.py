@@ -54,12 +54,17 @@ __all__ = [
 
 #: The rules methods a block-boundary step asks (what the compiled step does itself).
 STEP_METHODS = (
-    "skipped_tokens", "next_skip_position", "blocks_needed", "next_allocation_end",
+    "skipped_tokens",
+    "next_skip_position",
+    "blocks_needed",
+    "next_allocation_end",
     "cache_range",
 )
 #: The core's parametric rule shapes the compiled step knows, by its code for them.
 COMPILED_SHAPES: tuple[type[FullAttentionRules], ...] = (
-    FullAttentionRules, TrailingWindowRules, StateCheckpointRules,
+    FullAttentionRules,
+    TrailingWindowRules,
+    StateCheckpointRules,
 )
 
 
@@ -81,14 +86,17 @@ HitScan = Callable[[Sequence[bytes], Mapping[bytes, int], int], list[int]]
 def hit_scanner(rules: FamilyRules) -> HitScan:
     """``rules.longest_hit``, or, where ``rules`` keep :class:`FullAttentionRules`'s own scan
     and the kernels are built, the compiled twin of that scan (the same answer)."""
-    if native is None or getattr(type(rules), "longest_hit", None) is not \
-            FullAttentionRules.longest_hit:
+    if (
+        native is None
+        or getattr(type(rules), "longest_hit", None) is not FullAttentionRules.longest_hit
+    ):
         return rules.longest_hit
     compiled_scan = native.longest_hit
     python_scan = rules.longest_hit
 
-    def longest_hit(hashes: Sequence[bytes], cache: Mapping[bytes, int],
-                    max_blocks: int) -> list[int]:
+    def longest_hit(
+        hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
+    ) -> list[int]:
         if not rules.prefix_cacheable:
             return []
         if hashes.__class__ is list and cache.__class__ is dict:

@@ -23,8 +23,11 @@ def _is_id(request_id: object) -> bool:
 def _id_error(request_id: object, where: str = "") -> str:
     """Why ``request_id`` (not an exact str or int) is refused."""
     kind = request_id.__class__
-    described = repr(request_id) if kind is float or kind is bool or kind is bytes \
+    described = (
+        repr(request_id)
+        if kind is float or kind is bool or kind is bytes
         else f"<a {kind.__name__}>"
+    )
     return (
         f"{where + ': ' if where else ''}request_id={described} must be a str or an int, not "
         f"{kind.__name__}; give each request a unique str (or int) id"

@@ -98,9 +98,15 @@ class Stepping(Admission, Growth):
         results: list[Allocated | NotNow] = []
         if native is not None:
             # The same loop compiled; every pair it does not finish goes to _step_pair.
-            native.step(steps, running, lookahead, no_new_blocks, self.allocate_slots,
-                        lambda pair, position: self._step_pair(pair, position, lookahead),
-                        results)
+            native.step(
+                steps,
+                running,
+                lookahead,
+                no_new_blocks,
+                self.allocate_slots,
+                lambda pair, position: self._step_pair(pair, position, lookahead),
+                results,
+            )
             return results
         append = results.append
         for pair in steps:
@@ -147,8 +153,15 @@ class Stepping(Admission, Growth):
             )
         results: list[Allocated | NotNow] = []
         if native is not None:
-            stopped = native.decode_step(ids, tokens, self._running, lookahead,
-                                         self._no_new_blocks, self.allocate_slots, results)
+            stopped = native.decode_step(
+                ids,
+                tokens,
+                self._running,
+                lookahead,
+                self._no_new_blocks,
+                self.allocate_slots,
+                results,
+            )
         else:
             stopped = self._decode_loop(ids, tokens, lookahead, results)
         if stopped >= 0:
@@ -158,8 +171,13 @@ class Stepping(Admission, Growth):
             )
         return results
 
-    def _decode_loop(self, ids: Sequence[str | int], tokens: Sequence[int], lookahead: int,
-                     results: list[Allocated | NotNow]) -> int:
+    def _decode_loop(
+        self,
+        ids: Sequence[str | int],
+        tokens: Sequence[int],
+        lookahead: int,
+        results: list[Allocated | NotNow],
+    ) -> int:
         """:meth:`decode_step`'s loop (``native.decode_step`` in Python): the position of the
         first id that names no running request, or -1."""
         running = self._running

@@ -36,8 +36,7 @@ def make_trace(
     """Yield the trace's events in order (see the module docstring)."""
     rng = random.Random(seed)
     prefixes = [
-        [rng.randrange(VOCAB) for _ in range(rng.randint(256, 4096))]
-        for _ in range(num_prefixes)
+        [rng.randrange(VOCAB) for _ in range(rng.randint(256, 4096))] for _ in range(num_prefixes)
     ]
     running: dict[int, int] = {}  # request id -> output tokens still to produce
     next_id = 0

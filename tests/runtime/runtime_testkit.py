@@ -29,22 +29,33 @@ def manager_with_families() -> PluginManager:
 
 
 def full(block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
-                             dtype=torch.float16)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
 
 
 def sliding(block_size: int, window: int) -> KVSpec:
     from kvspec_sliding_window.specs import SlidingWindowSpec
 
-    return SlidingWindowSpec(block_size=block_size, sliding_window=window, num_kv_heads=1,
-                             head_size=8, dtype=torch.float16)
+    return SlidingWindowSpec(
+        block_size=block_size,
+        sliding_window=window,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+    )
 
 
 def chunked(block_size: int, chunk: int) -> KVSpec:
     from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 
-    return ChunkedLocalAttentionSpec(block_size=block_size, attention_chunk_size=chunk,
-                                     num_kv_heads=1, head_size=8, dtype=torch.float16)
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        attention_chunk_size=chunk,
+        num_kv_heads=1,
+        head_size=8,
+        dtype=torch.float16,
+    )
 
 
 def mamba(block_size: int) -> KVSpec:
@@ -54,16 +65,27 @@ def mamba(block_size: int) -> KVSpec:
 
 
 def context(max_model_len: int = 64, in_flight: int = 8) -> SizingContext:
-    return SizingContext(max_model_len=max_model_len, max_in_flight_tokens=in_flight,
-                         mamba_cache_mode="align")
+    return SizingContext(
+        max_model_len=max_model_len, max_in_flight_tokens=in_flight, mamba_cache_mode="align"
+    )
 
 
-def make_allocator(specs: Sequence[KVSpec], num_blocks: int | Sequence[int],
-                   pool_of_group: Sequence[int] | None = None, ctx: SizingContext | None = None,
-                   **options: object) -> KVCacheAllocator:
-    return KVCacheAllocator(list(specs), num_blocks, ctx or context(),
-                            pool_of_group=pool_of_group, manager=manager_with_families(),
-                            hash_salt=b"tests", **options)  # type: ignore[arg-type]
+def make_allocator(
+    specs: Sequence[KVSpec],
+    num_blocks: int | Sequence[int],
+    pool_of_group: Sequence[int] | None = None,
+    ctx: SizingContext | None = None,
+    **options: object,
+) -> KVCacheAllocator:
+    return KVCacheAllocator(
+        list(specs),
+        num_blocks,
+        ctx or context(),
+        pool_of_group=pool_of_group,
+        manager=manager_with_families(),
+        hash_salt=b"tests",
+        **options,  # type: ignore[arg-type]
+    )
 
 
 def needed_indices(spec: KVSpec, block_tokens: int, position: int) -> range:
@@ -154,7 +176,9 @@ class Shadow:
                     continue
                 writer = self.writer[self.key(group, block)]
                 assert self.tenant[self.key(group, block)] == (
-                    request.cache_salt, request.lora_name), "a hit crossed tenants or adapters"
+                    request.cache_salt,
+                    request.lora_name,
+                ), "a hit crossed tenants or adapters"
                 end = (index + 1) * block_tokens
                 assert len(writer) >= end and writer[:end] == tokens[:end], (
                     f"group {group} block {block} at index {index} holds other tokens"
@@ -182,16 +206,17 @@ class Shadow:
             if all(
                 fine[(index + 1) * allocator._hash_stride[g] - 1] in allocator._caches[g]
                 for g in holding
-                for index in needed_indices(allocator.specs[g], allocator._block_tokens[g],
-                                            position)
+                for index in needed_indices(
+                    allocator.specs[g], allocator._block_tokens[g], position
+                )
             ):
                 return position
         return 0
 
 
-
-def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: int,
-                  running: list) -> int:
+def admit_on_each(
+    allocators: Sequence[KVCacheAllocator], op: tuple, next_id: int, running: list
+) -> int:
     """Carry out ``("admit", prefix, suffix, chunk)`` on each allocator: one request of
     ``prefix + suffix`` (its own Request object per allocator: hashes are cached on it),
     a prefix lookup, then at most ``chunk`` tokens. Asserts that all allocators find the
@@ -200,12 +225,16 @@ def admit_on_each(allocators: Sequence[KVCacheAllocator], op: tuple, next_id: in
     _, prefix, suffix, chunk = op
     prompt = [*prefix, *suffix] or [0]
     requests = tuple(Request(next_id, list(prompt)) for _ in allocators)
-    hits = [allocator.find_cached_prefix(request)
-            for allocator, request in zip(allocators, requests, strict=True)]
+    hits = [
+        allocator.find_cached_prefix(request)
+        for allocator, request in zip(allocators, requests, strict=True)
+    ]
     assert all(hit == hits[0] for hit in hits)
     count = min(chunk, len(prompt) - hits[0].num_tokens)
-    results = [allocator.allocate_slots(request, count, prefix=hit)
-               for allocator, request, hit in zip(allocators, requests, hits, strict=True)]
+    results = [
+        allocator.allocate_slots(request, count, prefix=hit)
+        for allocator, request, hit in zip(allocators, requests, hits, strict=True)
+    ]
     assert all(result == results[0] for result in results)
     if results[0]:
         running.append(requests)

@@ -28,13 +28,18 @@ CONFIGS = {
 }
 PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
 
-admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
-                     st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
+admit_op = st.tuples(
+    st.just("admit"),
+    st.sampled_from(PREFIXES),
+    st.lists(st.integers(0, 2), max_size=12),
+    st.integers(1, 8),
+)
 # Each entry: (index into the running requests, tokens to schedule, token to append first).
 step_op = st.tuples(
     st.just("step"),
-    st.lists(st.tuples(st.integers(0, 63), st.integers(0, 6), st.integers(-1, 2)),
-             min_size=1, max_size=6),
+    st.lists(
+        st.tuples(st.integers(0, 63), st.integers(0, 6), st.integers(-1, 2)), min_size=1, max_size=6
+    ),
     st.integers(0, 2),
     st.booleans(),
 )
@@ -57,9 +62,10 @@ def pool_state(allocator: KVCacheAllocator) -> list[dict]:
 
 def running_state(allocator: KVCacheAllocator) -> dict:
     """Every field of every running request's allocator-side state but the request."""
-    return {rid: {name: getattr(state, name) for name in type(state).__slots__
-                  if name != "request"}
-            for rid, state in allocator._running.items()}
+    return {
+        rid: {name: getattr(state, name) for name in type(state).__slots__ if name != "request"}
+        for rid, state in allocator._running.items()
+    }
 
 
 def assert_alike(first: KVCacheAllocator, second: KVCacheAllocator) -> None:
@@ -77,15 +83,21 @@ def finish_on_each(allocators: tuple[KVCacheAllocator, ...], running: list, inde
 
 
 def tables(allocator: KVCacheAllocator) -> dict:
-    return {rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
-            for rid in allocator._running}
+    return {
+        rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
+        for rid in allocator._running
+    }
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
-       program=programs)
-def test_allocate_step_equals_allocate_slots_in_order(config: str, eviction: str,
-                                                      program: list) -> None:
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    eviction=st.sampled_from(EVICTION_POLICIES),
+    program=programs,
+)
+def test_allocate_step_equals_allocate_slots_in_order(
+    config: str, eviction: str, program: list
+) -> None:
     specs, blocks, pools = CONFIGS[config]
     one_by_one = make_allocator(specs, blocks, pools, eviction=eviction)
     batched = make_allocator(specs, blocks, pools, eviction=eviction)
@@ -141,8 +153,9 @@ def test_allocate_step_equals_allocate_slots_in_order(config: str, eviction: str
 def test_allocate_step_refuses_malformed_items_naming_the_index() -> None:
     allocator = make_allocator([full(2)], 16)
     first = Request(1, [1, 2, 3])
-    with pytest.raises(AllocatorError,
-                       match=r"item 1 is 'oops', not a Request or a \(Request, int\) pair"):
+    with pytest.raises(
+        AllocatorError, match=r"item 1 is 'oops', not a Request or a \(Request, int\) pair"
+    ):
         allocator.allocate_step([(first, 3), "oops"])
     # The item before the malformed one was allocated, as in a loop of allocate_slots.
     assert allocator.num_computed_tokens(1) == 3

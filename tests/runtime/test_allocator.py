@@ -164,10 +164,14 @@ def test_bad_arguments_are_refused() -> None:
 def test_tenants_never_share_blocks() -> None:
     allocator = make_allocator([full(4)], 16)
     admit(allocator, Request("a", list(range(9)), cache_salt="tenant-1"))
-    assert allocator.find_cached_prefix(Request("b", list(range(9)), cache_salt="tenant-2")
-                                        ).num_tokens == 0
-    assert allocator.find_cached_prefix(Request("c", list(range(9)), cache_salt="tenant-1")
-                                        ).num_tokens == 8
+    assert (
+        allocator.find_cached_prefix(Request("b", list(range(9)), cache_salt="tenant-2")).num_tokens
+        == 0
+    )
+    assert (
+        allocator.find_cached_prefix(Request("c", list(range(9)), cache_salt="tenant-1")).num_tokens
+        == 8
+    )
 
 
 def test_lookahead_slots_are_allocated_but_not_cached() -> None:
@@ -269,8 +273,9 @@ def test_kinds_without_rules_use_their_nearest_ancestors() -> None:
     class VendorWindowSpec(SlidingWindowSpec):
         kind = "vendor_window"  # type: ignore[assignment]
 
-    spec = VendorWindowSpec(block_size=2, sliding_window=4, num_kv_heads=1, head_size=8,
-                            dtype=torch.float16)
+    spec = VendorWindowSpec(
+        block_size=2, sliding_window=4, num_kv_heads=1, head_size=8, dtype=torch.float16
+    )
     rules = rules_for(spec, context(), manager_with_families())
     assert type(rules).__name__ == "SlidingWindowRules"
     assert type(rules_for(full(2), context(), None)).__name__ == "FullAttentionRules"

@@ -17,13 +17,20 @@ from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request
 def snapshot(allocator: KVCacheAllocator) -> object:
     """Everything a refused call must leave as it was."""
     pools = [
-        (list(pool.ref_counts), list(pool._fresh), list(pool._evictable),
-         list(pool._protected), {gid: dict(cache) for gid, cache in pool.caches.items()},
-         pool.epoch)
+        (
+            list(pool.ref_counts),
+            list(pool._fresh),
+            list(pool._evictable),
+            list(pool._protected),
+            {gid: dict(cache) for gid, cache in pool.caches.items()},
+            pool.epoch,
+        )
         for pool in allocator.pools
     ]
-    running = {rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
-               for rid in allocator._running}
+    running = {
+        rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
+        for rid in allocator._running
+    }
     return pools, running, list(allocator._events or ()), list(allocator._freed)
 
 
@@ -36,21 +43,29 @@ def admitted(allocator: KVCacheAllocator, rid: str, tokens: list[int]) -> Reques
 
 @pytest.mark.parametrize("argument", ["num_new_tokens", "lookahead"])
 def test_none_counts_are_refused_naming_the_argument_and_the_fix(argument: str) -> None:
-    allocator = KVCacheAllocator([full(4)], 16, context(), hash_salt=b"t",
-                                 manager=PluginManager())
+    allocator = KVCacheAllocator([full(4)], 16, context(), hash_salt=b"t", manager=PluginManager())
     request = admitted(allocator, "a", list(range(5)))
     before = snapshot(allocator)
     counts: dict[str, object] = {"num_new_tokens": 1, "lookahead": 0, argument: None}
     with pytest.raises(AllocatorError, match=rf"{argument}=None must be an int >= 0: pass"):
-        allocator.allocate_slots(request, counts["num_new_tokens"],  # type: ignore[arg-type]
-                                 counts["lookahead"])  # type: ignore[arg-type]
+        allocator.allocate_slots(
+            request,
+            counts["num_new_tokens"],  # type: ignore[arg-type]
+            counts["lookahead"],  # type: ignore[arg-type]
+        )
     assert snapshot(allocator) == before
 
 
 @pytest.mark.parametrize("bad_token", [-1, 2**32, "7", None])
 def test_bad_token_ids_of_a_running_request_change_nothing(bad_token: object) -> None:
-    allocator = KVCacheAllocator([full(4), full(4)], 32, context(), hash_salt=b"t",
-                                 manager=PluginManager(), enable_kv_events=True)
+    allocator = KVCacheAllocator(
+        [full(4), full(4)],
+        32,
+        context(),
+        hash_salt=b"t",
+        manager=PluginManager(),
+        enable_kv_events=True,
+    )
     admitted(allocator, "a", list(range(8)))
     allocator.free("a")
     request = admitted(allocator, "b", list(range(8)) + [50, 51])  # a hit on a's blocks
@@ -64,8 +79,14 @@ def test_bad_token_ids_of_a_running_request_change_nothing(bad_token: object) ->
 
 
 def test_bad_token_ids_on_admission_with_a_hit_change_nothing() -> None:
-    allocator = KVCacheAllocator([full(4), full(4)], 9, context(), hash_salt=b"t",
-                                 manager=PluginManager(), enable_kv_events=True)
+    allocator = KVCacheAllocator(
+        [full(4), full(4)],
+        9,
+        context(),
+        hash_salt=b"t",
+        manager=PluginManager(),
+        enable_kv_events=True,
+    )
     admitted(allocator, "a", list(range(8)))
     allocator.free("a")
     request = Request("b", list(range(8)) + [1, -5, 2, 3])
@@ -79,8 +100,7 @@ def test_bad_token_ids_on_admission_with_a_hit_change_nothing() -> None:
 
 
 def test_a_freed_request_is_not_silently_readmitted() -> None:
-    allocator = KVCacheAllocator([full(4)], 16, context(), hash_salt=b"t",
-                                 manager=PluginManager())
+    allocator = KVCacheAllocator([full(4)], 16, context(), hash_salt=b"t", manager=PluginManager())
     request = admitted(allocator, "a", list(range(9)))
     allocator.free("a")
     before = snapshot(allocator)
@@ -123,8 +143,9 @@ class FlakyRules(FullAttentionRules):
         self._maybe_fail("longest_hit")
         return super().longest_hit(hashes, cache, max_blocks)
 
-    def blocks_needed(self, num_existing: int, num_known: int, num_total: int,
-                      num_encoder_tokens: int) -> tuple[int, int]:
+    def blocks_needed(
+        self, num_existing: int, num_known: int, num_total: int, num_encoder_tokens: int
+    ) -> tuple[int, int]:
         self._maybe_fail("blocks_needed")
         return super().blocks_needed(num_existing, num_known, num_total, num_encoder_tokens)
 
@@ -154,8 +175,9 @@ def flaky_allocator():  # type: ignore[no-untyped-def]
     manager = PluginManager()
     manager.register(FlakyPlugin(), "flaky")
     flaky = FlakySpec(block_size=4, num_kv_heads=1, head_size=8, dtype=full(4).dtype)
-    allocator = KVCacheAllocator([full(4), flaky], 64, context(), manager=manager,
-                                 hash_salt=b"t", enable_kv_events=True)
+    allocator = KVCacheAllocator(
+        [full(4), flaky], 64, context(), manager=manager, hash_salt=b"t", enable_kv_events=True
+    )
     yield allocator
     FlakyRules.failing = ""
 
@@ -166,8 +188,13 @@ def with_cached_prefix(allocator: KVCacheAllocator) -> None:
     allocator.free("a")
 
 
-RUN_TIME_METHODS = ["skipped_tokens", "next_skip_position", "blocks_needed",
-                    "next_allocation_end", "cache_range"]
+RUN_TIME_METHODS = [
+    "skipped_tokens",
+    "next_skip_position",
+    "blocks_needed",
+    "next_allocation_end",
+    "cache_range",
+]
 
 
 @pytest.mark.parametrize("method", RUN_TIME_METHODS)
@@ -202,7 +229,6 @@ def test_plugin_rules_raising_on_admission_name_the_plugin_and_change_nothing(
     before = snapshot(allocator)
     with pytest.raises(PluginError, match=rf"plugin 'flaky'.*in {method}"):
         prefix = allocator.find_cached_prefix(request)
-        allocator.allocate_slots(request, len(request.token_ids) - prefix.num_tokens,
-                                 prefix=prefix)
+        allocator.allocate_slots(request, len(request.token_ids) - prefix.num_tokens, prefix=prefix)
     assert snapshot(allocator) == before
     assert not allocator.is_running("b")

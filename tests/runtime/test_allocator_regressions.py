@@ -59,13 +59,13 @@ def test_a_running_request_refuses_non_int_counts_on_every_path(argument: str, b
     counts = {"num_new_tokens": 1, "lookahead": 0, argument: bad}
     with pytest.raises(AllocatorError, match=argument):
         allocator.allocate_slots(request, counts["num_new_tokens"], counts["lookahead"])
-    assert (allocator.num_computed_tokens("a"), allocator.block_ids("a"),
-            allocator.usage) == before
+    assert (allocator.num_computed_tokens("a"), allocator.block_ids("a"), allocator.usage) == before
 
 
 def test_one_reset_of_a_multi_pool_allocator_is_one_cleared_event() -> None:
-    allocator = make_allocator([full(4), full(4)], [8, 8], pool_of_group=[0, 1],
-                               enable_kv_events=True)
+    allocator = make_allocator(
+        [full(4), full(4)], [8, 8], pool_of_group=[0, 1], enable_kv_events=True
+    )
     allocator.allocate_slots(Request("a", list(range(8))), 8)
     allocator.take_events()
     allocator.reset_prefix_cache()

@@ -67,15 +67,27 @@ class AllocatorMachine(RuleBasedStateMachine):
         usage = self.allocator.usage
         tables = (
             self.allocator.block_ids(request_id)
-            if request_id is not None and self.allocator.is_running(request_id) else None
+            if request_id is not None and self.allocator.is_running(request_id)
+            else None
         )
         return usage, tables
 
-    @rule(target=running, prefix=st.sampled_from(PREFIXES + ([],)), suffix=tokens,
-          first_chunk=st.integers(1, 8), tenant=st.sampled_from([None, None, "t1"]),
-          split=st.booleans())
-    def admit(self, prefix: list[int], suffix: list[int], first_chunk: int,
-              tenant: str | None, split: bool):
+    @rule(
+        target=running,
+        prefix=st.sampled_from(PREFIXES + ([],)),
+        suffix=tokens,
+        first_chunk=st.integers(1, 8),
+        tenant=st.sampled_from([None, None, "t1"]),
+        split=st.booleans(),
+    )
+    def admit(
+        self,
+        prefix: list[int],
+        suffix: list[int],
+        first_chunk: int,
+        tenant: str | None,
+        split: bool,
+    ):
         prompt = list(prefix) + suffix
         if not prompt:
             prompt = [0]
@@ -100,8 +112,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.prefill_left[request.request_id] = len(prompt) - found.num_tokens - chunk
         return request
 
-    @rule(request=running, size=st.integers(1, 8), token=st.integers(0, 2),
-          lookahead=st.integers(0, 1))
+    @rule(
+        request=running,
+        size=st.integers(1, 8),
+        token=st.integers(0, 2),
+        lookahead=st.integers(0, 1),
+    )
     def step(self, request: Request, size: int, token: int, lookahead: int) -> None:
         rid = request.request_id
         if not self.allocator.is_running(rid):

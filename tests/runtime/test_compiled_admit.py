@@ -40,37 +40,50 @@ CONFIGS: dict[str, tuple[list, Any, Any]] = {
 PROMPTS = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [5])
 
 # A new pending request (its prefix looked up now): prompt, extra tokens.
-new_op = st.tuples(st.just("new"), st.sampled_from(PROMPTS),
-                   st.lists(st.integers(0, 1), max_size=8))
+new_op = st.tuples(
+    st.just("new"), st.sampled_from(PROMPTS), st.lists(st.integers(0, 1), max_size=8)
+)
 # Admit pending request ``index`` with: its prefix looked up now ("fresh"), the one looked up
 # when it was queued ("stored", perhaps stale), none, another pending request's; tokens to
 # schedule past the hit (-1: the rest of the prompt, -2: one draft token more, -3: up to the
 # Mamba checkpoint if one is named, 99: over max_model_len); lookahead.
-admit_op = st.tuples(st.just("admit"), st.integers(0, 7),
-                     st.sampled_from(["fresh", "fresh", "fresh", "stored", "none", "other"]),
-                     st.sampled_from([-1, -1, -1, -2, -3, 0, 1, 3, 99]),
-                     st.sampled_from([0, 0, 1, 4]))
-grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(0, 3),
-                    st.integers(-1, 2))
+admit_op = st.tuples(
+    st.just("admit"),
+    st.integers(0, 7),
+    st.sampled_from(["fresh", "fresh", "fresh", "stored", "none", "other"]),
+    st.sampled_from([-1, -1, -1, -2, -3, 0, 1, 3, 99]),
+    st.sampled_from([0, 0, 1, 4]),
+)
+grow_op = st.tuples(
+    st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(0, 3), st.integers(-1, 2)
+)
 # Free running request ``index``; with True, it is queued again (preempted) with its tokens.
 free_op = st.tuples(st.just("free"), st.integers(0, 63), st.booleans())
-programs = st.lists(st.one_of(new_op, admit_op, admit_op, grow_op, free_op), min_size=10,
-                    max_size=60)
+programs = st.lists(
+    st.one_of(new_op, admit_op, admit_op, grow_op, free_op), min_size=10, max_size=60
+)
 
 
 def look_up(sides: tuple, pair: tuple[Request, Request]) -> list[Any]:
-    prefixes = [outcome(lambda s=side, r=request: s.find_cached_prefix(r))
-                for side, request in zip(sides, pair, strict=True)]
+    prefixes = [
+        outcome(lambda s=side, r=request: s.find_cached_prefix(r))
+        for side, request in zip(sides, pair, strict=True)
+    ]
     assert prefixes[0] == prefixes[1]
     return prefixes
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=st.sampled_from(sorted(CONFIGS)), blocks=st.sampled_from([6, 12, 24, 24, 120]),
-       eviction=st.sampled_from(EVICTION_POLICIES), caching=st.sampled_from([True, True, False]),
-       program=programs)
-def test_compiled_admissions_equal_the_python_ones(config: str, blocks: int, eviction: str,
-                                                  caching: bool, program: list) -> None:
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    blocks=st.sampled_from([6, 12, 24, 24, 120]),
+    eviction=st.sampled_from(EVICTION_POLICIES),
+    caching=st.sampled_from([True, True, False]),
+    program=programs,
+)
+def test_compiled_admissions_equal_the_python_ones(
+    config: str, blocks: int, eviction: str, caching: bool, program: list
+) -> None:
     specs, _, pools = CONFIGS[config]
     sizes = blocks if pools is None else [blocks, blocks]
     options = dict(eviction=eviction, enable_prefix_caching=caching)
@@ -104,10 +117,14 @@ def test_compiled_admissions_equal_the_python_ones(config: str, blocks: int, evi
             elif count == -3:
                 count = (prefixes[0].checkpoint_at or length) - hit
             # Each call runs at once (outcome): the defaults bind this iteration's values.
-            results = [outcome(lambda s=side, r=request, p=prefix, n=count, ahead=lookahead,
-                               w=which: s.allocate_slots(
-                               r, n, ahead, prefix=None if w == "none" else p))
-                       for side, request, prefix in zip(sides, pair, prefixes, strict=True)]
+            results = [
+                outcome(
+                    lambda s=side, r=request, p=prefix, n=count, ahead=lookahead, w=which: (
+                        s.allocate_slots(r, n, ahead, prefix=None if w == "none" else p)
+                    )
+                )
+                for side, request, prefix in zip(sides, pair, prefixes, strict=True)
+            ]
             assert results[0] == results[1]
             if results[0] and not isinstance(results[0], tuple):  # Allocated, not an error
                 pending.remove(entry)
@@ -153,14 +170,23 @@ def test_admissions_run_compiled(specs: list) -> None:
     allocator.check_invariants()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: make_allocator([full(2)], 24, enable_kv_events=True),
-    lambda: make_allocator([full(4)], 24, hash_block_size=2),
-    # A subclass that changes how admissions are made admits through its Python code.
-    lambda: type("Custom", (KVCacheAllocator,), {
-        "_cache_new_blocks": lambda self, *args: KVCacheAllocator._cache_new_blocks(self, *args),
-    })([full(2)], 24, context(), manager=manager_with_families()),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_allocator([full(2)], 24, enable_kv_events=True),
+        lambda: make_allocator([full(4)], 24, hash_block_size=2),
+        # A subclass that changes how admissions are made admits through its Python code.
+        lambda: type(
+            "Custom",
+            (KVCacheAllocator,),
+            {
+                "_cache_new_blocks": lambda self, *args: KVCacheAllocator._cache_new_blocks(
+                    self, *args
+                ),
+            },
+        )([full(2)], 24, context(), manager=manager_with_families()),
+    ],
+)
 def test_admissions_run_as_python_where_the_kernel_does_not_apply(make: Any) -> None:
     allocator = make()
     assert allocator._compiled_admission(allocator._compiled_group_step()) is None
@@ -209,15 +235,17 @@ def test_prefix_lookups_of_one_full_attention_group_run_compiled() -> None:
     # The compiled lookup calls the method it was built with for what it leaves to Python.
     assert allocator.find_cached_prefix.args[1] == allocator._find_cached_prefix  # type: ignore[attr-defined]
     allocator.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
-        native.find_prefix, allocator.find_cached_prefix.args[0], spy)  # type: ignore[attr-defined]
+        native.find_prefix,
+        allocator.find_cached_prefix.args[0],  # type: ignore[attr-defined]
+        spy,
+    )
     first = Request("a", [1, 2, 3, 4, 5], cache_salt="tenant")
     assert allocator.allocate_slots(first, 5, prefix=allocator.find_cached_prefix(first))
     second = Request("b", [1, 2, 3, 4, 9], cache_salt="tenant")
     with pure_python():
         reference = make_allocator([full(2)], 24)
         reference.allocate_slots(Request("a", [1, 2, 3, 4, 5], cache_salt="tenant"), 5)
-        expected = reference.find_cached_prefix(Request("b", [1, 2, 3, 4, 9],
-                                                        cache_salt="tenant"))
+        expected = reference.find_cached_prefix(Request("b", [1, 2, 3, 4, 9], cache_salt="tenant"))
     assert allocator.find_cached_prefix(second) == expected
     assert expected.num_tokens == 4 and expected.block_ids == (allocator.block_ids("a")[0][:2],)
     assert looked_up == []
@@ -229,17 +257,21 @@ def test_prefix_lookups_of_one_full_attention_group_run_compiled() -> None:
     assert allocator.find_cached_prefix(Request("c", [1, 2])).num_tokens == 0
     with pytest.raises(AllocatorError, match="must be a str or an int"):
         allocator.find_cached_prefix(Request(2.5, [1, 2, 3, 4]))  # type: ignore[arg-type]
-    with pytest.raises(AllocatorError,
-                       match=r"request 'd': token ids in \[0, 2\) .* token 1 is -2"):
+    with pytest.raises(
+        AllocatorError, match=r"request 'd': token ids in \[0, 2\) .* token 1 is -2"
+    ):
         allocator.find_cached_prefix(Request("d", [1, -2, 3, 4]))
     assert looked_up == ["a", "c", 2.5]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: make_allocator([full(2)], 24, enable_prefix_caching=False),
-    lambda: make_allocator([full(2), sliding(2, 5)], 40),
-    lambda: make_allocator([full(4)], 24, hash_block_size=2),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_allocator([full(2)], 24, enable_prefix_caching=False),
+        lambda: make_allocator([full(2), sliding(2, 5)], 40),
+        lambda: make_allocator([full(4)], 24, hash_block_size=2),
+    ],
+)
 def test_prefix_lookups_run_as_python_where_the_kernel_does_not_apply(make: Any) -> None:
     allocator = make()
     assert not isinstance(allocator.find_cached_prefix, functools.partial)

@@ -28,19 +28,23 @@ CONFIGS = {
 }
 PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
 
-admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
-                     st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
+admit_op = st.tuples(
+    st.just("admit"),
+    st.sampled_from(PREFIXES),
+    st.lists(st.integers(0, 2), max_size=12),
+    st.integers(1, 8),
+)
 # Entries: (index into the running requests, or -1 for an id that is not running; the
 # sampled token, -5 cannot be hashed); the step's lookahead.
 decode_op = st.tuples(
     st.just("decode"),
-    st.lists(st.tuples(st.integers(-1, 63), st.sampled_from([0, 1, 2, 2, 2, -5])),
-             min_size=1, max_size=6),
+    st.lists(
+        st.tuples(st.integers(-1, 63), st.sampled_from([0, 1, 2, 2, 2, -5])), min_size=1, max_size=6
+    ),
     st.sampled_from([0, 0, 0, 2]),
 )
 finish_op = st.tuples(st.just("finish"), st.integers(0, 63))
-programs = st.lists(st.one_of(admit_op, decode_op, decode_op, decode_op, finish_op),
-                    max_size=50)
+programs = st.lists(st.one_of(admit_op, decode_op, decode_op, decode_op, finish_op), max_size=50)
 
 
 def loop_of_slots(allocator, requests, tokens, lookahead):  # type: ignore[no-untyped-def]
@@ -59,10 +63,14 @@ def loop_of_slots(allocator, requests, tokens, lookahead):  # type: ignore[no-un
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
-       program=programs)
-def test_decode_step_equals_appending_and_allocating_in_order(config: str, eviction: str,
-                                                              program: list) -> None:
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    eviction=st.sampled_from(EVICTION_POLICIES),
+    program=programs,
+)
+def test_decode_step_equals_appending_and_allocating_in_order(
+    config: str, eviction: str, program: list
+) -> None:
     specs, blocks, pools = CONFIGS[config]
     one_by_one = make_allocator(specs, blocks, pools, eviction=eviction)
     batched = make_allocator(specs, blocks, pools, eviction=eviction)
@@ -73,11 +81,11 @@ def test_decode_step_equals_appending_and_allocating_in_order(config: str, evict
             next_id = admit_on_each((one_by_one, batched), op, next_id, running)
         elif op[0] == "decode" and running:
             _, entries, lookahead = op
-            pairs = [None if index < 0 else running[index % len(running)]
-                     for index, _ in entries]
+            pairs = [None if index < 0 else running[index % len(running)] for index, _ in entries]
             tokens = [token for _, token in entries]
             expected, error = loop_of_slots(
-                one_by_one, [pair and pair[0] for pair in pairs], tokens, lookahead)
+                one_by_one, [pair and pair[0] for pair in pairs], tokens, lookahead
+            )
             ids = [pair[1].request_id if pair else "nobody" for pair in pairs]
             try:
                 got = batched.decode_step(ids, tokens, lookahead)
@@ -96,7 +104,8 @@ def test_decode_step_equals_appending_and_allocating_in_order(config: str, evict
                     for request in pair:
                         request.token_ids.pop()
             assert [pair[0].token_ids for pair in running] == [
-                pair[1].token_ids for pair in running]
+                pair[1].token_ids for pair in running
+            ]
         elif op[0] == "finish" and running:
             finish_on_each((one_by_one, batched), running, op[1])
         assert_alike(one_by_one, batched)
@@ -114,13 +123,17 @@ def test_decode_step_refuses_mismatched_lists_and_ids_it_does_not_run() -> None:
     with pytest.raises(AllocatorError, match="lookahead=-1 must be an int >= 0"):
         allocator.decode_step([1], [7], lookahead=-1)
     allocator.free(2)
-    with pytest.raises(AllocatorError, match=r"item 1: request 2 was already freed .*the 1 "
-                                             "requests before it were stepped"):
+    with pytest.raises(
+        AllocatorError,
+        match=r"item 1: request 2 was already freed .*the 1 "
+        "requests before it were stepped",
+    ):
         allocator.decode_step((1, 2), (7, 8))
     assert first.token_ids == [1, 2, 3, 7] and second.token_ids == [4, 5, 6]
     assert allocator.num_computed_tokens(1) == 4
-    with pytest.raises(AllocatorError,
-                       match=r"item 0: request_id=<a list> must be a str or an int"):
+    with pytest.raises(
+        AllocatorError, match=r"item 0: request_id=<a list> must be a str or an int"
+    ):
         allocator.decode_step([[1]], [7])
     # Any iterables: they are read once, into tuples.
     results = allocator.decode_step(iter([1]), iter([9]))
@@ -143,8 +156,10 @@ def test_decode_step_appends_to_a_request_subclass_through_its_own_list() -> Non
 
 def test_a_refused_step_takes_its_token_back_and_changes_nothing() -> None:
     sides = (make_allocator([full(2)], 16), make_allocator([full(2)], 16))
-    pairs = [(Request(1, [1, 2, 3]), Request(1, [1, 2, 3])),
-             (Request(2, [4, 5, 6]), Request(2, [4, 5, 6]))]
+    pairs = [
+        (Request(1, [1, 2, 3]), Request(1, [1, 2, 3])),
+        (Request(2, [4, 5, 6]), Request(2, [4, 5, 6])),
+    ]
     for pair in pairs:
         for side, request in zip(sides, pair, strict=True):
             assert side.allocate_slots(request, 3, prefix=side.find_cached_prefix(request))
@@ -152,7 +167,10 @@ def test_a_refused_step_takes_its_token_back_and_changes_nothing() -> None:
     with pytest.raises(AllocatorError, match="token 3 is -5"):
         sides[0].decode_step([1, 2, 1], [7, -5, 8])
     sides[1].decode_step([1], [7])  # what happened: request 1 stepped, nothing else
-    assert [pair[0].token_ids for pair in pairs] == [pair[1].token_ids for pair in pairs] == [
-        [1, 2, 3, 7], [4, 5, 6]]
+    assert (
+        [pair[0].token_ids for pair in pairs]
+        == [pair[1].token_ids for pair in pairs]
+        == [[1, 2, 3, 7], [4, 5, 6]]
+    )
     assert_alike(*sides)
     sides[0].check_invariants()

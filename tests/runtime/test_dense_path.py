@@ -26,12 +26,17 @@ CONFIGS = {
 }
 PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
 
-admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
-                     st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
+admit_op = st.tuples(
+    st.just("admit"),
+    st.sampled_from(PREFIXES),
+    st.lists(st.integers(0, 2), max_size=12),
+    st.integers(1, 8),
+)
 # (running request index, tokens to schedule, lookahead, token to append first; -1: none,
 # -2: a token that cannot be hashed).
-grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(0, 3),
-                    st.integers(-2, 2))
+grow_op = st.tuples(
+    st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(0, 3), st.integers(-2, 2)
+)
 finish_op = st.tuples(st.just("finish"), st.integers(0, 63))
 programs = st.lists(st.one_of(admit_op, grow_op, grow_op, grow_op, finish_op), max_size=60)
 
@@ -49,8 +54,10 @@ def grow_on_each(allocators, pair, count, lookahead, token):  # type: ignore[no-
     if token != -1:
         for request in pair:
             request.append_token(-5 if token == -2 else token)
-    results = [outcome(lambda a=allocator, r=request: a.allocate_slots(r, count, lookahead))
-               for allocator, request in zip(allocators, pair, strict=True)]
+    results = [
+        outcome(lambda a=allocator, r=request: a.allocate_slots(r, count, lookahead))
+        for allocator, request in zip(allocators, pair, strict=True)
+    ]
     assert results[0] == results[1]
     if token == -2:
         # Refused (nothing changed); take the bad token back on both sides.
@@ -59,8 +66,11 @@ def grow_on_each(allocators, pair, count, lookahead, token):  # type: ignore[no-
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
-       program=programs)
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    eviction=st.sampled_from(EVICTION_POLICIES),
+    program=programs,
+)
 def test_dense_paths_equal_the_general_ones(config: str, eviction: str, program: list) -> None:
     specs, blocks, pools = CONFIGS[config]
     dense = make_allocator(specs, blocks, pools, eviction=eviction)
@@ -100,8 +110,10 @@ def test_a_prefix_naming_blocks_this_pool_does_not_cache_is_refused() -> None:
     request = Request("r", [1, 2, 3, 4, 5, 6])
     foreign = other.find_cached_prefix(request)
     assert foreign.num_tokens == 4
-    for allocator in (make_allocator([full(2)], 24),
-                      make_allocator([full(2)], 24, enable_kv_events=True)):
+    for allocator in (
+        make_allocator([full(2)], 24),
+        make_allocator([full(2)], 24, enable_kv_events=True),
+    ):
         fresh_blocks = allocator.pools[0].num_free_blocks
         with pytest.raises(AllocatorError, match="not one this allocator handed out"):
             allocator.allocate_slots(Request("r", [1, 2, 3, 4, 5, 6]), 2, prefix=foreign)
@@ -111,8 +123,10 @@ def test_a_prefix_naming_blocks_this_pool_does_not_cache_is_refused() -> None:
 
 
 def test_a_preempted_request_resumes_below_its_last_token_on_both_paths() -> None:
-    for allocator in (make_allocator([full(2)], 24),
-                      make_allocator([full(2)], 24, enable_kv_events=True)):
+    for allocator in (
+        make_allocator([full(2)], 24),
+        make_allocator([full(2)], 24, enable_kv_events=True),
+    ):
         request = Request("r", [1, 2, 3, 4, 5, 6])
         assert allocator.allocate_slots(request, 6, prefix=allocator.find_cached_prefix(request))
         allocator.free("r")  # preempted: all its blocks stay cached, its hashes on it

@@ -43,10 +43,18 @@ def hit_tokens(allocator: KVCacheAllocator, tokens: list[int]) -> int:
 
 
 def snapshot(allocator: KVCacheAllocator) -> object:
-    pools = [(list(pool.ref_counts), {gid: dict(cache) for gid, cache in pool.caches.items()},
-              pool.epoch) for pool in allocator.pools]
-    running = {rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
-               for rid in allocator._running}
+    pools = [
+        (
+            list(pool.ref_counts),
+            {gid: dict(cache) for gid, cache in pool.caches.items()},
+            pool.epoch,
+        )
+        for pool in allocator.pools
+    ]
+    running = {
+        rid: (allocator.block_ids(rid), allocator.num_computed_tokens(rid))
+        for rid in allocator._running
+    }
     return pools, running, list(allocator._freed)
 
 
@@ -70,8 +78,9 @@ def test_blocks_past_the_written_tokens_leave_the_cache_and_the_rest_stay() -> N
 @pytest.mark.parametrize("shape", list(SHAPES))
 @settings(max_examples=40, deadline=None)
 @given(length=st.integers(1, 48), data=st.data())
-def test_no_lookup_ever_hits_past_the_written_tokens(shape: str, length: int,
-                                                     data: st.DataObject) -> None:
+def test_no_lookup_ever_hits_past_the_written_tokens(
+    shape: str, length: int, data: st.DataObject
+) -> None:
     allocator = allocator_of(shape, enable_kv_events=True)
     shared = list(range(100, 100 + length))
     admitted(allocator, "first", shared[: data.draw(st.integers(0, length), "cached")] or [1])

@@ -12,24 +12,36 @@ from kvspec_core.runtime import KVCacheAllocator, chat_trace, simulate
 from kvspec_core.runtime.pool import DEFAULT_EVICTION
 
 #: A reduced chat trace: 150 requests, 16 at once, short think times, prompts <= 3,000.
-EVENTS = list(chat_trace.make_trace(seed=1, num_requests=150, max_running=16,
-                                    think_rounds=(5, 60), max_prompt_tokens=3000))
+EVENTS = list(
+    chat_trace.make_trace(
+        seed=1, num_requests=150, max_running=16, think_rounds=(5, 60), max_prompt_tokens=3000
+    )
+)
 MODELS = {
     "full": lambda: [full(16)],
     "sliding_hybrid": lambda: [full(16), sliding(16, 1024)],
     "mamba_hybrid": lambda: [full(16), mamba(16)],
 }
 #: Tight: a little above the peak blocks in use (evictions decide the hits); loose: room.
-POOLS = [("full", 2600), ("sliding_hybrid", 3700), ("mamba_hybrid", 2600),
-         ("full", 4096), ("sliding_hybrid", 4096), ("mamba_hybrid", 4096)]
+POOLS = [
+    ("full", 2600),
+    ("sliding_hybrid", 3700),
+    ("mamba_hybrid", 2600),
+    ("full", 4096),
+    ("sliding_hybrid", 4096),
+    ("mamba_hybrid", 4096),
+]
 
 
 def _hit_tokens(model: str, num_blocks: int, eviction: str | None) -> int:
     options = {} if eviction is None else {"eviction": eviction}
     allocator = KVCacheAllocator(
-        MODELS[model](), num_blocks,
+        MODELS[model](),
+        num_blocks,
         SizingContext(max_model_len=4096, mamba_cache_mode="align"),
-        manager=manager_with_families(), hash_salt=b"chat", **options,
+        manager=manager_with_families(),
+        hash_salt=b"chat",
+        **options,
     )
     report = simulate(allocator, EVENTS)
     allocator.check_invariants()
@@ -37,8 +49,9 @@ def _hit_tokens(model: str, num_blocks: int, eviction: str | None) -> int:
 
 
 @pytest.mark.parametrize(("model", "num_blocks"), POOLS)
-def test_default_eviction_hits_at_least_lru_and_segmented_on_chat(model: str,
-                                                                    num_blocks: int) -> None:
+def test_default_eviction_hits_at_least_lru_and_segmented_on_chat(
+    model: str, num_blocks: int
+) -> None:
     default = _hit_tokens(model, num_blocks, None)
     assert default >= _hit_tokens(model, num_blocks, "lru")
     assert default >= _hit_tokens(model, num_blocks, "segmented")

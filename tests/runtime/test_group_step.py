@@ -46,15 +46,18 @@ CONFIGS: dict[str, tuple[list[Any], Any, Any]] = {
     "window + full, one pool": ([full(2), sliding(2, 5)], 30, None),
     "full + window, two pools": ([full(2), sliding(2, 3)], [16, 10], [0, 1]),
     "state + full, one pool": ([full(2), mamba(2)], 30, None),
-    "state + window + full, two pools": ([full(2), mamba(2), sliding(2, 4)], [24, 14],
-                                         [0, 1, 0]),
+    "state + window + full, two pools": ([full(2), mamba(2), sliding(2, 4)], [24, 14], [0, 1, 0]),
     "two full groups, two pools": ([full(2), full(2)], [16, 12], [0, 1]),
 }
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
-       caching=st.booleans(), program=programs)
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    eviction=st.sampled_from(EVICTION_POLICIES),
+    caching=st.booleans(),
+    program=programs,
+)
 def test_the_compiled_group_step_equals_the_general_one(
     config: str, eviction: str, caching: bool, program: list
 ) -> None:
@@ -67,8 +70,9 @@ def test_the_compiled_group_step_equals_the_general_one(
     run_on_both((compiled, general), program)
 
 
-@pytest.mark.parametrize("specs", [[full(2), sliding(2, 5)], [full(2), mamba(2)]],
-                         ids=["window", "state"])
+@pytest.mark.parametrize(
+    "specs", [[full(2), sliding(2, 5)], [full(2), mamba(2)]], ids=["window", "state"]
+)
 def test_block_boundary_steps_of_a_hybrid_run_compiled(specs: list[Any]) -> None:
     allocator = make_allocator(specs, 40)
 
@@ -89,8 +93,10 @@ def test_compiled_shape_knows_the_core_shapes_and_nothing_overridden() -> None:
     ctx = context()
     rules = [rule for rule in make_allocator([full(2), sliding(2, 5), mamba(2)], 30).rules]
     assert [compiled_shape(rule) for rule in rules] == [0, 1, 2]
-    assert [type(rule).__mro__[1] for rule in rules[1:]] == [TrailingWindowRules,
-                                                            StateCheckpointRules]
+    assert [type(rule).__mro__[1] for rule in rules[1:]] == [
+        TrailingWindowRules,
+        StateCheckpointRules,
+    ]
 
     class Skips(FullAttentionRules):
         def skipped_tokens(self, num_computed: int) -> int:
@@ -107,13 +113,15 @@ def test_compiled_shape_knows_the_core_shapes_and_nothing_overridden() -> None:
 def test_rules_with_their_own_step_methods_or_events_run_as_python() -> None:
     # Chunked local attention's rules are the plugin's own Python.
     assert make_allocator([full(2), chunked(2, 4)], 30)._compiled_group_step() is None
-    assert make_allocator([full(2), sliding(2, 5)], 30,
-                          enable_kv_events=True)._compiled_group_step() is None
+    assert (
+        make_allocator([full(2), sliding(2, 5)], 30, enable_kv_events=True)._compiled_group_step()
+        is None
+    )
     # A group block of two hash blocks: the general path hashes between them.
     assert make_allocator([full(2), sliding(4, 5)], 30)._compiled_group_step() is None
     # Mamba outside align mode keeps its running states in Python rules.
-    none_mode = SizingContext(max_model_len=64, max_in_flight_tokens=8,
-                              mamba_cache_mode="none")
-    allocator = KVCacheAllocator([full(2), mamba(2)], 30, none_mode,
-                                 manager=manager_with_families())
+    none_mode = SizingContext(max_model_len=64, max_in_flight_tokens=8, mamba_cache_mode="none")
+    allocator = KVCacheAllocator(
+        [full(2), mamba(2)], 30, none_mode, manager=manager_with_families()
+    )
     assert allocator._compiled_group_step() is None

@@ -45,7 +45,8 @@ def test_salts_separate_processes_tenants_and_adapters() -> None:
     assert hashes(tokens, lora_name="adapter") != hashes(tokens)
     # No ambiguity between fields: the tenant and the adapter are length-prefixed apart.
     assert hashes(tokens, cache_salt="ab", lora_name=None) != hashes(
-        tokens, cache_salt="a", lora_name="b")
+        tokens, cache_salt="a", lora_name="b"
+    )
 
 
 def test_default_salt_is_random_per_process_and_shared_inside_it() -> None:
@@ -86,14 +87,25 @@ def test_invalid_requests_and_multimodal_inputs_are_refused() -> None:
 
 
 def test_a_hasher_remembers_roots_per_tenant_and_adapter_without_mixing_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvspec_core.runtime import hashing
 
     monkeypatch.setattr(hashing, "_ROOTS_KEPT", 2)  # forgetting is exercised too
     shared = PrefixHasher(4, salt=b"s")
     tokens = list(range(8))
-    for salt, lora in [("a", None), ("b", None), ("a", None), (None, "x"), (None, None),
-                       (b"a", None), (bytearray(b"a"), None), ("a", "x"), ("a", None)]:
+    for salt, lora in [
+        ("a", None),
+        ("b", None),
+        ("a", None),
+        (None, "x"),
+        (None, None),
+        (b"a", None),
+        (bytearray(b"a"), None),
+        ("a", "x"),
+        ("a", None),
+    ]:
         assert hashes(tokens, shared, cache_salt=salt, lora_name=lora) == hashes(
-            tokens, cache_salt=salt, lora_name=lora)
+            tokens, cache_salt=salt, lora_name=lora
+        )
     assert len(shared._roots) <= 2

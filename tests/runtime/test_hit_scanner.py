@@ -38,8 +38,11 @@ def digests(count: int) -> list[bytes]:
 )
 def test_scanner_answers_what_the_rules_answer(cached: list[bool], max_blocks: int) -> None:
     hashes = digests(len(cached))
-    cache = {digest: 100 + index
-             for index, (digest, hit) in enumerate(zip(hashes, cached, strict=True)) if hit}
+    cache = {
+        digest: 100 + index
+        for index, (digest, hit) in enumerate(zip(hashes, cached, strict=True))
+        if hit
+    }
     rules = FullAttentionRules(SPEC, CTX)
     expected = rules.longest_hit(hashes, cache, max_blocks)
     assert hit_scanner(rules)(hashes, cache, max_blocks) == expected

@@ -74,8 +74,14 @@ def run_case(body: str, runtime_kernels: str) -> str:
     if runtime_kernels == "python":
         env["KVSPEC_PURE_PYTHON"] = "1"
     script = _PRELUDE.format(here=str(_HERE)) + textwrap.dedent(body)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, cwd=_HERE,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        cwd=_HERE,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, (
         f"the case exited with {done.returncode} (a negative number is a signal: "
         f"{(done.returncode == -11 and 'SIGSEGV') or ''})\nstdout:\n{done.stdout}\n"
@@ -139,13 +145,26 @@ outcome(lambda: allocator.find_cached_prefix(request))
 """
 
 
-@pytest.mark.parametrize("case", [
-    _SALT_DROPS_HASHES, _SALT_REPLACES_TOKENS_FIND, _SALT_REPLACES_TOKENS_GROW,
-    _SALT_REPLACES_TOKENS_ADMIT, _ID_REPLACED_UNDER_COLLISION, _ID_REPLACES_TOKENS_FIND,
-], ids=["salt-drops-hashes", "salt-replaces-tokens-find", "salt-replaces-tokens-grow",
-        "salt-replaces-tokens-admit", "id-replaced-under-collision", "id-replaces-tokens-find"])
-def test_code_run_by_a_hash_is_refused_cleanly_not_crashed(case: str,
-                                                          runtime_kernels: str) -> None:
+@pytest.mark.parametrize(
+    "case",
+    [
+        _SALT_DROPS_HASHES,
+        _SALT_REPLACES_TOKENS_FIND,
+        _SALT_REPLACES_TOKENS_GROW,
+        _SALT_REPLACES_TOKENS_ADMIT,
+        _ID_REPLACED_UNDER_COLLISION,
+        _ID_REPLACES_TOKENS_FIND,
+    ],
+    ids=[
+        "salt-drops-hashes",
+        "salt-replaces-tokens-find",
+        "salt-replaces-tokens-grow",
+        "salt-replaces-tokens-admit",
+        "id-replaced-under-collision",
+        "id-replaces-tokens-find",
+    ],
+)
+def test_code_run_by_a_hash_is_refused_cleanly_not_crashed(case: str, runtime_kernels: str) -> None:
     # Salts and ids of other types than str / bytes / int would run such code in the middle
     # of a step: they are refused before it runs (a clean error, nothing changed).
     output = run_case(case, runtime_kernels)
@@ -158,10 +177,12 @@ def test_code_run_by_a_hash_is_refused_cleanly_not_crashed(case: str,
 
 
 def test_a_hash_owner_whose_release_replaces_the_tokens_does_not_crash(
-        runtime_kernels: str) -> None:
+    runtime_kernels: str,
+) -> None:
     # A request last hashed by another hasher drops its old owner when this one hashes it:
     # the old owner's __del__ runs then, and here replaces the token list being read.
-    output = run_case("""
+    output = run_case(
+        """
         class Owner:
             def __del__(self):
                 request.token_ids = [7]
@@ -171,20 +192,22 @@ def test_a_hash_owner_whose_release_replaces_the_tokens_does_not_crash(
         request._hash_owner = Owner()
         outcome(lambda: allocator.find_cached_prefix(request).num_tokens)
         print("hashes", len(request.block_hashes))
-    """, runtime_kernels)
+    """,
+        runtime_kernels,
+    )
     # The request holds one token now: nothing to look up, nothing hashed (both paths).
     assert output.split() == ["answer", "0", "hashes", "0"], output
 
 
-def test_hostile_objects_in_the_pool_kernels_are_refused_not_crashed(
-        runtime_kernels: str) -> None:
+def test_hostile_objects_in_the_pool_kernels_are_refused_not_crashed(runtime_kernels: str) -> None:
     # The pool kernels are public functions of the compiled module: a block id that is no
     # exact int is refused, and a key whose code drops the value a lookup just returned
     # (the digest's __del__, run when the kernel releases it) must not leave the kernel
     # holding freed memory.
     if runtime_kernels == "python":
         pytest.skip("the compiled module's own functions")
-    output = run_case("""
+    output = run_case(
+        """
         from kvspec_core.runtime.native import native as kernels
 
         class Block:
@@ -216,7 +239,9 @@ def test_hostile_objects_in_the_pool_kernels_are_refused_not_crashed(
         found = kernels.longest_hit(digests, cache, 4)
         junk = [10**40 + i for i in range(1000)]
         print("hit", found == [10**40 + 7])
-    """, runtime_kernels)
+    """,
+        runtime_kernels,
+    )
     assert "refused block ids must be ints" in output and "hit True" in output, output
 
 
@@ -250,10 +275,14 @@ class CollidingId:
         raise RuntimeError("no eq")
 
 
-@pytest.mark.parametrize("request_id", [math.nan, CollidingId("r0"), ["list"], 1.0, True, b"r"],
-                         ids=["nan", "eq-raises", "unhashable", "float", "bool", "bytes"])
+@pytest.mark.parametrize(
+    "request_id",
+    [math.nan, CollidingId("r0"), ["list"], 1.0, True, b"r"],
+    ids=["nan", "eq-raises", "unhashable", "float", "bool", "bytes"],
+)
 def test_request_ids_other_than_str_and_int_are_refused_before_anything_changes(
-        request_id: object) -> None:
+    request_id: object,
+) -> None:
     allocator = make_allocator([full(4)], 64)
     assert allocator.allocate_slots(Request("r0", list(range(8))), 8)
     before = allocator.usage
@@ -309,10 +338,10 @@ def test_index_tokens_that_behave_hash_as_their_values() -> None:
 
 
 # ----------------------------------------------------------------- item 3: tenants
-@pytest.mark.parametrize("first, second", [("a", b"a"), (b"a", "a"), ("a", None),
-                                           ("", None), (b"", None), ("", b"")])
-def test_salts_of_different_types_never_share_cache_entries(first: object,
-                                                             second: object) -> None:
+@pytest.mark.parametrize(
+    "first, second", [("a", b"a"), (b"a", "a"), ("a", None), ("", None), (b"", None), ("", b"")]
+)
+def test_salts_of_different_types_never_share_cache_entries(first: object, second: object) -> None:
     allocator = make_allocator([full(4)], 64)
     prompt = list(range(20))
     assert allocator.allocate_slots(Request("a", prompt, cache_salt=first), 20)  # type: ignore[arg-type]
@@ -330,8 +359,10 @@ def test_bytearray_salts_are_the_bytes_tenant() -> None:
     assert found.num_tokens == 16
 
 
-@pytest.mark.parametrize("field, value", [("cache_salt", 7), ("cache_salt", ("a",)),
-                                          ("lora_name", b"x"), ("lora_name", 3)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("cache_salt", 7), ("cache_salt", ("a",)), ("lora_name", b"x"), ("lora_name", 3)],
+)
 def test_salts_and_adapters_of_other_types_are_refused(field: str, value: object) -> None:
     allocator = make_allocator([full(4)], 64)
     request = Request("r", list(range(9)), **{field: value})  # type: ignore[arg-type]
@@ -355,8 +386,11 @@ def _two_running(specs: list, blocks: int = 128) -> tuple:
     return allocator, request, allocator.find_cached_prefix(request)
 
 
-@pytest.mark.parametrize("specs", [[full(4)], [sliding(4, 8), full(4)], [mamba(4), full(4)]],
-                         ids=["full", "swa+full", "mamba+full"])
+@pytest.mark.parametrize(
+    "specs",
+    [[full(4)], [sliding(4, 8), full(4)], [mamba(4), full(4)]],
+    ids=["full", "swa+full", "mamba+full"],
+)
 def test_forged_prefixes_are_refused_and_change_nothing(specs: list) -> None:
     allocator, request, genuine = _two_running(specs)
     assert genuine.num_tokens > 0
@@ -365,18 +399,25 @@ def test_forged_prefixes_are_refused_and_change_nothing(specs: list) -> None:
     forgeries = {
         "negative": attrs.evolve(genuine, num_tokens=-16, block_ids=victim_table),
         "another request's blocks": attrs.evolve(
-            genuine, block_ids=tuple(table[: len(mine)] for table, mine in
-                                     zip(victim_table, genuine.block_ids, strict=True))),
+            genuine,
+            block_ids=tuple(
+                table[: len(mine)]
+                for table, mine in zip(victim_table, genuine.block_ids, strict=True)
+            ),
+        ),
         "more tokens than blocks": attrs.evolve(genuine, num_tokens=genuine.num_tokens + 4),
         "past the prompt": attrs.evolve(genuine, num_tokens=40),
         "out of range ids": attrs.evolve(
-            genuine, block_ids=tuple(tuple(10**6 for _ in ids) for ids in genuine.block_ids)),
+            genuine, block_ids=tuple(tuple(10**6 for _ in ids) for ids in genuine.block_ids)
+        ),
         "null entries": attrs.evolve(
-            genuine, block_ids=tuple(tuple(0 for _ in ids) for ids in genuine.block_ids)),
+            genuine, block_ids=tuple(tuple(0 for _ in ids) for ids in genuine.block_ids)
+        ),
         "not a prefix": object(),
         "wrong group count": attrs.evolve(genuine, block_ids=genuine.block_ids + ((),)),
         "strings": attrs.evolve(
-            genuine, block_ids=tuple(tuple(str(b) for b in ids) for ids in genuine.block_ids)),
+            genuine, block_ids=tuple(tuple(str(b) for b in ids) for ids in genuine.block_ids)
+        ),
     }
     for name, forged in forgeries.items():
         with pytest.raises(AllocatorError, match="prefix"):
@@ -488,8 +529,7 @@ def test_counts_past_any_length_are_not_now_not_a_negative_count(count: int) -> 
 
 
 @pytest.mark.parametrize("lookahead", [2**63, 2**70])
-def test_a_lookahead_past_any_length_reaches_max_model_len_on_both_paths(
-        lookahead: int) -> None:
+def test_a_lookahead_past_any_length_reaches_max_model_len_on_both_paths(lookahead: int) -> None:
     allocator = make_allocator([full(4)], 64, ctx=context(32, 64))
     request = Request("r", [1, 2, 3])
     assert allocator.allocate_slots(request, 3)

@@ -71,8 +71,7 @@ def run(allocator: KVCacheAllocator, shadow: Shadow, request: Request, chunks: l
 
 
 def mamba_hybrid() -> tuple[KVCacheAllocator, Shadow]:
-    allocator = make_allocator([full(4), mamba(4)], [64, 16], [0, 1],
-                               ctx=context(in_flight=32))
+    allocator = make_allocator([full(4), mamba(4)], [64, 16], [0, 1], ctx=context(in_flight=32))
     return allocator, Shadow(allocator)
 
 
@@ -134,8 +133,9 @@ def test_chunked_local_resumes_at_a_chunk_start_without_earlier_chunks() -> None
 
 
 def test_three_families_and_three_page_sizes_agree_on_one_position() -> None:
-    allocator = make_allocator([full(4), sliding(2, 5), mamba(8)], [64, 16], [0, 0, 1],
-                               ctx=context(in_flight=32))
+    allocator = make_allocator(
+        [full(4), sliding(2, 5), mamba(8)], [64, 16], [0, 0, 1], ctx=context(in_flight=32)
+    )
     shadow = Shadow(allocator)
     assert allocator.hash_block_size == 2
     run(allocator, shadow, Request("a", SHARED + [1, 2]), [16, 6])  # state saved at 16

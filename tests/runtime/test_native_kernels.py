@@ -81,14 +81,17 @@ class OnPurePython:
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=600), digest_size=st.integers(1, 64))
 def test_blake2b_equals_hashlib(data: bytes, digest_size: int) -> None:
-    assert native.blake2b(data, digest_size) == hashlib.blake2b(
-        data, digest_size=digest_size
-    ).digest()
+    assert (
+        native.blake2b(data, digest_size) == hashlib.blake2b(data, digest_size=digest_size).digest()
+    )
 
 
 @settings(max_examples=100, deadline=None)
-@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
-       block=st.sampled_from([1, 4, 16, 33]), cut=st.integers(0, 200))
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    block=st.sampled_from([1, 4, 16, 33]),
+    cut=st.integers(0, 200),
+)
 def test_chained_hashes_equal_the_python_hasher(tokens: list[int], block: int, cut: int) -> None:
     hasher = PrefixHasher(block, salt=b"tenant")
     compiled = hasher.hashes(Request("r", list(tokens)), cut)[:]
@@ -152,23 +155,37 @@ CONFIGS: dict[str, tuple[list, Any, Any]] = {
 }
 PREFIXES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 4], [7, 7, 7, 7, 7, 7], [])
 
-admit_op = st.tuples(st.just("admit"), st.sampled_from(PREFIXES),
-                     st.lists(st.integers(0, 2), max_size=12), st.integers(1, 8))
+admit_op = st.tuples(
+    st.just("admit"),
+    st.sampled_from(PREFIXES),
+    st.lists(st.integers(0, 2), max_size=12),
+    st.integers(1, 8),
+)
 # (running request index, tokens to schedule, token to append first; -1: none, -2: a token
 # that cannot be hashed; speculative slots).
-grow_op = st.tuples(st.just("grow"), st.integers(0, 63), st.integers(0, 6), st.integers(-2, 2),
-                    st.sampled_from([0, 0, 0, 1, 3]))
+grow_op = st.tuples(
+    st.just("grow"),
+    st.integers(0, 63),
+    st.integers(0, 6),
+    st.integers(-2, 2),
+    st.sampled_from([0, 0, 0, 1, 3]),
+)
 step_op = st.tuples(st.just("step"), st.lists(st.integers(0, 63), max_size=6))
 finish_op = st.tuples(st.just("finish"), st.integers(0, 63))
 programs = st.lists(st.one_of(admit_op, grow_op, grow_op, step_op, finish_op), max_size=60)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=st.sampled_from(sorted(CONFIGS)), eviction=st.sampled_from(EVICTION_POLICIES),
-       events=st.booleans(), caching=st.sampled_from([True, True, True, False]),
-       program=programs)
-def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, events: bool,
-                                                    caching: bool, program: list) -> None:
+@given(
+    config=st.sampled_from(sorted(CONFIGS)),
+    eviction=st.sampled_from(EVICTION_POLICIES),
+    events=st.booleans(),
+    caching=st.sampled_from([True, True, True, False]),
+    program=programs,
+)
+def test_kernels_and_python_give_the_same_allocator(
+    config: str, eviction: str, events: bool, caching: bool, program: list
+) -> None:
     specs, blocks, pools = CONFIGS[config]
     options = dict(eviction=eviction, enable_kv_events=events, enable_prefix_caching=caching)
     compiled = make_allocator(specs, blocks, pools, **options)
@@ -190,9 +207,14 @@ def test_kernels_and_python_give_the_same_allocator(config: str, eviction: str, 
                     request.append_token(1)
             # Bare requests (one token each) and pairs, mixed.
             # Each call runs at once (outcome): the defaults bind this iteration's values.
-            results = [outcome(lambda a=side, s=side_index, c=chosen: a.allocate_step(
-                [pair[s] if k % 2 else (pair[s], 1) for k, pair in enumerate(c)]))
-                for side_index, side in enumerate(sides)]
+            results = [
+                outcome(
+                    lambda a=side, s=side_index, c=chosen: a.allocate_step(
+                        [pair[s] if k % 2 else (pair[s], 1) for k, pair in enumerate(c)]
+                    )
+                )
+                for side_index, side in enumerate(sides)
+            ]
             assert results[0] == results[1]
         elif op[0] == "finish" and running:
             finish_on_each(sides, running, op[1])  # type: ignore[arg-type]
@@ -331,7 +353,10 @@ def test_one_group_full_attention_crosses_block_boundaries_in_c() -> None:
     assert general_steps == []
     table = allocator.block_ids("r")[0]
     assert [allocator.pools[0].cached_hash(block) for block in table] == [
-        *request.block_hashes[:3], None, None]
+        *request.block_hashes[:3],
+        None,
+        None,
+    ]
     # A token it cannot hash the compiled step refuses itself, with the method's error; the
     # cap it leaves to the method.
     request.append_token(-5)
@@ -363,16 +388,23 @@ def test_the_compiled_boundary_step_evicts_as_the_python_one() -> None:
     assert_alike(sides[0], sides[1]._allocator)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: make_allocator([full(2), full(2)], 24),
-    lambda: make_allocator([full(4)], 24, hash_block_size=2),
-    lambda: make_allocator([full(2)], 24, enable_kv_events=True),
-    lambda: make_allocator([full(2), sliding(2, 5)], 40),
-    # A subclass's own boundary step runs as its Python code.
-    lambda: type("Custom", (KVCacheAllocator,), {
-        "_grow_dense": lambda self, *args: KVCacheAllocator._grow_dense(self, *args),
-    })([full(2)], 24, context(), manager=manager_with_families()),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_allocator([full(2), full(2)], 24),
+        lambda: make_allocator([full(4)], 24, hash_block_size=2),
+        lambda: make_allocator([full(2)], 24, enable_kv_events=True),
+        lambda: make_allocator([full(2), sliding(2, 5)], 40),
+        # A subclass's own boundary step runs as its Python code.
+        lambda: type(
+            "Custom",
+            (KVCacheAllocator,),
+            {
+                "_grow_dense": lambda self, *args: KVCacheAllocator._grow_dense(self, *args),
+            },
+        )([full(2)], 24, context(), manager=manager_with_families()),
+    ],
+)
 def test_the_compiled_boundary_step_serves_only_one_plain_group(make: Any) -> None:
     assert make()._compiled_dense_step() is None
     assert make_allocator([full(2)], 24)._compiled_dense_step() is not None

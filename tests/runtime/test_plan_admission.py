@@ -37,14 +37,24 @@ def admit_full_length(allocator: KVCacheAllocator, request_id: int, chunk: int) 
 
 @pytest.mark.parametrize(
     ("model", "budget", "exact"),
-    [("llama-3.1-8b", 18 * GiB, True), ("jamba-1.5-mini", 10 * GiB, True),
-     ("qwen3-next-80b", 12 * GiB, True), ("gemma-2-9b", 12 * GiB, False),
-     ("llama-4-scout", 30 * GiB, False)],
+    [
+        ("llama-3.1-8b", 18 * GiB, True),
+        ("jamba-1.5-mini", 10 * GiB, True),
+        ("qwen3-next-80b", 12 * GiB, True),
+        ("gemma-2-9b", 12 * GiB, False),
+        ("llama-4-scout", 30 * GiB, False),
+    ],
 )
 def test_plan_admits_its_max_concurrency(model: str, budget: int, exact: bool) -> None:
     manager = load_plugins()
-    planned = plan_model(load_preset(model), budget, PlanOptions(block_size=16), manager,
-                         name=model, max_model_len=MAX_LEN)
+    planned = plan_model(
+        load_preset(model),
+        budget,
+        PlanOptions(block_size=16),
+        manager,
+        name=model,
+        max_model_len=MAX_LEN,
+    )
     allocator = KVCacheAllocator.from_plan(planned.plan, manager, enable_prefix_caching=False)
     fits = math.floor(planned.plan.max_concurrency + 1e-9)
     assert fits >= 1

@@ -31,8 +31,11 @@ class PoolMachine(RuleBasedStateMachine):
     def take(self, count: int) -> None:
         if count > self.pool.num_free_blocks:
             return
-        cached_before = {block: self.pool.cached_hash(block) for block in range(1, NUM_BLOCKS)
-                         if self.pool.is_cached_free(block)}
+        cached_before = {
+            block: self.pool.cached_hash(block)
+            for block in range(1, NUM_BLOCKS)
+            if self.pool.is_cached_free(block)
+        }
         fresh_before = self.pool.num_free_blocks - len(cached_before)
         blocks = self.pool.take(count)
         assert len(set(blocks)) == count and NULL_BLOCK not in blocks
@@ -100,7 +103,9 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=30, deadline=None,
+    max_examples=300,
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolMachine = PoolMachine.TestCase

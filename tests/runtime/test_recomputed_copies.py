@@ -48,8 +48,9 @@ def test_segmented_newer_copy_of_a_reused_block_stays_protected() -> None:
 
 
 def test_sliding_window_hybrid_recomputed_full_attention_blocks_become_the_cached_copies() -> None:
-    allocator = make_allocator([full(16), sliding(16, 32)], 31,
-                               ctx=context(max_model_len=256, in_flight=256))
+    allocator = make_allocator(
+        [full(16), sliding(16, 32)], 31, ctx=context(max_model_len=256, in_flight=256)
+    )
     first = Request("a", list(range(97)))
     assert allocator.allocate_slots(first, 97)
     first.append_token(500)
@@ -93,9 +94,12 @@ def test_sliding_window_hybrid_hits_at_least_vllm_on_reduced_traces(trace_name: 
         events = trace.make_trace(seed=1, num_requests=300, max_running=16, num_prefixes=8)
     else:
         events = chat_trace.make_trace(seed=1, num_requests=600, max_running=16)
-    allocator = KVCacheAllocator([full(16), sliding(16, 4096)], 7000,
-                                 SizingContext(max_model_len=8192),
-                                 manager=manager_with_families())
+    allocator = KVCacheAllocator(
+        [full(16), sliding(16, 4096)],
+        7000,
+        SizingContext(max_model_len=8192),
+        manager=manager_with_families(),
+    )
     report = simulate(allocator, list(events))
     allocator.check_invariants()
     assert report.hit_tokens >= VLLM_HITS[trace_name]

@@ -26,8 +26,9 @@ def simulate(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
 def test_full_attention_preset_admits_everything_and_hits_shared_prompts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    report = simulate(capsys, "llama-3.1-8b", "--memory", "40GiB", "--requests", "40",
-                      "--max-model-len", "8192")
+    report = simulate(
+        capsys, "llama-3.1-8b", "--memory", "40GiB", "--requests", "40", "--max-model-len", "8192"
+    )
     assert report["model"] == "llama-3.1-8b" and report["groups"] == ["full_attention"]
     assert report["requests"] == report["admitted"] == 40
     assert report["waited_admissions"] == 0 and report["preemptions"] == 0
@@ -36,22 +37,30 @@ def test_full_attention_preset_admits_everything_and_hits_shared_prompts(
         report["hit_tokens"] / report["prompt_tokens"]
     )
     assert 0 < report["peak_usage"] <= 1 and report["peak_used_blocks"] <= report["usable_blocks"]
-    again = simulate(capsys, "llama-3.1-8b", "--memory", "40GiB", "--requests", "40",
-                     "--max-model-len", "8192")
+    again = simulate(
+        capsys, "llama-3.1-8b", "--memory", "40GiB", "--requests", "40", "--max-model-len", "8192"
+    )
     assert again["hit_tokens"] == report["hit_tokens"]
 
 
 def test_a_tight_budget_makes_admissions_wait(capsys: pytest.CaptureFixture[str]) -> None:
-    report = simulate(capsys, "gemma-2-9b", "--memory", "3GiB", "--requests", "30",
-                      "--seed", "1")
+    report = simulate(capsys, "gemma-2-9b", "--memory", "3GiB", "--requests", "30", "--seed", "1")
     assert report["groups"] == ["sliding_window", "full_attention"]
     assert report["waited_admissions"] > 0
     assert report["peak_usage"] == pytest.approx(1.0, abs=0.05)
 
 
 def test_hybrid_mamba_preset_replays(capsys: pytest.CaptureFixture[str]) -> None:
-    report = simulate(capsys, "jamba-1.5-mini", "--memory", "20GiB", "--requests", "20",
-                      "--max-model-len", "16384")
+    report = simulate(
+        capsys,
+        "jamba-1.5-mini",
+        "--memory",
+        "20GiB",
+        "--requests",
+        "20",
+        "--max-model-len",
+        "16384",
+    )
     assert "mamba" in report["groups"]
     assert report["admitted"] == 20
 
