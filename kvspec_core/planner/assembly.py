@@ -20,6 +20,7 @@ from kvspec_core.planner.layouts import DIM_B, DIM_L, KVCacheLayout
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_parts import KVCacheTensor, PlannedGroup, Pool
 from kvspec_core.planner.skeleton import Skeleton, blocks_per_request
+from kvspec_core.planner.tiers import TierRequest, size_tiers
 
 
 def assemble(
@@ -29,8 +30,10 @@ def assemble(
     ctx: SizingContext,
     budget: int,
     host_budget: int | None,
+    tiers: TierRequest | None = None,
 ) -> KVCachePlan:
-    """The plan of ``skeleton`` with ``blocks`` per pool; ``kinds`` names each group's kind."""
+    """The plan of ``skeleton`` with ``blocks`` per pool; ``kinds`` names each group's kind;
+    the offload ``tiers`` are sized over its pools."""
     layout = skeleton.layout
     per_group, per_pool = blocks_per_request(skeleton, ctx)
     groups = tuple(
@@ -95,6 +98,7 @@ def assemble(
         ),
         max_concurrency=concurrency_of([p.num_blocks for p in pools], demands),
         memoryless_layers=skeleton.memoryless,
+        tiers=size_tiers(pools, tiers or TierRequest()),
     )
 
 

@@ -29,12 +29,23 @@ def _cost(blocks: Sequence[int], block_bytes: Sequence[int]) -> int:
 
 
 def split_budget(
-    demands: Sequence[int], block_bytes: Sequence[int], budget: int
+    demands: Sequence[int],
+    block_bytes: Sequence[int],
+    budget: int,
+    *,
+    require_one_request: bool = True,
 ) -> list[int] | None:
-    """Blocks per pool (null block included), or ``None`` when one request does not fit."""
+    """Blocks per pool (null block included), or ``None`` when one request does not fit.
+
+    Without ``require_one_request`` (an offload tier, which caches prefixes of any length)
+    a budget below one request is split the same way, at a concurrency below one: ``None``
+    only when it cannot hold every pool's null block (a pool may then keep only that)."""
     if not demands:
         return []
-    if bytes_for_one_request(demands, block_bytes) > budget:
+    floor_bytes = (
+        bytes_for_one_request(demands, block_bytes) if require_one_request else sum(block_bytes)
+    )
+    if floor_bytes > budget:
         return None
     weighted = sum(demand * size for demand, size in zip(demands, block_bytes, strict=True))
     concurrency = Fraction(budget - sum(block_bytes), weighted)

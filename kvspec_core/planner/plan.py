@@ -16,6 +16,7 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import PlanError
 from kvspec_core.planner.plan_parts import (
     KVCacheTensor,
+    OffloadTier,
     PlannedGroup,
     Pool,
     tuple_of_str,
@@ -26,10 +27,18 @@ from kvspec_core.planner.plan_writing import (
     input_checksums,
     pool_to_dict,
     tensor_to_dict,
+    tier_to_dict,
 )
 from kvspec_core.specs.attention import AttentionSpec
 
-__all__ = ["PLAN_FORMAT_VERSION", "KVCachePlan", "KVCacheTensor", "PlannedGroup", "Pool"]
+__all__ = [
+    "PLAN_FORMAT_VERSION",
+    "KVCachePlan",
+    "KVCacheTensor",
+    "OffloadTier",
+    "PlannedGroup",
+    "Pool",
+]
 
 
 # One converter per element type (rather than ``converter=tuple``) so type checkers see
@@ -46,6 +55,10 @@ def _tuple_of_tensors(items: Iterable[KVCacheTensor]) -> tuple[KVCacheTensor, ..
     return tuple(items)
 
 
+def _tuple_of_tiers(items: Iterable[OffloadTier]) -> tuple[OffloadTier, ...]:
+    return tuple(items)
+
+
 @attrs.frozen(kw_only=True)
 class KVCachePlan:
     """Everything an engine needs to allocate, view and admit; pure data.
@@ -54,7 +67,8 @@ class KVCachePlan:
     how many requests of ``context.max_model_len`` the runtime admits at once (the minimum
     over pools of usable blocks over demand; 0.0 when no layer needs KV memory, as nothing
     is admitted against a cache). ``bytes_padding`` is what the budget holds
-    beyond real content: page padding, block alignment, and budget left idle.
+    beyond real content: page padding, block alignment, and budget left idle. ``tiers``
+    are the offload tiers (host, then disk; empty when none was asked for).
     """
 
     groups: tuple[PlannedGroup, ...] = attrs.field(converter=_tuple_of_groups)
@@ -72,6 +86,7 @@ class KVCachePlan:
     )
     max_concurrency: float
     memoryless_layers: tuple[str, ...] = attrs.field(default=(), converter=tuple_of_str)
+    tiers: tuple[OffloadTier, ...] = attrs.field(default=(), converter=_tuple_of_tiers)
 
     # ----------------------------------------------------------------- totals
     @property
@@ -81,6 +96,10 @@ class KVCachePlan:
     @property
     def device_pools(self) -> tuple[Pool, ...]:
         return tuple(pool for pool in self.pools if not pool.host_resident)
+
+    def tier(self, name: str) -> OffloadTier | None:
+        """The offload tier called ``name`` (``"host"``, ``"disk"``), ``None`` if not planned."""
+        return next((tier for tier in self.tiers if tier.name == name), None)
 
     # ----------------------------------------------------------------- lookups
     def group_of(self, layer: str) -> PlannedGroup:
@@ -201,6 +220,7 @@ class KVCachePlan:
             "groups": [group_to_dict(group) for group in self.groups],
             "pools": [pool_to_dict(pool) for pool in self.pools],
             "tensors": [tensor_to_dict(tensor) for tensor in self.tensors],
+            "tiers": [tier_to_dict(tier) for tier in self.tiers],
         }
         data["input_checksums"] = input_checksums(data)
         return data

@@ -18,6 +18,7 @@ import attrs
 
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import ConfigError
+from kvspec_core.planner.plan_parts import TIER_NAMES
 
 #: Largest int any field of a plan may hold: far above any machine's bytes or blocks, far
 #: below what would overflow the int64 strides of the views built from it.
@@ -123,14 +124,16 @@ def _mapping_of(check: Check) -> Check:
     return mapping_of
 
 
-def _record(fields: Mapping[str, Check]) -> Check:
-    """A mapping holding every one of ``fields`` (further keys are left to the comparison
-    with the rebuilt plan, which names them)."""
+def _record(fields: Mapping[str, Check], *, optional: frozenset[str] = frozenset()) -> Check:
+    """A mapping holding every one of ``fields`` but the ``optional`` ones (further keys are
+    left to the comparison with the rebuilt plan, which names them)."""
 
     def record(value: Any, path: str) -> None:
         mapping = _mapping(value, path)
         for name, check in fields.items():
             where = f"{path}.{name}" if path else name
+            if name not in mapping and name in optional:
+                continue
             if name not in mapping:
                 raise ConfigError(
                     f"invalid KV-cache plan: field {where!r} is missing; pass a plan written by "
@@ -215,6 +218,22 @@ _TENSOR = _record(
     }
 )
 
+
+def _tier_name(value: Any, path: str) -> None:
+    if value not in TIER_NAMES:
+        raise invalid_field(path, value, f"one of {', '.join(map(repr, TIER_NAMES))}")
+
+
+_TIER = _record(
+    {
+        "name": _tier_name,
+        "budget_bytes": _int(1),
+        "path": _optional(_str),
+        "blocks_per_pool": _list_of(_int(0)),
+        "bytes_allocated": _int(0),
+    }
+)
+
 _PLAN = _record(
     {
         "format_version": _int(0),
@@ -237,8 +256,11 @@ _PLAN = _record(
         "groups": _list_of(_GROUP),
         "pools": _list_of(_POOL),
         "tensors": _list_of(_TENSOR),
+        "tiers": _list_of(_TIER),
         "input_checksums": _mapping_of(_str),
-    }
+    },
+    # Plans written before offload tiers existed have none.
+    optional=frozenset({"tiers"}),
 )
 
 
@@ -272,3 +294,10 @@ def check_plan_document(data: object) -> None:
     for index, tensor in enumerate(document["tensors"]):
         _check_reference(tensor["pool"], f"tensors[{index}].pool", len(pools), "pools")
         _check_reference(tensor["group"], f"tensors[{index}].group", len(groups), "groups")
+    for index, tier in enumerate(document.get("tiers", [])):
+        if len(tier["blocks_per_pool"]) != len(pools):
+            raise invalid_field(
+                f"tiers[{index}].blocks_per_pool",
+                tier["blocks_per_pool"],
+                f"one block count per pool of the plan ({len(pools)})",
+            )

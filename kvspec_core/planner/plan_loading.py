@@ -6,6 +6,7 @@ never mislay the cache. A function of the planner layer, not a method of
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,13 @@ from kvspec_core.errors import (
 from kvspec_core.planner.grouping import group_kind
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_document import check_plan_document
-from kvspec_core.planner.plan_parts import KVCacheTensor, PlannedGroup, Pool, specs_per_layer
+from kvspec_core.planner.plan_parts import (
+    KVCacheTensor,
+    OffloadTier,
+    PlannedGroup,
+    Pool,
+    specs_per_layer,
+)
 from kvspec_core.planner.plan_writing import PLAN_FORMAT_VERSION, input_checksums
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.planner.plugin_faults import plugin_faults_named
@@ -55,6 +62,9 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
             f"reads version {PLAN_FORMAT_VERSION}"
         )
     check_plan_document(data)
+    if "tiers" not in data:
+        # A plan written before offload tiers existed: it has none.
+        data = {**data, "tiers": []}
     groups = tuple(
         PlannedGroup(
             id=item["id"],
@@ -110,7 +120,18 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
         padding_breakdown=tuple(data["padding_breakdown"].items()),
         max_concurrency=float(data["max_concurrency"]),
         memoryless_layers=data["memoryless_layers"],
+        tiers=tuple(
+            OffloadTier(
+                name=item["name"],
+                budget_bytes=item["budget_bytes"],
+                path=item["path"],
+                blocks_per_pool=item["blocks_per_pool"],
+                bytes_allocated=item["bytes_allocated"],
+            )
+            for item in data["tiers"]
+        ),
     )
+    _check_tier_request(plan)
     _check_inputs_unedited(data)
     _check_consistent(plan, manager)
     _check_written_fields(data, plan.to_dict())
@@ -135,6 +156,24 @@ def _group_spec(data: Any, index: int, manager: PluginManager) -> KVSpec:
         for member in {id(s): s for s in (spec, *specs_per_layer(spec, 1))}.values():
             check_spec_answers(member, f"group {index} of the plan")
     return spec
+
+
+def _check_tier_request(plan: KVCachePlan) -> None:
+    """Refuse tiers no :func:`plan_kv_cache` call could have asked for: one tier of each
+    name at most, host before disk, a disk tier with its directory and a host tier
+    without. The directory itself need not exist where the plan is read."""
+    names = [tier.name for tier in plan.tiers]
+    if names not in ([], ["host"], ["disk"], ["host", "disk"]):
+        raise _edited("tiers", f"names tiers {names}; a plan holds at most host, then disk")
+    for index, tier in enumerate(plan.tiers):
+        if (tier.path is None) != (tier.name == "host") or (
+            tier.path is not None and not os.path.isabs(tier.path)
+        ):
+            raise _edited(
+                f"tiers[{index}].path",
+                f"is {tier.path!r}; the disk tier names its directory as an absolute path "
+                "and the host tier none",
+            )
 
 
 def _edited(field: str, why: str) -> ConfigError:

@@ -166,3 +166,34 @@ class KVCacheTensor:
     shape: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
     strides: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
     raw: bool = False
+
+
+#: Names of the offload tiers, in the order a plan holds them (fastest first).
+TIER_NAMES = ("host", "disk")
+
+
+@attrs.frozen(kw_only=True)
+class OffloadTier:
+    """A slower tier the KV cache offloads blocks to: host DRAM or files on a local disk.
+
+    A tier block of pool ``p`` has exactly ``p``'s block bytes and page layout, so a block
+    moves between the device and a tier as whole pages. Each tier's budget is split between
+    the device pools as the device budget is (demand-weighted), so every pool's tier holds
+    tokens in the same proportion as its device pool. Like a device pool, a tier's pool
+    reserves block 0 as its null block.
+
+    Attributes:
+        name: ``"host"`` (pinned host memory) or ``"disk"`` (one file per pool under
+            ``path``).
+        budget_bytes: bytes the tier may use.
+        path: the directory holding the disk tier's files (absolute); ``None`` for host.
+        blocks_per_pool: blocks of each plan pool in this tier, null block included, in
+            pool order; 0 for host-resident pools, which are not offloaded.
+        bytes_allocated: bytes the tier's blocks take (at most ``budget_bytes``).
+    """
+
+    name: str
+    budget_bytes: int
+    path: str | None = None
+    blocks_per_pool: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
+    bytes_allocated: int

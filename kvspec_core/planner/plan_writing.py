@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvspec_core.planner.plan_parts import KVCacheTensor, PlannedGroup, Pool
+from kvspec_core.planner.plan_parts import KVCacheTensor, OffloadTier, PlannedGroup, Pool
 from kvspec_core.specs.serialization import spec_to_dict
 
 #: Version of :meth:`KVCachePlan.to_dict`'s format (2 added ``input_checksums``).
@@ -21,7 +21,9 @@ PLAN_FORMAT_VERSION = 2
 
 #: Inputs of a plan that no other field of it derives from, checksummed in
 #: ``input_checksums`` (``num_blocks`` stands for the pools' block counts); each group's
-#: ``layers`` and ``spec`` are inputs too (``groups[0].spec``...).
+#: ``layers`` and ``spec`` are inputs too (``groups[0].spec``...), and so are the offload
+#: ``tiers`` when a plan has some (a plan without any, or written before tiers existed,
+#: has no checksum for them).
 CHECKSUMMED_INPUTS = (
     "layout",
     "context",
@@ -43,6 +45,8 @@ def input_checksums(data: Mapping[str, Any]) -> dict[str, str]:
     for index, group in enumerate(data["groups"]):
         values[f"groups[{index}].layers"] = group["layers"]
         values[f"groups[{index}].spec"] = group["spec"]
+    if data.get("tiers"):
+        values["tiers"] = data["tiers"]
     return {
         name: hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()[
             :16
@@ -99,4 +103,15 @@ def tensor_to_dict(tensor: KVCacheTensor) -> dict[str, Any]:
         "shape": list(tensor.shape),
         "strides": list(tensor.strides),
         "raw": tensor.raw,
+    }
+
+
+def tier_to_dict(tier: OffloadTier) -> dict[str, Any]:
+    """The JSON-able fields of ``tier`` in a plan document (``tiers[i]``)."""
+    return {
+        "name": tier.name,
+        "budget_bytes": tier.budget_bytes,
+        "path": tier.path,
+        "blocks_per_pool": list(tier.blocks_per_pool),
+        "bytes_allocated": tier.bytes_allocated,
     }
