@@ -9,7 +9,7 @@ allocated.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -21,6 +21,9 @@ from kvspec_core.planner.layouts import DIM_B, DIM_H, DIM_L, aligned, get_layout
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_parts import KVCacheTensor
 from kvspec_core.specs.base import KVSpec
+
+if TYPE_CHECKING:
+    from kvspec_core.planner.tier_buffers import TierBuffers
 
 
 @attrs.frozen
@@ -200,7 +203,8 @@ def plan_layer_views(
     return result
 
 
-def _make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:
+def make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:
+    """``view`` of the pool ``buffer``: strided bytes reinterpreted in the view's dtype."""
     if view.raw:
         return buffer
     layer = torch.as_strided(
@@ -215,16 +219,22 @@ def _make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:
 
 
 class KVCacheBuffers:
-    """Backing buffers (one per pool) and per-layer views of a materialised plan."""
+    """Backing buffers (one per pool) and per-layer views of a materialised plan; ``tiers``
+    maps each offload tier's name (``"host"``, ``"disk"``) to its buffers and views."""
 
     def __init__(
-        self, plan: KVCachePlan, buffers: list[torch.Tensor], layer_views: list[LayerView]
+        self,
+        plan: KVCachePlan,
+        buffers: list[torch.Tensor],
+        layer_views: list[LayerView],
+        tiers: Mapping[str, TierBuffers] | None = None,
     ) -> None:
         self.plan = plan
         self.buffers = buffers
+        self.tiers: dict[str, TierBuffers] = dict(tiers or {})
         self.layer_views = {view.layer: view for view in layer_views}
         self.views: dict[str, torch.Tensor] = {
-            view.layer: _make_view(buffers[view.pool], view) for view in layer_views
+            view.layer: make_view(buffers[view.pool], view) for view in layer_views
         }
 
     def layout_descriptor(self) -> dict[str, Any]:
@@ -268,10 +278,17 @@ def materialize(
     device: str | torch.device = "cpu",
     *,
     kernel_block_sizes: Mapping[int, int] | None = None,
+    offload_tiers: bool = True,
 ) -> KVCacheBuffers:
     """Allocate one ``uint8`` buffer per pool on ``device`` (host-resident pools on the CPU)
     and view every layer as the plan says. ``kernel_block_sizes`` maps group ids to a kernel
-    block size dividing the group's block size. Buffers are zeroed when the plan needs it."""
+    block size dividing the group's block size. Buffers are zeroed when the plan needs it.
+
+    With ``offload_tiers`` (the default) the plan's tiers are allocated too
+    (``buffers.tiers``): host buffers, pinned when CUDA is available, and for the disk tier
+    one new file per pool in its directory (refused, before anything is allocated, when
+    the directory is not writable or a file is already there); see
+    :mod:`kvspec_core.planner.tier_buffers`."""
     if not isinstance(plan, KVCachePlan):
         raise InvalidFieldTypeError(
             "materialize",
@@ -284,13 +301,20 @@ def materialize(
     meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]
     for view in layer_views:
         try:
-            _make_view(meta[view.pool], view)
+            make_view(meta[view.pool], view)
         except RuntimeError as error:
             raise PlanError(
                 f"layer {view.layer} cannot be viewed as {view.dtype} at byte offset "
                 f"{view.offset} with byte strides {view.strides} in layout {plan.layout}: "
                 f"{error}; align the spec's pages (block_stride_alignment) to the dtype size"
             ) from error
+    from kvspec_core.planner.tier_buffers import materialize_tier
+
+    # Tiers first: the disk tier's checks are the ones that can refuse.
+    tiers = {
+        tier.name: materialize_tier(plan, tier, kernel_block_sizes)
+        for tier in (plan.tiers if offload_tiers else ())
+    }
     make = torch.zeros if plan.needs_zeroing else torch.empty
     buffers = [
         make(
@@ -300,4 +324,4 @@ def materialize(
         )
         for pool in plan.pools
     ]
-    return KVCacheBuffers(plan, buffers, layer_views)
+    return KVCacheBuffers(plan, buffers, layer_views, tiers)
