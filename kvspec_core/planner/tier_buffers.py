@@ -20,6 +20,7 @@ import torch
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.planner.assembly import assemble
+from kvspec_core.planner.layer_views import make_view, plan_layer_views
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_parts import OffloadTier
 from kvspec_core.planner.skeleton import skeleton_of_plan
@@ -158,8 +159,6 @@ def materialize_tier(
 ) -> TierBuffers:
     """Allocate ``tier`` of ``plan`` (host memory, or files under its directory) and view
     every offloaded layer as its device view is viewed."""
-    from kvspec_core.planner.views import make_view, plan_layer_views
-
     geometry = tier_geometry(plan, tier)
     layer_views = [
         view
