@@ -83,6 +83,26 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# ----------------------------------------------------------------- offload tiers (plan)
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host-memory`` (host offload tier) and ``--disk`` / ``--disk-size`` (disk tier)."""
+    parser.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="host DRAM for an offload tier beside the GPU pools (256GiB...): each pool gets "
+        "host blocks in the GPU split's proportions",
+    )
+    parser.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="an existing, writable directory for a disk offload tier (one file per pool); "
+        "needs --disk-size",
+    )
+    parser.add_argument(
+        "--disk-size", metavar="SIZE", help="bytes the disk tier may use (2TiB...); needs --disk"
+    )
+
+
 def add_model_arguments(
     parser: argparse.ArgumentParser, *, kv_dtype_help: str, repeatable_kv_dtype: bool = False
 ) -> None:

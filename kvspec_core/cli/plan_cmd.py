@@ -21,12 +21,13 @@ from kvspec_core.cli.arguments import (
     DEFAULT_KV_CACHE_DTYPE,
     add_model_arguments,
     add_pipeline_arguments,
+    add_tier_arguments,
     plan_options,
     plot_file,
 )
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
-from kvspec_core.errors import CapacityError, ConfigError
+from kvspec_core.errors import CapacityError, ConfigError, InvalidFieldError
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.normalized import ModelConfig, normalize_config
 from kvspec_core.models.pipeline import (
@@ -41,7 +42,8 @@ from kvspec_core.models.planning import (
     context_lengths,
     prepare_model,
 )
-from kvspec_core.planner.plan import PlannedGroup
+from kvspec_core.planner.plan import KVCachePlan, PlannedGroup
+from kvspec_core.planner.tiers import OffloadTierError, check_disk_directory
 from kvspec_core.plugins.manager import PluginManager
 
 
@@ -59,6 +61,7 @@ def add_parser(subparsers: Any) -> None:
         "several, the plan uses the first",
     )
     add_pipeline_arguments(parser)
+    add_tier_arguments(parser)
     parser.add_argument(
         "--plot",
         type=plot_file,
@@ -79,6 +82,53 @@ def _tokens_per_request(group: PlannedGroup) -> int | None:
     if tokens_per_state <= 0:
         return None
     return group.blocks_per_request * group.block_size
+
+
+def _pool_tokens(plan: KVCachePlan, pool_id: int, blocks: int) -> int | None:
+    """Tokens ``blocks`` blocks of pool ``pool_id`` hold, its null block left out; ``None``
+    for a state pool (Mamba) or one whose groups' blocks hold different token counts."""
+    sizes = {
+        group.block_size if _tokens_per_request(group) is not None else None
+        for group in plan.groups
+        if group.pool == pool_id
+    }
+    size = sizes.pop() if len(sizes) == 1 else None
+    return None if size is None else (blocks - 1) * size
+
+
+def tiers_report(plan: KVCachePlan) -> list[dict[str, Any]]:
+    """The ``tiers`` of the ``--json`` document: each tier's budget, bytes used, the
+    max-length requests it holds and, per pool, its blocks and tokens (``null`` for
+    pools not offloaded and state pools)."""
+    demands = [pool.blocks_per_request for pool in plan.pools]
+    report = []
+    for tier in plan.tiers:
+        offloaded = [
+            (count, demand)
+            for count, demand in zip(tier.blocks_per_pool, demands, strict=True)
+            if count
+        ]
+        report.append(
+            {
+                "name": tier.name,
+                "path": tier.path,
+                "budget_bytes": tier.budget_bytes,
+                "bytes_allocated": tier.bytes_allocated,
+                "num_blocks": sum(tier.blocks_per_pool),
+                "max_concurrency": min((count - 1) / d for count, d in offloaded)
+                if offloaded
+                else 0.0,
+                "pools": [
+                    {
+                        "pool": pool.id,
+                        "num_blocks": count,
+                        "tokens": _pool_tokens(plan, pool.id, count) if count else None,
+                    }
+                    for pool, count in zip(plan.pools, tier.blocks_per_pool, strict=True)
+                ],
+            }
+        )
+    return report
 
 
 def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
@@ -134,6 +184,7 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
         "kv_bytes_per_request": result.kv_bytes_per_request,
         "kv_bytes_per_token": result.kv_bytes_per_token,
         "max_concurrency": plan.max_concurrency,
+        "tiers": tiers_report(plan),
     }
 
 
@@ -265,7 +316,70 @@ def _human(report: dict[str, Any]) -> str:
     ]
     if report["memoryless_layers"]:
         lines.append(f"no cache         {describe_layers(report['memoryless_layers'])}")
+    if report["tiers"]:
+        lines += ["", *_tier_lines(report)]
     return "\n".join(lines)
+
+
+def _tier_lines(report: dict[str, Any]) -> list[str]:
+    """The offload tiers: blocks and tokens per pool, then each tier's totals."""
+    rows = [
+        [
+            tier["name"],
+            pool["pool"],
+            f"{pool['num_blocks']:,}" if pool["num_blocks"] else "-",
+            "-" if pool["tokens"] is None else f"{pool['tokens']:,}",
+            format_size(pool["num_blocks"] * block["block_bytes"]),
+        ]
+        for tier in report["tiers"]
+        for pool, block in zip(tier["pools"], report["pools"], strict=True)
+    ]
+    table = render_table(
+        ["tier", "pool", "blocks", "tokens", "memory"], rows, align_right=(2, 3, 4)
+    )
+    totals = [
+        f"{tier['name'] + ' tier':<17}{tier['num_blocks']:,} blocks, "
+        f"{format_size(tier['bytes_allocated'])} of {format_size(tier['budget_bytes'])}"
+        + (f" in {tier['path']}" if tier["path"] else "")
+        + f"; {tier['max_concurrency']:.2f} requests of {report['max_model_len']:,} tokens"
+        for tier in report["tiers"]
+    ]
+    return [table, "", *totals]
+
+
+def _tier_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``prepare_model``'s tier options from ``--host-memory``, ``--disk``, ``--disk-size``,
+    refused naming the option before anything is planned."""
+    if args.disk_size is not None and args.disk is None:
+        raise ConfigError("--disk-size needs --disk PATH, the directory of the disk tier's files")
+    if args.disk is not None and args.disk_size is None:
+        raise ConfigError("--disk needs --disk-size SIZE, the bytes the disk tier may use")
+    options: dict[str, Any] = {
+        "host_offload_bytes": None
+        if args.host_memory is None
+        else parse_size(args.host_memory, what="--host-memory"),
+        "disk_offload_bytes": None
+        if args.disk_size is None
+        else parse_size(args.disk_size, what="--disk-size"),
+        "disk_path": args.disk,
+    }
+    if args.disk is not None:
+        try:
+            check_disk_directory("kvspec plan", "--disk", args.disk)
+        except InvalidFieldError as error:
+            raise ConfigError(f"--disk {args.disk!r} {error.allowed}") from None
+    return options
+
+
+def _tier_error(error: OffloadTierError) -> ConfigError:
+    """``error`` in the command line's words: the option and the least size that works."""
+    option = "--host-memory" if error.tier == "host" else "--disk-size"
+    return ConfigError(
+        f"{option} {format_size(error.budget)} is too small for the {error.tier} offload tier: "
+        f"every GPU pool needs one block beside its null block there, "
+        f"{format_size(error.needed)} ({error.needed:,} B) in all; pass {option} "
+        f"{error.needed} or more, or leave the tier out"
+    )
 
 
 def _stage_lines(report: dict[str, Any]) -> list[str]:
@@ -345,6 +459,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         from kvspec_core.cli.plot import load_pyplot
 
         load_pyplot()  # fail before planning when matplotlib is missing
+    tier_options = _tier_options(args)
     resolved = resolve_model(args.model)
     config = normalize_config(resolved.config)
     prepared = prepare_model(
@@ -354,10 +469,13 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         name=resolved.name,
         max_model_len=args.max_model_len,
         max_in_flight_tokens=args.max_in_flight_tokens,
+        **tier_options,
     )
     stages = split_stages(prepared, args.pp, args.pp_partition)
     try:
         pipeline = plan_stages(stages, budget, manager)
+    except OffloadTierError as error:
+        raise _tier_error(error) from None
     except CapacityError as error:
         largest = largest_fitting_max_model_len(stages, budget, manager)
         if largest:

@@ -57,18 +57,30 @@ class ModelPlan:
 
 @attrs.frozen(kw_only=True, eq=False)
 class PreparedModel:
-    """A model's layers, specs and sizing context, ready to plan at any budget."""
+    """A model's layers, specs and sizing context, ready to plan at any budget; the
+    offload tier options (``plan_kv_cache``'s) go to every plan made from it."""
 
     model: ModelLayers
     specs: Mapping[str, KVSpec]
     context: SizingContext
+    host_offload_bytes: int | None = None
+    disk_offload_bytes: int | None = None
+    disk_path: str | None = None
 
     def plan(self, budget_bytes: int, manager: PluginManager) -> ModelPlan:
         """The plan within ``budget_bytes`` (:class:`CapacityError` when one request of
         ``context.max_model_len`` does not fit; it names the largest length that does)."""
         from kvspec_core.planner import plan_kv_cache
 
-        plan = plan_kv_cache(self.specs, budget_bytes, self.context, manager)
+        plan = plan_kv_cache(
+            self.specs,
+            budget_bytes,
+            self.context,
+            manager,
+            host_offload_bytes=self.host_offload_bytes,
+            disk_offload_bytes=self.disk_offload_bytes,
+            disk_path=self.disk_path,
+        )
         return ModelPlan(model=self.model, specs=self.specs, context=self.context, plan=plan)
 
     def largest_fitting_max_model_len(self, budget_bytes: int, manager: PluginManager) -> int:
@@ -86,14 +98,25 @@ def prepare_model(
     name: str = "model",
     max_model_len: int | None = None,
     max_in_flight_tokens: int = DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    host_offload_bytes: int | None = None,
+    disk_offload_bytes: int | None = None,
+    disk_path: str | None = None,
 ) -> PreparedModel:
-    """Type ``config``'s layers, ask the plugins for their specs, and build the sizing context."""
+    """Type ``config``'s layers, ask the plugins for their specs, and build the sizing
+    context; the offload tier options are kept for its plans (see ``plan_kv_cache``)."""
     model = model_layers(config, options, manager, name=name)
     specs = layer_specs(model, manager)
     ctx = default_sizing_context(
         model, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens
     )
-    return PreparedModel(model=model, specs=specs, context=ctx)
+    return PreparedModel(
+        model=model,
+        specs=specs,
+        context=ctx,
+        host_offload_bytes=host_offload_bytes,
+        disk_offload_bytes=disk_offload_bytes,
+        disk_path=disk_path,
+    )
 
 
 def plan_model(
@@ -105,8 +128,12 @@ def plan_model(
     name: str = "model",
     max_model_len: int | None = None,
     max_in_flight_tokens: int = DEFAULT_MAX_IN_FLIGHT_TOKENS,
+    host_offload_bytes: int | None = None,
+    disk_offload_bytes: int | None = None,
+    disk_path: str | None = None,
 ) -> ModelPlan:
-    """Plan the KV cache of the model ``config`` describes within ``budget_bytes``."""
+    """Plan the KV cache of the model ``config`` describes within ``budget_bytes`` (and the
+    offload tiers asked for, see ``plan_kv_cache``)."""
     prepared = prepare_model(
         config,
         options,
@@ -114,6 +141,9 @@ def plan_model(
         name=name,
         max_model_len=max_model_len,
         max_in_flight_tokens=max_in_flight_tokens,
+        host_offload_bytes=host_offload_bytes,
+        disk_offload_bytes=disk_offload_bytes,
+        disk_path=disk_path,
     )
     return prepared.plan(budget_bytes, manager)
 
