@@ -1,9 +1,11 @@
 """``kvspec simulate MODEL --memory SIZE``: replay a request trace through the plan's allocator.
 
 Plans MODEL exactly as ``kvspec plan`` does, builds the runtime allocator from that plan
-(admission caps are the planner's own formulas), and replays the deterministic benchmark
-trace (:mod:`kvspec_core.runtime.trace`) through it: prefix-hit rate, peak block usage, and
-how many admissions had to wait for blocks.
+(admission caps are the planner's own formulas), and replays a request trace through it:
+prefix-hit rate, peak block usage, and how many admissions had to wait for blocks. The trace
+(``--trace``) is one of the deterministic built-in ones (``shared``:
+:mod:`kvspec_core.runtime.trace`; ``chat``: :mod:`kvspec_core.runtime.chat_trace`) or a
+Mooncake-format JSONL file (:mod:`kvspec_core.runtime.mooncake_trace`).
 """
 
 from __future__ import annotations
@@ -12,38 +14,89 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import add_model_arguments, plan_options, positive_int, seed
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
+from kvspec_core.errors import KVSpecError
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.runtime import chat_trace, trace
 from kvspec_core.runtime.allocator import KVCacheAllocator
+from kvspec_core.runtime.mooncake_trace import (
+    DEFAULT_OUTPUT_CAP,
+    MooncakeRequest,
+    count_events,
+    read_mooncake_trace,
+    trace_events,
+)
 from kvspec_core.runtime.simulation import simulate
-from kvspec_core.runtime.trace import make_trace
+
+#: ``--trace`` names of the built-in generated traces -> (generator, default requests).
+BUILT_IN_TRACES: dict[str, tuple[Callable[..., Iterator[tuple]], int]] = {
+    "shared": (trace.make_trace, 2000),
+    "chat": (chat_trace.make_trace, 3000),
+}
+
+
+class TraceOptionError(KVSpecError, ValueError):
+    """``--trace`` and the options around it do not fit together."""
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "simulate",
         help="replay a request trace through a model's planned KV cache",
-        description="Plan MODEL within --memory, then replay the benchmark request trace "
-        "through the runtime allocator: prefix-hit rate, peak usage, admissions that waited.",
+        description="Plan MODEL within --memory, then replay a request trace (a built-in "
+        "one or a Mooncake-format JSONL file) through the runtime allocator: prefix-hit rate, "
+        "peak usage, admissions that waited. A prompt is prefilled in one step, so a request "
+        "the plan cannot admit at once (longer than max_model_len, or, with sliding-window or "
+        "chunked layers, than --max-in-flight-tokens) is counted as over the admission cap.",
     )
     add_model_arguments(parser, kv_dtype_help="KV-cache dtype (default auto: the model's dtype)")
-    parser.add_argument("--seed", type=seed, default=0, metavar="S", help="trace seed (0)")
+    parser.add_argument(
+        "--trace",
+        default="shared",
+        metavar="shared|chat|FILE",
+        help="the request trace: 'shared' (default; 2,000 requests over a few shared system "
+        "prompts), 'chat' (3,000 multi-turn chat requests), or a Mooncake-format JSONL file "
+        "(one request per line: timestamp, input_length, output_length, hash_ids of 512-token "
+        "blocks; replayed in timestamp order, 32 running at once, at most "
+        f"{DEFAULT_OUTPUT_CAP} output tokens each). A file's prompts longer than "
+        "max_model_len are refused before anything runs, naming the --max-model-len that "
+        "fits; --skip-too-long leaves them out instead and shows how many",
+    )
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        default=None,
+        metavar="S",
+        help="seed of a built-in trace (default 0; a trace file has none)",
+    )
     parser.add_argument(
         "--requests",
         type=positive_int,
-        default=2000,
+        default=None,
         metavar="N",
-        help="requests in the trace (default 2000)",
+        help="take the first N requests (default: 2000 shared, 3000 chat, a file's all)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--skip-too-long",
+        action="store_true",
+        help="leave out a trace file's requests whose prompt is longer than max_model_len "
+        "(counted in the output) instead of refusing the file",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (by default one on stderr, never in --json's output: tqdm's with "
+        "kvspec-core[progress] installed, else a plain counter)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -72,8 +125,62 @@ def _progress(
     return tick, lambda: print(file=sys.stderr)
 
 
+def _read_trace_file(args: argparse.Namespace) -> list[MooncakeRequest] | None:
+    """The requests of ``--trace FILE`` (``None`` for a built-in trace); options that only
+    fit the other kind of trace are refused."""
+    if args.trace in BUILT_IN_TRACES:
+        if Path(args.trace).exists():
+            raise TraceOptionError(
+                f"--trace {args.trace} names the built-in {args.trace!r} trace, and a file "
+                f"{args.trace!r} exists here too: write ./{args.trace} for the file"
+            )
+        if args.skip_too_long:
+            raise TraceOptionError(
+                "--skip-too-long applies to a trace file; a built-in trace's requests over "
+                "max_model_len are replayed and counted as 'over max_model_len'"
+            )
+        return None
+    if args.seed is not None:
+        raise TraceOptionError(
+            f"--seed applies to the built-in traces (shared, chat); the trace file "
+            f"{args.trace!r} is replayed as written: drop --seed"
+        )
+    return read_mooncake_trace(args.trace, args.requests)
+
+
+def _fitting_requests(
+    args: argparse.Namespace, requests: list[MooncakeRequest], max_model_len: int
+) -> list[MooncakeRequest]:
+    """``requests`` whose prompts fit ``max_model_len``: those that do not are refused, or
+    left out with ``--skip-too-long``."""
+    too_long = [request for request in requests if request.input_length > max_model_len]
+    if not too_long:
+        return requests
+    if not args.skip_too_long:
+        longest = max(too_long, key=lambda request: request.input_length)
+        fits = max(
+            request.input_length + request.decode_tokens(DEFAULT_OUTPUT_CAP) for request in requests
+        )
+        raise TraceOptionError(
+            f"trace {args.trace!r}: {len(too_long):,} of the {len(requests):,} requests taken "
+            f"have prompts longer than max_model_len={max_model_len:,} and could never run "
+            f"(the longest: line {longest.line}, {longest.input_length:,} tokens). Give "
+            f"--max-model-len {fits} (every request then also decodes its output), take fewer "
+            "with --requests, or leave them out with --skip-too-long"
+        )
+    kept = [request for request in requests if request.input_length <= max_model_len]
+    if not kept:
+        raise TraceOptionError(
+            f"trace {args.trace!r}: all {len(requests):,} requests taken have prompts longer "
+            f"than max_model_len={max_model_len:,}; nothing is left to replay: give a larger "
+            "--max-model-len"
+        )
+    return kept
+
+
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
     budget = parse_size(args.memory)
+    file_requests = _read_trace_file(args)
     resolved = resolve_model(args.model)
     options = plan_options(args, args.kv_cache_dtype)
     prepared = prepare_model(
@@ -86,9 +193,25 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     )
     planned = prepared.plan(budget, manager)
     allocator = KVCacheAllocator.from_plan(planned.plan, manager)
-    # Streamed, so any --requests fits in memory; the bar counts events as they come.
-    events = make_trace(seed=args.seed, num_requests=args.requests)
-    tick, close = _progress(None, not args.no_progress)
+    events: Iterable[tuple]
+    if file_requests is None:
+        make_trace, default_requests = BUILT_IN_TRACES[args.trace]
+        trace_seed = 0 if args.seed is None else args.seed
+        # Streamed, so any --requests fits in memory; the bar counts events as they come.
+        events = make_trace(seed=trace_seed, num_requests=args.requests or default_requests)
+        total_events = None
+        skipped = 0
+        trace_label = f"{args.trace} (seed {trace_seed})"
+    else:
+        kept = _fitting_requests(args, file_requests, allocator.max_model_len)
+        events = trace_events(kept)
+        total_events = count_events(kept)
+        trace_seed = None
+        skipped = len(file_requests) - len(kept)
+        trace_label = f"{args.trace} (Mooncake format)" + (
+            f", {skipped:,} left out: prompt over max_model_len" if skipped else ""
+        )
+    tick, close = _progress(total_events, not args.no_progress)
     start = time.perf_counter()
     try:
         report = simulate(
@@ -105,7 +228,9 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         "kv_budget_bytes": budget,
         "max_model_len": planned.context.max_model_len,
         "block_size": args.block_size,
-        "seed": args.seed,
+        "trace": args.trace,
+        "seed": trace_seed,
+        "skipped_too_long": skipped,
         "groups": [group.kind for group in planned.plan.groups],
         "num_blocks": planned.plan.num_blocks,
         **report.to_dict(),
@@ -116,14 +241,15 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         return 0
     rows = [
         ("model", document["model"]),
+        ("trace", trace_label),
         ("KV budget", format_size(budget)),
         ("groups", ", ".join(document["groups"])),
         ("blocks (all pools)", f"{document['num_blocks']:,}"),
         (
             "requests",
             f"{report.requests:,} ({report.admitted:,} admitted, "
-            f"{report.never_admitted:,} never admitted, {report.rejected:,} over "
-            "max_model_len)",
+            f"{report.never_admitted:,} never admitted, {report.rejected:,} over the "
+            "admission cap)",
         ),
         ("events replayed", f"{report.events:,} in {elapsed:.2f} s"),
         (
