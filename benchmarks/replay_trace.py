@@ -3,7 +3,15 @@
 Traces (``--trace``): ``shared`` (default), the shared-system-prompt request trace
 (:mod:`kvspec_core.runtime.trace`, 2,000 requests); ``chat``, the multi-turn chat trace
 (:mod:`kvspec_core.runtime.chat_trace`, 3,000 requests). Both are copies of the generators in
-``shared/bench/`` (same events for the same seed).
+``shared/bench/`` (same events for the same seed). ``mooncake[:FILE]``: a Mooncake-format
+JSONL trace read by :mod:`kvspec_core.runtime.mooncake_trace` (first 2,000 requests by
+default; 32 running, at most 200 output tokens each); FILE defaults to ``$MOONCAKE_TRACE_FILE``,
+else ``../shared/bench/mooncake_synthetic_trace.jsonl`` beside the repository (Mooncake's
+FAST'25 synthetic trace, ``FAST25-release/traces/synthetic_trace.jsonl``). Its prompts reach
+191,386 tokens, so the allocator's max_model_len is 262,144 for it (8,192 otherwise); a
+request longer than that is refused before the replay (it would block the admission queue).
+``--hybrid`` is refused with it: its sliding-window group admits at most 16,384 prompt tokens
+per step and this replay prefills a whole prompt in one step (no chunked prefill).
 
 Block size 16, prefix caching on, all groups sharing one pool. Models: default one
 full-attention group; ``--hybrid``: Gemma-2-like, sliding window 4096 + full attention;
@@ -27,9 +35,20 @@ Hit tokens are printed against the trace's ideal at 16-token blocks: for each pr
 longest prefix seen before (in an earlier prompt or an earlier request's prompt + output),
 at most prompt length - 1, floored to whole blocks.
 
-    python benchmarks/replay_trace.py [--trace shared|chat] [--hybrid | --mamba]
-                                      [--blocks 32768] [--requests N] [--seed 0]
-                                      [--eviction POLICY] [--batched] [--json] [--profile]
+    python benchmarks/replay_trace.py [--trace shared|chat|mooncake[:FILE]]
+                                      [--hybrid | --mamba] [--blocks 32768] [--requests N]
+                                      [--seed 0] [--eviction POLICY] [--batched] [--json]
+                                      [--profile]
+
+``--json`` prints one object: ``trace`` (``shared``, ``chat`` or ``mooncake``),
+``trace_file`` (the Mooncake file, else null), ``mode`` (``full_attention``, ``hybrid``,
+``mamba_hybrid``), ``blocks``, ``eviction``, ``max_model_len``, ``requests``, ``events``,
+``seconds`` and ``cpu_seconds`` (the timed replay), ``events_per_s``, ``events_per_cpu_s``,
+``prompt_tokens`` (admitted, re-admissions included), ``prompt_tokens_hashed_per_s``,
+``hit_tokens`` (prefix-cache hits over all admissions), ``ideal_hit_tokens`` (the trace's ideal
+reusable prefix at 16-token blocks, as above), ``peak_blocks``, ``waits`` (failed admission
+tries), ``dropped_events`` (decodes and finishes of requests still queued) and
+``decode_stalls`` (decodes that found no free block).
 """
 
 from __future__ import annotations
@@ -38,12 +57,16 @@ import argparse
 import collections
 import gc
 import json
+import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, NotNow, Request, chat_trace, trace
+from kvspec_core.runtime.mooncake_trace import TraceFormatError, read_mooncake_trace, trace_events
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 
 BLOCK_SIZE = 16
@@ -54,10 +77,21 @@ MAX_MODEL_LEN = 8192
 MODELS = ("full_attention", "hybrid", "mamba_hybrid")
 #: ``--trace`` name -> (trace generator, default number of requests).
 TRACES = {"shared": (trace.make_trace, 2000), "chat": (chat_trace.make_trace, 3000)}
+#: ``--trace mooncake``: its max_model_len (longer than its longest prompt, 191,386 tokens)
+#: and default number of requests.
+MOONCAKE_MAX_MODEL_LEN = 262_144
+MOONCAKE_REQUESTS = 2000
+#: ``--trace mooncake`` without a file: ``$MOONCAKE_TRACE_FILE``, else this one.
+MOONCAKE_DEFAULT_FILE = (
+    Path(__file__).resolve().parents[2] / "shared" / "bench" / "mooncake_synthetic_trace.jsonl"
+)
 
 
 def build_allocator(
-    num_blocks: int, model: str | bool = "full_attention", eviction: str = DEFAULT_EVICTION
+    num_blocks: int,
+    model: str | bool = "full_attention",
+    eviction: str = DEFAULT_EVICTION,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> KVCacheAllocator:
     """The allocator of one of :data:`MODELS` (``True`` / ``False``: hybrid or not)."""
     if isinstance(model, bool):
@@ -89,7 +123,7 @@ def build_allocator(
         mamba_cache_mode = "align"
     elif model != "full_attention":
         raise ValueError(f"model={model!r} must be one of {MODELS}")
-    ctx = SizingContext(max_model_len=MAX_MODEL_LEN, mamba_cache_mode=mamba_cache_mode)
+    ctx = SizingContext(max_model_len=max_model_len, mamba_cache_mode=mamba_cache_mode)
     return KVCacheAllocator(
         specs, num_blocks, ctx, manager=manager, hash_salt=b"replay", eviction=eviction
     )
@@ -231,13 +265,36 @@ def ideal_hit_tokens(events: list[tuple]) -> int:
     return int(stats[f"ideal_reusable_at_block_{BLOCK_SIZE}"])
 
 
+def mooncake_events(path: str, num_requests: int) -> tuple[list[tuple], int]:
+    """The events of the first ``num_requests`` requests of a Mooncake trace and how many
+    were taken; exits naming the request when a prompt is over
+    :data:`MOONCAKE_MAX_MODEL_LEN` (it could never be admitted and would block the queue)."""
+    try:
+        requests = read_mooncake_trace(path, num_requests)
+    except TraceFormatError as error:
+        sys.exit(
+            f"replay_trace.py: {error} (--trace mooncake:FILE or $MOONCAKE_TRACE_FILE names "
+            "another file)"
+        )
+    longest = max(requests, key=lambda request: request.input_length)
+    if longest.input_length > MOONCAKE_MAX_MODEL_LEN:
+        sys.exit(
+            f"replay_trace.py: {path}, line {longest.line}: a prompt of "
+            f"{longest.input_length:,} tokens is over max_model_len={MOONCAKE_MAX_MODEL_LEN:,}; "
+            "take fewer requests (--requests) or raise MOONCAKE_MAX_MODEL_LEN"
+        )
+    return list(trace_events(requests)), len(requests)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--trace",
-        choices=tuple(TRACES),
         default="shared",
-        help="shared system prompts (default) or multi-turn chat",
+        metavar="shared|chat|mooncake[:FILE]",
+        help="shared system prompts (default), multi-turn chat, or a Mooncake-format JSONL "
+        "trace (default file: $MOONCAKE_TRACE_FILE, else ../shared/bench/"
+        "mooncake_synthetic_trace.jsonl beside the repository)",
     )
     model = parser.add_mutually_exclusive_group()
     model.add_argument(
@@ -255,9 +312,9 @@ def main() -> None:
         "--requests",
         type=int,
         default=None,
-        help="requests in the trace (default: 2000 shared, 3000 chat)",
+        help="requests in the trace (default: 2000 shared, 3000 chat, 2000 mooncake)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="built-in traces' seed (0)")
     parser.add_argument(
         "--eviction",
         choices=EVICTION_POLICIES,
@@ -272,11 +329,28 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()
-    make_trace, default_requests = TRACES[args.trace]
-    requests = default_requests if args.requests is None else args.requests
-    events = list(make_trace(seed=args.seed, num_requests=requests))
+    trace_name, _, trace_file = args.trace.partition(":")
+    max_model_len = MAX_MODEL_LEN
+    if trace_name == "mooncake":
+        if args.seed is not None:
+            parser.error("--seed applies to shared and chat; a Mooncake trace has no seed")
+        trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
+        trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
+        if args.hybrid:
+            # Its sliding-window group admits at most max_in_flight_tokens (16,384) prompt
+            # tokens per step, and this replay prefills a prompt in one step (no chunking).
+            parser.error("--hybrid with --trace mooncake needs chunked prefill, not replayed here")
+        events, requests = mooncake_events(trace_file, args.requests or MOONCAKE_REQUESTS)
+        max_model_len = MOONCAKE_MAX_MODEL_LEN
+    elif trace_name in TRACES and not trace_file:
+        make_trace, default_requests = TRACES[trace_name]
+        requests = default_requests if args.requests is None else args.requests
+        seed = 0 if args.seed is None else args.seed
+        events = list(make_trace(seed=seed, num_requests=requests))
+    else:
+        parser.error(f"--trace {args.trace!r}: give shared, chat, mooncake or mooncake:FILE")
     model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
-    allocator = build_allocator(args.blocks, model_name, args.eviction)
+    allocator = build_allocator(args.blocks, model_name, args.eviction, max_model_len)
     # As an engine freezes its heap once started, the KV-cache allocator built (vLLM's
     # engine core does; vs_vllm.py too).
     gc.collect()
@@ -295,9 +369,12 @@ def main() -> None:
     ideal = ideal_hit_tokens(events)
     figures.update(
         mode=model_name,
-        trace=args.trace,
+        trace=trace_name,
+        trace_file=trace_file or None,
         blocks=args.blocks,
         eviction=args.eviction,
+        max_model_len=max_model_len,
+        requests=requests,
         ideal_hit_tokens=ideal,
     )
     if args.json:
@@ -305,8 +382,9 @@ def main() -> None:
         return
     share = figures["hit_tokens"] / ideal if ideal else 0.0
     print(
-        f"{figures['mode']} on {args.trace} trace, {args.blocks:,} blocks, {args.eviction} "
-        f"eviction: {figures['events']} events in {figures['seconds']:.3f} s = "
+        f"{figures['mode']} on {trace_name} trace ({requests:,} requests), {args.blocks:,} "
+        f"blocks, {args.eviction} eviction: {figures['events']} events in "
+        f"{figures['seconds']:.3f} s = "
         f"{figures['events_per_s']:,.0f} events/s ({figures['events_per_cpu_s']:,.0f} per CPU "
         f"second); {figures['prompt_tokens_hashed_per_s']:,.0f} "
         f"prompt tokens hashed/s; hit tokens {figures['hit_tokens']:,} of ideal {ideal:,} "
