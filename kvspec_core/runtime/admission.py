@@ -12,6 +12,7 @@ from kvspec_core.runtime.hashing import _INT_ONLY, _describe
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import STALE_PREFIX, Allocated, CachedPrefix, NotNow
 from kvspec_core.runtime.running import _Running
+from kvspec_core.runtime.tiers import TieredPrefix
 
 
 class Admission(BlockCaching):
@@ -57,6 +58,8 @@ class Admission(BlockCaching):
                 )
             computed = prefix.num_tokens
             blocks = [list(ids) for ids in prefix.block_ids]
+        # Tier hits to load per group (those at positions the group still needs).
+        loads: dict[int, list[tuple[int, int, int]]] = {}
         known = computed + num_new_tokens
         if known > self.max_model_len:
             return self._over_length(request, known)
@@ -72,13 +75,19 @@ class Admission(BlockCaching):
             for index in range(skip):
                 table[index] = 0  # never touched, so nothing to release
             num_skipped[gid] = skip
+            if isinstance(prefix, TieredPrefix):
+                kept = [entry for entry in prefix.loads[gid] if entry[0] >= skip]
+                if kept:
+                    loads[gid] = kept
             nulls, real = rules.blocks_needed(len(table), known, total, request.num_encoder_tokens)
-            held = len(table) - table.count(0) + real
+            held = len(table) - table.count(0) + real + len(loads.get(gid, ()))
             if held > self.admission_caps[gid]:
                 return self._over_cap(request, gid, held)
             pool_index = self._pool_of[gid]
             # Hit blocks with no reference (cached free ones) leave the free blocks on revival.
-            need[pool_index] += real + pools[pool_index].num_unreferenced(table)
+            need[pool_index] += (
+                real + len(loads.get(gid, ())) + pools[pool_index].num_unreferenced(table)
+            )
             plans.append((gid, nulls, real))
         shortfall = self._shortfall(need, [0] * len(pools))
         if shortfall is not None:
@@ -99,6 +108,19 @@ class Admission(BlockCaching):
         # _check_prefix found each of them cached (in use, or a cached free block).
         for gid, _, _ in plans:
             self._group_pools[gid].touch(blocks[gid], known_cached=True)
+        if loads:
+            assert self._tiers is not None
+            self._tiers.admit_loads(
+                rid,
+                state,
+                loads,
+                blocks,
+                self._hasher.hashes(request, computed),
+                self._hash_stride,
+                self._block_tokens,
+            )
+            for gid, group_loads in loads.items():
+                state.num_real[gid] += len(group_loads)
         for gid, nulls, real in plans:
             table = blocks[gid]
             pool = self._group_pools[gid]
@@ -133,7 +155,8 @@ class Admission(BlockCaching):
         :class:`AllocatorError` when no pool evicted anything since it was found (it never
         was this request's), else it is stale (``None`` is not returned)."""
         rid = request.request_id
-        if prefix.__class__ is not CachedPrefix:
+        tiered = prefix.__class__ is TieredPrefix and self._tiers is not None
+        if prefix.__class__ is not CachedPrefix and not tiered:
             raise AllocatorError(
                 f"allocate_slots(request {rid!r}): prefix= must be the CachedPrefix "
                 f"find_cached_prefix returned for it, not a {type(prefix).__name__}"
@@ -173,7 +196,7 @@ class Admission(BlockCaching):
                 )
             if set(map(type, ids)) - _INT_ONLY:
                 raise self._forged(request, f"group {gid}'s block ids must be ints")
-        if not num_tokens:
+        if not num_tokens and not tiered:
             return None
         current = tuple(pool.epoch for pool in self.pools)
         entry = self._handed_out.get(rid)
@@ -192,10 +215,19 @@ class Admission(BlockCaching):
         fine = self._hasher.hashes(request, num_tokens)
         stale = None
         evicted_since = prefix.epochs.__class__ is not tuple or current != prefix.epochs
+        loaded: list[set[int]] = [set() for _ in block_ids]
+        if tiered:
+            assert self._tiers is not None and isinstance(prefix, TieredPrefix)
+            stale, why = self._tiers.check_loads(prefix, fine, self._holding, self._hash_stride)
+            if why is not None:
+                raise self._forged(request, why)
+            loaded = [{entry[0] for entry in group} for group in prefix.loads]
         for gid in self._holding:
             ids = block_ids[gid]
             skip = self.rules[gid].skipped_tokens(num_tokens) // self._block_tokens[gid]
-            if not all(ids[skip:]):
+            if not all(
+                block or index in loaded[gid] for index, block in enumerate(ids[skip:], skip)
+            ):
                 raise self._forged(
                     request,
                     f"group {gid} needs its blocks from {skip} on to "

@@ -37,20 +37,22 @@ from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.coordinator import PrefixCoordinator
 from kvspec_core.runtime.events import KVCacheEvent
 from kvspec_core.runtime.fast_paths import CompiledFastPaths
-from kvspec_core.runtime.freeing import Freeing
 from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.invariants import InvariantChecks
+from kvspec_core.runtime.offloading import TierManager
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, BlockPool
 from kvspec_core.runtime.results import Allocated, Usage
 from kvspec_core.runtime.rules import FullAttentionRules, rules_for, rules_plugin
 from kvspec_core.runtime.running import _is_id, _Running
+from kvspec_core.runtime.tier_transfers import TierTransfers
+from kvspec_core.runtime.tiers import OffloadTier
 from kvspec_core.specs.base import KVSpec
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager
 
 
-class KVCacheAllocator(CompiledFastPaths, Freeing, InvariantChecks):
+class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
     """Block allocator with prefix caching over one or more KV-cache groups and pools.
 
     Args:
@@ -66,6 +68,10 @@ class KVCacheAllocator(CompiledFastPaths, Freeing, InvariantChecks):
         hash_salt: fixed salt instead of the per-process random one (tests, replays).
         eviction: ``"lru"`` (default, vLLM's order) or ``"segmented"`` (reused prefixes
             outlive one-off blocks); see :mod:`kvspec_core.runtime.pool`.
+        offload_tiers: tiers below the device, fastest first (host memory, then disk):
+            cached blocks the device evicts are offloaded there instead of lost, and
+            lookups find prefixes across tiers (see the runtime README, "Offload tiers").
+            Without tiers the allocator is exactly the single-tier one.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class KVCacheAllocator(CompiledFastPaths, Freeing, InvariantChecks):
         enable_kv_events: bool = False,
         hash_salt: bytes | None = None,
         eviction: str = DEFAULT_EVICTION,
+        offload_tiers: Sequence[OffloadTier] = (),
     ) -> None:
         if not specs:
             raise AllocatorError("KVCacheAllocator needs at least one KV-cache group spec")
@@ -148,6 +155,13 @@ class KVCacheAllocator(CompiledFastPaths, Freeing, InvariantChecks):
         self._coordinator = PrefixCoordinator(
             self.rules, self._holding, self._hash_stride, self._caches
         )
+        tiers = tuple(offload_tiers)
+        for index, tier in enumerate(tiers):
+            if not isinstance(tier, OffloadTier):
+                raise AllocatorError(
+                    f"offload_tiers[{index}]={tier!r} must be a kvspec_core.runtime.OffloadTier"
+                )
+        self._tiers = TierManager(tiers, self.pools, pools_of, self._caches) if tiers else None
         # Groups whose rules are plugin code: checked before a step changes anything. Per
         # guarded group, which of the methods a step asks afterwards are plugin code (a
         # method inherited from the core's full-attention rules cannot raise: not asked twice).

@@ -20,6 +20,7 @@ from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.coordinator import PrefixCoordinator
 from kvspec_core.runtime.events import KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
+from kvspec_core.runtime.offloading import TierManager
 from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import (
@@ -65,6 +66,7 @@ class AllocatorBase:
     _freed: OrderedDict[str | int, None]
     _handed_out: dict[str | int, tuple[Any, ...]]
     _no_new_blocks: Allocated
+    _tiers: TierManager | None
 
     def _state(self, request_id: str | int) -> _Running:
         state = self._running.get(request_id) if _is_id(request_id) else None

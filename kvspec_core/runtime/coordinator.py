@@ -53,16 +53,21 @@ class PrefixCoordinator:
         )
 
     def find(
-        self, hashes: Sequence[bytes], max_tokens: int
+        self,
+        hashes: Sequence[bytes],
+        max_tokens: int,
+        caches: Sequence[Mapping[bytes, int]] | None = None,
     ) -> tuple[int, dict[int, list[int]], int | None]:
         """``(hit, blocks per group, checkpoint_at)`` for a prompt whose hash-block hashes
-        are ``hashes``, resuming at most at ``max_tokens``."""
+        are ``hashes``, resuming at most at ``max_tokens``; ``caches``: per group, the map
+        to search instead of the device caches (offload tiers' merged views)."""
         found: dict[int, list[int]] = {}
         settled: dict[int, int] = {}
+        maps = self.caches if caches is None else caches
         # A fixed point from any upper bound is the largest common position below it, so
         # the two phases give the same hit as one.
-        shared = self._fixed_point(self.positional_order, max_tokens, hashes, found, settled)
-        hit = self._fixed_point(self.order, shared, hashes, found, settled)
+        shared = self._fixed_point(self.positional_order, max_tokens, hashes, found, settled, maps)
+        hit = self._fixed_point(self.order, shared, hashes, found, settled, maps)
         checkpoint_at = None
         if self.state_groups and hit < shared:
             aligned = shared // self.common_block_tokens * self.common_block_tokens
@@ -77,6 +82,7 @@ class PrefixCoordinator:
         hashes: Sequence[bytes],
         found: dict[int, list[int]],
         settled: dict[int, int],
+        caches: Sequence[Mapping[bytes, int]],
     ) -> int:
         """Ask ``order``'s groups in turn, each at most the current hit, until none lowers
         it; ``found`` / ``settled`` keep each group's last answer."""
@@ -89,7 +95,7 @@ class PrefixCoordinator:
                 stride = self.hash_strides[gid]
                 max_blocks = hit // tokens
                 group_hashes = hashes[stride - 1 : max_blocks * stride : stride]
-                blocks = self.hit_scans[gid](group_hashes, self.caches[gid], max_blocks)
+                blocks = self.hit_scans[gid](group_hashes, caches[gid], max_blocks)
                 if len(blocks) > max_blocks:
                     raise AllocatorError(
                         f"{self.rules[gid]!r}.longest_hit returned {len(blocks)} blocks for "

@@ -79,7 +79,9 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         allocator, pool and hasher methods (a subclass's override runs as Python)."""
         pool = self._group_pools[0]
         if not (
-            self._single_full
+            # With offload tiers, evictions must reach the pool's Python hook.
+            self._tiers is None
+            and self._single_full
             and type(pool) is BlockPool
             and pool._compiled
             and type(self._hasher) is PrefixHasher
@@ -113,6 +115,7 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         )
         if (
             self._events is not None
+            or self._tiers is not None
             or not self._holding
             or type(self._hasher) is not PrefixHasher
             or any(

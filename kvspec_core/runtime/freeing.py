@@ -75,8 +75,11 @@ class Freeing(AllocatorBase):
         self.free(request_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (running requests keep their blocks, uncached)."""
+        """Forget every cached prefix, in every offload tier too (running requests keep
+        their blocks, uncached; transfers in flight complete without caching anything)."""
         for pool in self.pools:
             pool.reset_prefix_cache(record_event=False)
+        if self._tiers is not None:
+            self._tiers.reset()
         if self._events is not None:
             self._events.append(AllBlocksCleared())

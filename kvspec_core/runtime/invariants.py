@@ -28,6 +28,12 @@ class InvariantChecks(AllocatorBase):
                                 f"pool {self._pool_of[gid]} block {block} is in the tables "
                                 f"of groups {owners[block]} and {gid}"
                             )
+        if self._tiers is not None:
+            # Loads in flight hold a reference on their destination blocks.
+            for counts, held in zip(expected, self._tiers.pending_device_refs(), strict=True):
+                for block, times in held.items():
+                    counts[block] = counts.get(block, 0) + times
+            self._tiers.check_invariants()
         self._check_shared_prefixes()
         for index, pool in enumerate(self.pools):
             for block in range(1, pool.num_blocks):

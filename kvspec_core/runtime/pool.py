@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
@@ -104,6 +104,10 @@ class BlockPool:
         self.caches: dict[int, dict[bytes, int]] = {gid: {} for gid in self.group_ids}
         self._events = events
         self.epoch = 0
+        #: Called as ``(group, hash, block)`` for each cached block eviction takes out of
+        #: the cache, before the block is handed out (offload tiers store it; see
+        #: ``offloading.py``). Set, every eviction takes the Python path (:meth:`_evict`).
+        self._on_evict: Callable[[int, bytes, int], None] | None = None
 
     # ----------------------------------------------------------------- counts
     @property
@@ -161,7 +165,11 @@ class BlockPool:
         else:
             blocks = fresh.tolist()
             del fresh[:]
-            if self._events is None and len(self._evictable) >= count - available:
+            if (
+                self._events is None
+                and self._on_evict is None
+                and len(self._evictable) >= count - available
+            ):
                 # Never-reused cached blocks cover the rest (the steady state of a full
                 # pool; their reused flag is 0 already): evict and hand out in one pass.
                 kernels = native if self._compiled else None
@@ -219,10 +227,13 @@ class BlockPool:
         victims: list[int] = []
         append = victims.append
         protected = self._protected
+        on_evict = self._on_evict
         for _ in range(count):
             block = (evictable if evictable else protected).popitem(last=False)[0]
             append(block)
             reused[block] = 0
+            if on_evict is not None:
+                on_evict(block_group[block], block_hash[block], block)  # type: ignore[arg-type]
             # Only the block a hash maps to is ever marked cached (see cache_blocks).
             del caches[block_group[block]][block_hash[block]]  # type: ignore[arg-type]
             block_hash[block] = None

@@ -49,7 +49,29 @@ class PrefixLookup(AllocatorBase):
                 request_id=request.request_id, num_tokens=0, block_ids=empty, epochs=epochs
             )
         fine = self._hasher.hashes(request, max_tokens)
-        if self._single_full:
+        tiers = self._tiers
+        if tiers is not None:
+            # Every group's rules decide over its device and tier entries together.
+            try:
+                hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens, tiers.views)
+            except KVSpecError:
+                raise
+            except Exception as error:
+                raise self._plugin_error(error) from None
+            prefix = tiers.prefix(
+                request.request_id,
+                hit,
+                found,
+                checkpoint_at,
+                epochs,
+                len(self.specs),
+                self._block_tokens,
+                self.hash_block_size,
+            )
+            if prefix.__class__ is not CachedPrefix:
+                return prefix  # a TieredPrefix: its admission checks every block
+            hit = prefix.num_tokens
+        elif self._single_full:
             # One full-attention group whose blocks are hash blocks: its longest cached run
             # is the hit (the coordinator's fixed point, reached in one question).
             tokens = self._block_tokens[0]
@@ -66,13 +88,14 @@ class PrefixLookup(AllocatorBase):
             block_ids = tuple(
                 tuple(found[gid]) if gid in found else () for gid in range(len(self.specs))
             )
-        prefix = CachedPrefix(
-            request_id=request.request_id,
-            num_tokens=hit,
-            block_ids=block_ids,
-            epochs=epochs,
-            checkpoint_at=checkpoint_at,
-        )
+        if tiers is None:
+            prefix = CachedPrefix(
+                request_id=request.request_id,
+                num_tokens=hit,
+                block_ids=block_ids,
+                epochs=epochs,
+                checkpoint_at=checkpoint_at,
+            )
         if hit:
             handed = self._handed_out
             if len(handed) >= _HANDED_OUT_KEPT:

@@ -1,0 +1,75 @@
+"""The engine's side of offload tiers: ``take_transfers`` and ``complete_transfers``.
+
+The ordering contract (an engine step with tiers)::
+
+    prefix = allocator.find_cached_prefix(request)   # may be a TieredPrefix
+    allocator.allocate_slots(request, n, prefix=prefix)
+    ...                                             # every allocate_slots of the step
+    transfers = allocator.take_transfers()          # what the step's calls recorded
+    for transfer in transfers:                      # in this order, before the forward:
+        run(transfer)                               # a store reads a block the step may
+    failed = allocator.complete_transfers(          # overwrite; a load fills one it reads
+        [t.transfer_id for t in transfers_done], ok=True)
+    allocator.complete_transfers(ids_that_failed, ok=False)  # -> the requests to drop
+    forward(...)                                    # without the requests returned
+
+A transfer not confirmed is pending: its destination is neither a hit nor evictable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.base import AllocatorBase
+from kvspec_core.runtime.freeing import Freeing
+from kvspec_core.runtime.tiers import Transfer
+
+
+class TierTransfers(Freeing, AllocatorBase):
+    """``take_transfers``, ``complete_transfers`` (part of ``KVCacheAllocator``)."""
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The tiers' names by number: ``"device"`` then the offload tiers'."""
+        tiers = self._tiers
+        return ("device",) + (() if tiers is None else tuple(tier.name for tier in tiers.tiers))
+
+    def take_transfers(self) -> list[Transfer]:
+        """The copies recorded since the last call, in the order the engine must run them
+        (all before the forward of the step whose ``allocate_slots`` recorded them): loads
+        of admitted tier hits, and stores of blocks the step evicted (device -> first tier,
+        tier -> next tier). Empty without tiers."""
+        if self._tiers is None:
+            return []
+        return self._tiers.take()
+
+    def complete_transfers(
+        self, transfer_ids: Iterable[int], ok: bool = True
+    ) -> tuple[str | int, ...]:
+        """Confirm transfers the engine ran (``ok=True``: their destinations become hits)
+        or report them failed (``ok=False``: their destinations return to the free blocks,
+        uncached, nothing else lost; a failed load's source leaves its tier).
+
+        Returns the requests a failed load was admitted for that are still running: each
+        was discarded (``discard_uncomputed`` from the first position whose content did
+        not arrive: no block after it stays cached) and freed. The engine must not run
+        their forward in this step and may admit them again (``find_cached_prefix``).
+        Refuses ids not handed out by :meth:`take_transfers`, or completed already, with
+        :class:`AllocatorError`, changing nothing."""
+        if self._tiers is None:
+            ids = list(transfer_ids)
+            if ids:
+                raise AllocatorError(
+                    "complete_transfers: this allocator has no offload tiers, so no transfer "
+                    f"ids ({ids[:3]!r}...) to complete"
+                )
+            return ()
+        failed = self._tiers.complete(list(transfer_ids), ok)
+        first_lost: dict[str | int, int] = {}
+        for request_id, state, position in failed:
+            if self._running.get(request_id) is state:
+                first_lost[request_id] = min(position, first_lost.get(request_id, position))
+        for request_id, position in first_lost.items():
+            self.discard_uncomputed(request_id, min(position, self._running[request_id].computed))
+        return tuple(first_lost)

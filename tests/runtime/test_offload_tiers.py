@@ -1,0 +1,233 @@
+"""Offload tiers below the device: write-back on eviction, demotion down the tiers, lookups
+across tiers, loads on admission, pending transfers and their failures (the random traces
+are in test_tiered_state_machine.py)."""
+
+from __future__ import annotations
+
+import pytest
+from runtime_testkit import full, make_allocator, sliding
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime import NotNow, Request
+from kvspec_core.runtime.tiers import LOAD, STORE, OffloadTier, TieredPrefix
+
+
+def tiered(num_blocks=6, host=5, disk=9, specs=None, **options):
+    tiers = [OffloadTier("host", host)]
+    if disk:
+        tiers.append(OffloadTier("disk", disk))
+    return make_allocator(specs or [full(2)], num_blocks, offload_tiers=tiers, **options)
+
+
+def serve(allocator, rid, tokens, ok=True):
+    """Admit a prompt, run (confirm) its transfers, free it: (prefix, transfers)."""
+    request = Request(rid, tokens)
+    prefix = allocator.find_cached_prefix(request)
+    result = allocator.allocate_slots(request, len(tokens) - prefix.num_tokens, prefix=prefix)
+    assert result, result
+    transfers = allocator.take_transfers()
+    allocator.complete_transfers([t.transfer_id for t in transfers], ok=ok)
+    allocator.check_invariants()
+    if allocator.is_running(rid):
+        allocator.free(rid)
+    allocator.check_invariants()
+    return prefix, transfers
+
+
+PROMPT_A = list(range(9))  # four full blocks of 2 tokens, one partial
+PROMPT_B = list(range(100, 109))
+PROMPT_C = list(range(200, 209))
+
+
+def test_an_evicted_prefix_is_offloaded_and_found_in_the_host_tier() -> None:
+    allocator = tiered()
+    serve(allocator, "a", PROMPT_A)
+    _, transfers = serve(allocator, "b", PROMPT_B)  # evicts a's four cached blocks
+    assert [(t.kind, t.source_tier, t.destination_tier, t.num_blocks) for t in transfers] == [
+        (STORE, 0, 1, 4)
+    ]
+    prefix, transfers = serve(allocator, "a2", PROMPT_A)
+    assert isinstance(prefix, TieredPrefix)
+    assert prefix.num_tokens == 8
+    assert prefix.tokens_by_tier == (0, 8, 0)
+    assert prefix.block_ids == ((0, 0, 0, 0),)
+    loads = [t for t in transfers if t.kind == LOAD]
+    assert len(loads) == 1 and loads[0].source_tier == 1 and loads[0].request_id == "a2"
+    assert loads[0].source_blocks == tuple(slot for _, _, slot in prefix.loads[0])
+    # The loaded blocks are device hits now.
+    again = allocator.find_cached_prefix(Request("a3", PROMPT_A))
+    assert not isinstance(again, TieredPrefix)
+    assert again.block_ids == (loads[0].destination_blocks,)
+
+
+def test_a_full_tier_demotes_to_the_next_and_the_last_drops() -> None:
+    allocator = tiered(host=5, disk=5)
+    for rid, tokens in (("a", PROMPT_A), ("b", PROMPT_B), ("c", PROMPT_C)):
+        serve(allocator, rid, tokens)
+    # c's blocks on the device, b's on the host, a's on disk.
+    prefix = allocator.find_cached_prefix(Request("a2", PROMPT_A))
+    assert prefix.tokens_by_tier == (0, 0, 8)
+    serve(allocator, "d", list(range(300, 309)))  # the disk drops a's blocks
+    assert allocator.find_cached_prefix(Request("a3", PROMPT_A)).num_tokens == 0
+    assert allocator.find_cached_prefix(Request("b2", PROMPT_B)).tokens_by_tier == (0, 0, 8)
+
+
+def test_a_prefix_split_across_tiers_says_how_many_tokens_come_from_each() -> None:
+    allocator = tiered(num_blocks=8)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)  # evicts two of a's blocks: its last two (LRU)
+    prefix = allocator.find_cached_prefix(Request("a2", PROMPT_A))
+    assert prefix.num_tokens == 8
+    assert prefix.tokens_by_tier == (4, 4, 0)
+    assert [block != 0 for block in prefix.block_ids[0]] == [True, True, False, False]
+
+
+def test_a_store_in_flight_is_no_hit_and_a_failed_one_leaves_nothing() -> None:
+    allocator = tiered()
+    serve(allocator, "a", PROMPT_A)
+    request = Request("b", PROMPT_B)
+    allocator.allocate_slots(request, len(PROMPT_B), prefix=allocator.find_cached_prefix(request))
+    transfers = allocator.take_transfers()
+    assert [t.kind for t in transfers] == [STORE]
+    assert allocator.find_cached_prefix(Request("a2", PROMPT_A)).num_tokens == 0  # pending
+    allocator.check_invariants()
+    allocator.complete_transfers([transfers[0].transfer_id], ok=False)
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(Request("a3", PROMPT_A)).num_tokens == 0
+    allocator.free("b")
+    assert allocator.usage.used_blocks == 0
+
+
+def test_a_failed_load_drops_its_request_and_its_tier_copy() -> None:
+    allocator = tiered()
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)
+    request = Request("a2", PROMPT_A + [7])
+    prefix = allocator.find_cached_prefix(request)
+    assert isinstance(prefix, TieredPrefix)
+    assert allocator.allocate_slots(request, len(request.token_ids) - 8, prefix=prefix)
+    transfers = allocator.take_transfers()
+    load = next(t for t in transfers if t.kind == LOAD)
+    stores = [t.transfer_id for t in transfers if t.kind == STORE]
+    allocator.complete_transfers(stores)
+    assert allocator.complete_transfers([load.transfer_id], ok=False) == ("a2",)
+    assert not allocator.is_running("a2")
+    allocator.check_invariants()
+    # Nothing of it is a hit: neither the blocks that never arrived nor those after them.
+    assert allocator.find_cached_prefix(Request("a3", PROMPT_A + [7])).num_tokens == 0
+    assert allocator.usage.used_blocks == 0
+    # The request may be admitted again (it computes from scratch).
+    again = allocator.find_cached_prefix(request)
+    assert allocator.allocate_slots(request, len(request.token_ids), prefix=again)
+
+
+def test_complete_transfers_refuses_bad_ids_and_changes_nothing() -> None:
+    allocator = tiered()
+    serve(allocator, "a", PROMPT_A)
+    request = Request("b", PROMPT_B)
+    allocator.allocate_slots(request, len(PROMPT_B), prefix=allocator.find_cached_prefix(request))
+    (store,) = allocator.take_transfers()
+    for bad in ([store.transfer_id, 999], [store.transfer_id, store.transfer_id], ["1"]):
+        with pytest.raises(AllocatorError, match="complete_transfers"):
+            allocator.complete_transfers(bad)
+    with pytest.raises(AllocatorError, match="ok="):
+        allocator.complete_transfers([store.transfer_id], ok=1)  # type: ignore[arg-type]
+    allocator.check_invariants()
+    allocator.complete_transfers([store.transfer_id])
+    with pytest.raises(AllocatorError, match="not completed yet"):
+        allocator.complete_transfers([store.transfer_id])
+    assert allocator.find_cached_prefix(Request("a2", PROMPT_A)).num_tokens == 8
+
+
+def test_a_prefix_whose_tier_slot_was_evicted_since_is_stale() -> None:
+    allocator = tiered(host=5, disk=0)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)
+    request = Request("a2", PROMPT_A)
+    prefix = allocator.find_cached_prefix(request)
+    assert isinstance(prefix, TieredPrefix)
+    serve(allocator, "c", PROMPT_C)  # b to the host, a dropped
+    result = allocator.allocate_slots(request, 1, prefix=prefix)
+    assert isinstance(result, NotNow) and result.reason == "stale_prefix"
+    allocator.check_invariants()
+
+
+def test_a_forged_tier_prefix_is_refused() -> None:
+    import attrs
+
+    allocator = tiered()
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)
+    request = Request("a2", PROMPT_A)
+    prefix = allocator.find_cached_prefix(request)
+    (index, tier, slot), *rest = prefix.loads[0]
+    forged = attrs.evolve(prefix, loads=(((index, tier, slot % 4 + 1), *rest),))
+    with pytest.raises(AllocatorError, match="not one this allocator handed out"):
+        allocator.allocate_slots(request, 1, prefix=forged)
+    allocator.check_invariants()
+
+
+def test_sliding_window_hits_across_tiers_follow_the_window_rules() -> None:
+    # Full attention and a window of 5 tokens (3 blocks of 2), in one pool.
+    specs = [full(2), sliding(2, 5)]
+    allocator = tiered(num_blocks=16, host=40, disk=0, specs=specs)
+    prompt = list(range(13))
+    device_only = make_allocator(specs, 40)
+    serve(device_only, "a", prompt)
+    expected = device_only.find_cached_prefix(Request("x", prompt))
+    serve(allocator, "a", prompt)
+    serve(allocator, "b", list(range(100, 113)))  # a's blocks leave the device
+    serve(allocator, "c", list(range(200, 213)))
+    prefix = allocator.find_cached_prefix(Request("a2", prompt))
+    assert isinstance(prefix, TieredPrefix)
+    assert prefix.num_tokens == expected.num_tokens == 12
+    for gid in (0, 1):
+        # Each group gets exactly the blocks its rules need, whichever tier holds them.
+        held = {index for index, block in enumerate(prefix.block_ids[gid]) if block}
+        held |= {index for index, _, _ in prefix.loads[gid]}
+        assert held == {index for index, block in enumerate(expected.block_ids[gid]) if block}
+    assert len(prefix.loads[1]) < len(prefix.loads[0])
+    serve(allocator, "a2", prompt)
+
+
+def test_reset_forgets_the_tiers_and_transfers_in_flight_cache_nothing() -> None:
+    allocator = tiered()
+    serve(allocator, "a", PROMPT_A)
+    request = Request("b", PROMPT_B)
+    allocator.allocate_slots(request, len(PROMPT_B), prefix=allocator.find_cached_prefix(request))
+    (store,) = allocator.take_transfers()
+    allocator.reset_prefix_cache()
+    allocator.complete_transfers([store.transfer_id])
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(Request("a2", PROMPT_A)).num_tokens == 0
+
+
+def test_without_tiers_nothing_changes(runtime_kernels: str) -> None:
+    allocator = make_allocator([full(2)], 6)
+    assert allocator.take_transfers() == []
+    assert allocator.complete_transfers([]) == ()
+    with pytest.raises(AllocatorError, match="no offload tiers"):
+        allocator.complete_transfers([1])
+    assert allocator.tier_names == ("device",)
+    if runtime_kernels == "native":
+        # The compiled steps and lookup stay installed.
+        assert allocator._compiled_dense_step() is not None
+        assert type(allocator.find_cached_prefix).__name__ == "partial"
+        assert tiered()._compiled_dense_step() is None
+
+
+@pytest.mark.parametrize(
+    ("tier", "match"),
+    [
+        (OffloadTier("host", 1), "must be 0"),
+        (OffloadTier("host", (4, 4)), "2 entries for 1 pools"),
+        (OffloadTier("host", 4, eviction="fifo"), "eviction='fifo'"),
+        (OffloadTier("device", 4), "other than 'device'"),
+        (OffloadTier("host", True), "must be 0"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_tiers_are_refused_naming_the_field(tier, match) -> None:
+    with pytest.raises(AllocatorError, match=match):
+        make_allocator([full(2)], 6, offload_tiers=(tier,))
+    with pytest.raises(AllocatorError, match=r"must be a kvspec_core\.runtime\.OffloadTier"):
+        make_allocator([full(2)], 6, offload_tiers=("host",))

@@ -1,0 +1,111 @@
+"""The torch transfer helper: exact round trips device <-> host <-> file on CPU tensors,
+driven by a real allocator's transfers."""
+
+from __future__ import annotations
+
+import torch
+from runtime_testkit import full, make_allocator
+
+from kvspec_core.runtime import Request
+from kvspec_core.runtime.tier_copy import BlockFile, TransferRunner
+from kvspec_core.runtime.tiers import OffloadTier, Transfer
+
+
+def layer_views(num_blocks: int, seed: int) -> list[torch.Tensor]:
+    """Two layer views of one pool, of different dtypes and shapes, block dim first (the
+    second strided, as a layer-outer layout's view is)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(num_blocks, 2, 3, 4, generator=generator).to(torch.float16)
+    wide = torch.randint(-(2**30), 2**30, (3, num_blocks, 5), generator=generator)
+    return [keys, wide.to(torch.int32).transpose(0, 1)]  # [blocks, 3, 5], not contiguous
+
+
+def transfer(tid, src_tier, dst_tier, src, dst) -> Transfer:
+    return Transfer(
+        transfer_id=tid,
+        kind="store",
+        group=0,
+        pool=0,
+        source_tier=src_tier,
+        destination_tier=dst_tier,
+        source_blocks=tuple(src),
+        destination_blocks=tuple(dst),
+    )
+
+
+def test_blocks_round_trip_exactly_through_host_and_file(tmp_path) -> None:
+    device = layer_views(8, 1)
+    original = [tensor.clone() for tensor in device]
+    host = [torch.zeros_like(tensor) for tensor in layer_views(6, 2)]
+    block_bytes = sum(tensor[0].numel() * tensor.element_size() for tensor in device)
+    disk = BlockFile(str(tmp_path / "pool0.kvblocks"), block_bytes, 10)
+    runner = TransferRunner({0: [device], 1: [host], 2: [disk]})
+    done, failed = runner.run(
+        [
+            transfer(1, 0, 1, [5, 2, 7], [1, 2, 3]),  # device -> host
+            transfer(2, 1, 2, [1, 2, 3], [9, 4, 1]),  # host -> file
+        ]
+    )
+    assert (done, failed) == ([1, 2], [])
+    for tensor in device:
+        tensor.zero_()
+    done, failed = runner.run(
+        [
+            transfer(3, 2, 0, [9, 4, 1], [5, 2, 7]),  # file -> device
+            transfer(4, 2, 1, [4], [5]),  # file -> host
+        ]
+    )
+    assert failed == []
+    for got, want in zip(device, original, strict=True):
+        for block in (5, 2, 7):
+            assert torch.equal(got[block], want[block])
+        assert not got[0].any()
+    assert torch.equal(host[1][5], original[1][2]) and torch.equal(host[0][5], original[0][2])
+
+
+def test_a_failed_copy_fails_that_transfer_only(tmp_path) -> None:
+    device = layer_views(4, 3)
+    disk = BlockFile(str(tmp_path / "f"), 4, 2)  # wrong block size for these tensors
+    host = [torch.zeros_like(tensor) for tensor in device]
+    runner = TransferRunner({0: [device], 1: [host], 2: [disk]})
+    done, failed = runner.run(
+        [transfer(1, 0, 2, [1], [1]), transfer(2, 0, 1, [1], [1]), transfer(3, 0, 5, [1], [1])]
+    )
+    assert (done, failed) == ([2], [1, 3])
+
+
+def test_an_engine_loop_over_a_tiered_allocator_reads_back_what_it_wrote(tmp_path) -> None:
+    """The allocator's transfers run by the helper: a prefix computed once, evicted to the
+    host and to the file, loads back bit for bit."""
+    allocator = make_allocator(
+        [full(2)], 6, offload_tiers=(OffloadTier("host", 5), OffloadTier("disk", 17))
+    )
+    device = [torch.zeros(6, 2, 8, dtype=torch.float16)]
+    host = [torch.zeros(5, 2, 8, dtype=torch.float16)]
+    disk = BlockFile(str(tmp_path / "disk"), 2 * 8 * 2, 17)
+    runner = TransferRunner({0: [device], 1: [host], 2: [disk]})
+
+    def content(tokens: list[int], index: int) -> torch.Tensor:
+        # What a forward writes into block ``index``: a function of its prefix.
+        seed = hash(tuple(tokens[: (index + 1) * 2])) % 2**31
+        return torch.randn(2, 8, generator=torch.Generator().manual_seed(seed)).half()
+
+    def serve(rid: str, tokens: list[int]) -> int:
+        request = Request(rid, tokens)
+        prefix = allocator.find_cached_prefix(request)
+        assert allocator.allocate_slots(request, len(tokens) - prefix.num_tokens, prefix=prefix)
+        assert runner.run_pending(allocator) == ()
+        table = allocator.block_ids(rid)[0]
+        for index in range(prefix.num_tokens // 2):  # the hit: must hold this prefix
+            assert torch.equal(device[0][table[index]], content(tokens, index)), index
+        for index in range(prefix.num_tokens // 2, len(table)):  # the forward
+            device[0][table[index]] = content(tokens, index)
+        allocator.free(rid)
+        return prefix.num_tokens
+
+    prompts = [list(range(start, start + 9)) for start in (0, 100, 200, 300)]
+    for round_ in range(3):
+        for number, prompt in enumerate(prompts):
+            hit = serve(f"{round_}-{number}", prompt)
+            assert hit == (8 if round_ else 0), (round_, number)
+    allocator.check_invariants()
