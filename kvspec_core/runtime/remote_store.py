@@ -48,7 +48,7 @@ import math
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from kvspec_core.runtime.hashing import DIGEST_SIZE
@@ -93,7 +93,8 @@ class BlockNamespace:
         plan's ``input_checksums`` entries ``layout``, ``context`` and each group's
         ``groups[i].layers`` and ``groups[i].spec`` (not ``num_blocks`` or the budgets: a
         replica with more memory stores the same bytes), the pool index and the
-        tensor-parallel rank. Refuses no parts, and values that are not str, bytes or int.
+        tensor-parallel rank. Refuses an empty namespace and values that are not str, bytes
+        or int.
         """
         if not parts:
             raise ValueError(
@@ -210,7 +211,7 @@ class _Breaker:
     open_for_s: float
     clock: Callable[[], float]
     failures_in_a_row: int = 0
-    open_until: float | None = field(default=None)
+    open_until: float | None = None
 
     def allows(self) -> bool:
         return self.open_until is None or self.clock() >= self.open_until
