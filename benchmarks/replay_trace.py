@@ -68,6 +68,7 @@ from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, NotNow, Request, chat_trace, trace
 from kvspec_core.runtime.mooncake_trace import TraceFormatError, read_mooncake_trace, trace_events
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvspec_core.runtime.tiers import OffloadTier, TieredPrefix
 
 BLOCK_SIZE = 16
 #: Longer than any trace request (shared: prompt <= 6144 + 256 output tokens; chat: prompt +
@@ -92,8 +93,12 @@ def build_allocator(
     model: str | bool = "full_attention",
     eviction: str = DEFAULT_EVICTION,
     max_model_len: int = MAX_MODEL_LEN,
+    host_blocks: int = 0,
+    disk_blocks: int = 0,
 ) -> KVCacheAllocator:
-    """The allocator of one of :data:`MODELS` (``True`` / ``False``: hybrid or not)."""
+    """The allocator of one of :data:`MODELS` (``True`` / ``False``: hybrid or not), with a
+    host offload tier of ``host_blocks`` and a disk tier of ``disk_blocks`` below it (0: no
+    such tier; each tier's own eviction order is ``eviction`` too)."""
     if isinstance(model, bool):
         model = "hybrid" if model else "full_attention"
     attention = dict(num_kv_heads=8, head_size=256, dtype=torch.bfloat16, block_size=BLOCK_SIZE)
@@ -125,8 +130,27 @@ def build_allocator(
         raise ValueError(f"model={model!r} must be one of {MODELS}")
     ctx = SizingContext(max_model_len=max_model_len, mamba_cache_mode=mamba_cache_mode)
     return KVCacheAllocator(
-        specs, num_blocks, ctx, manager=manager, hash_salt=b"replay", eviction=eviction
+        specs,
+        num_blocks,
+        ctx,
+        manager=manager,
+        hash_salt=b"replay",
+        eviction=eviction,
+        offload_tiers=offload_tiers(host_blocks, disk_blocks, eviction),
     )
+
+
+def offload_tiers(host_blocks: int, disk_blocks: int, eviction: str) -> tuple[OffloadTier, ...]:
+    """The tiers ``--host-blocks`` / ``--disk-blocks`` ask for (a disk tier sits below the
+    host tier, so it needs one)."""
+    if disk_blocks and not host_blocks:
+        raise ValueError("a disk tier needs a host tier above it: give host_blocks too")
+    tiers = []
+    if host_blocks:
+        tiers.append(OffloadTier("host", host_blocks, eviction))
+    if disk_blocks:
+        tiers.append(OffloadTier("disk", disk_blocks, eviction))
+    return tuple(tiers)
 
 
 def engine_steps(events: list[tuple]) -> list[tuple]:
@@ -146,10 +170,14 @@ def engine_steps(events: list[tuple]) -> list[tuple]:
 
 
 def replay(
-    events: list[tuple], allocator: KVCacheAllocator, batched: bool = False
-) -> dict[str, float | int]:
+    events: list[tuple],
+    allocator: KVCacheAllocator,
+    batched: bool = False,
+    prefill_chunk: int | None = None,
+) -> dict[str, object]:
     """Replay ``events``; ``batched``: each engine step's decodes through one
-    ``decode_step`` call (peak blocks then sampled once per step)."""
+    ``decode_step`` call (peak blocks then sampled once per step); ``prefill_chunk``:
+    prefill a prompt in steps of at most that many tokens (``None``: one step)."""
     num_events = len(events)
     if batched:
         events = engine_steps(events)
@@ -161,25 +189,60 @@ def replay(
     allocate_slots = allocator.allocate_slots
     find_cached_prefix = allocator.find_cached_prefix
     hit_tokens = prompt_tokens = peak = waits = dropped = decode_stalls = 0
+    tier_names = allocator.tier_names
+    tiered = len(tier_names) > 1
+    hit_by_tier = [0] * len(tier_names)
+    # (source tier, destination tier) -> blocks moved: loads, stores, demotions.
+    moved: collections.Counter[tuple[int, int]] = collections.Counter()
+    take_transfers = allocator.take_transfers
+    complete_transfers = allocator.complete_transfers
+
+    def run_transfers() -> None:
+        # No real copies here: every transfer is confirmed as soon as it is recorded (an
+        # engine runs them before the step's forward, then confirms them).
+        transfers = take_transfers()
+        if transfers:
+            for transfer in transfers:
+                moved[transfer.source_tier, transfer.destination_tier] += transfer.num_blocks
+            complete_transfers([transfer.transfer_id for transfer in transfers], True)
 
     def admit(request: Request) -> bool:
         nonlocal hit_tokens, peak
         prefix = find_cached_prefix(request)
         remaining = len(request.token_ids) - prefix.num_tokens
         split = prefix.checkpoint_at
-        if split is None:
+        if split is None and (prefill_chunk is None or remaining <= prefill_chunk):
             if not allocate_slots(request, remaining, prefix=prefix):
                 return False
         else:
-            # End the first prefill step where the prompt shares content with earlier
-            # ones, so the state groups save a checkpoint there; then the rest.
-            first = split - prefix.num_tokens
-            if not allocate_slots(request, first, prefix=prefix):
+            # Several prefill steps: the first ends where the prompt shares content with
+            # earlier ones (checkpoint_at), so the state groups save a checkpoint there;
+            # with prefill_chunk none is longer than that.
+            steps = [remaining] if split is None else [split - prefix.num_tokens]
+            if split is not None:
+                steps.append(remaining - steps[0])
+            if prefill_chunk is not None:
+                steps = [
+                    min(prefill_chunk, step - start)
+                    for step in steps
+                    for start in range(0, step, prefill_chunk)
+                ]
+            if not allocate_slots(request, steps[0], prefix=prefix):
                 return False
-            if not allocate_slots(request, remaining - first):
-                allocator.free(request.request_id)
-                return False
+            for step in steps[1:]:
+                if not allocate_slots(request, step):
+                    if tiered:
+                        run_transfers()  # what the earlier steps recorded, before the free
+                    allocator.free(request.request_id)
+                    return False
         hit_tokens += prefix.num_tokens
+        if tiered:
+            run_transfers()
+            if prefix.__class__ is TieredPrefix:
+                for tier, tokens in enumerate(prefix.tokens_by_tier):  # type: ignore[attr-defined]
+                    hit_by_tier[tier] += tokens
+            else:
+                hit_by_tier[0] += prefix.num_tokens
         used = pool.num_used_blocks
         if used > peak:
             peak = used
@@ -201,6 +264,8 @@ def replay(
                 if not result:
                     decode_stalls += 1
                     continue
+                if tiered:
+                    run_transfers()  # the new block may have evicted a cached one
                 used = pool.num_used_blocks
                 if used > peak:
                     peak = used
@@ -215,6 +280,8 @@ def replay(
                 tokens = [tokens[index] for index in kept]
             results = decode_step(ids, tokens)
             if results.count(no_new_blocks) != len(results):
+                if tiered:
+                    run_transfers()
                 # A class test, not truth: Allocated.__bool__ is a Python call per result.
                 decode_stalls += sum(1 for result in results if result.__class__ is NotNow)
                 used = pool.num_used_blocks
@@ -252,6 +319,13 @@ def replay(
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_hashed_per_s": prompt_tokens / elapsed,
         "hit_tokens": hit_tokens,
+        "hit_tokens_by_tier": (
+            dict(zip(tier_names, hit_by_tier, strict=True)) if tiered else {"device": hit_tokens}
+        ),
+        "blocks_moved": {
+            f"{tier_names[source]}->{tier_names[destination]}": count
+            for (source, destination), count in sorted(moved.items())
+        },
         "peak_blocks": peak,
         "waits": waits,
         "dropped_events": dropped,
@@ -309,6 +383,20 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=32768)
     parser.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a host offload tier of N blocks below the device pool (default 0: none)",
+    )
+    parser.add_argument(
+        "--disk-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a disk offload tier of N blocks below the host tier (needs --host-blocks)",
+    )
+    parser.add_argument(
         "--requests",
         type=int,
         default=None,
@@ -330,6 +418,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()
     trace_name, _, trace_file = args.trace.partition(":")
+    prefill_chunk = None
     max_model_len = MAX_MODEL_LEN
     if trace_name == "mooncake":
         if args.seed is not None:
@@ -337,9 +426,9 @@ def main() -> None:
         trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
         trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
         if args.hybrid:
-            # Its sliding-window group admits at most max_in_flight_tokens (16,384) prompt
-            # tokens per step, and this replay prefills a prompt in one step (no chunking).
-            parser.error("--hybrid with --trace mooncake needs chunked prefill, not replayed here")
+            # Its sliding-window group admits at most max_in_flight_tokens prompt tokens
+            # per step: longer prompts are prefilled in chunks of that many.
+            prefill_chunk = SizingContext(max_model_len=MOONCAKE_MAX_MODEL_LEN).max_in_flight_tokens
         events, requests = mooncake_events(trace_file, args.requests or MOONCAKE_REQUESTS)
         max_model_len = MOONCAKE_MAX_MODEL_LEN
     elif trace_name in TRACES and not trace_file:
@@ -349,8 +438,14 @@ def main() -> None:
         events = list(make_trace(seed=seed, num_requests=requests))
     else:
         parser.error(f"--trace {args.trace!r}: give shared, chat, mooncake or mooncake:FILE")
+    if args.disk_blocks and not args.host_blocks:
+        parser.error("--disk-blocks needs --host-blocks: the disk tier sits below the host tier")
+    if args.host_blocks < 0 or args.disk_blocks < 0:
+        parser.error("--host-blocks and --disk-blocks count blocks: give 0 or more")
     model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
-    allocator = build_allocator(args.blocks, model_name, args.eviction, max_model_len)
+    allocator = build_allocator(
+        args.blocks, model_name, args.eviction, max_model_len, args.host_blocks, args.disk_blocks
+    )
     # As an engine freezes its heap once started, the KV-cache allocator built (vLLM's
     # engine core does; vs_vllm.py too).
     gc.collect()
@@ -361,20 +456,23 @@ def main() -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-        figures = replay(events, allocator, args.batched)
+        figures = replay(events, allocator, args.batched, prefill_chunk)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     else:
-        figures = replay(events, allocator, args.batched)
+        figures = replay(events, allocator, args.batched, prefill_chunk)
     ideal = ideal_hit_tokens(events)
     figures.update(
         mode=model_name,
         trace=trace_name,
         trace_file=trace_file or None,
         blocks=args.blocks,
+        host_blocks=args.host_blocks,
+        disk_blocks=args.disk_blocks,
         eviction=args.eviction,
         max_model_len=max_model_len,
         requests=requests,
+        prefill_chunk=prefill_chunk,
         ideal_hit_tokens=ideal,
     )
     if args.json:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.ascii_numbers import ASCII_INTEGER_FORM, parse_ascii_integer
+from kvspec_core.cli.sizes import parse_size
+from kvspec_core.errors import ConfigError, InvalidFieldError
 from kvspec_core.models.fields import MAX_LAYERS
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
+from kvspec_core.planner.tiers import OffloadTierError, check_disk_directory
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.validation import MAX_FIELD_VALUE
 
@@ -100,6 +105,41 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--disk-size", metavar="SIZE", help="bytes the disk tier may use (2TiB...); needs --disk"
+    )
+
+
+def offload_tier_options(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """``prepare_model``'s tier options from ``--host-memory``, ``--disk``, ``--disk-size``,
+    refused naming the option before anything is planned (``command``: ``"kvspec plan"``...)."""
+    if args.disk_size is not None and args.disk is None:
+        raise ConfigError("--disk-size needs --disk PATH, the directory of the disk tier's files")
+    if args.disk is not None and args.disk_size is None:
+        raise ConfigError("--disk needs --disk-size SIZE, the bytes the disk tier may use")
+    options: dict[str, Any] = {
+        "host_offload_bytes": None
+        if args.host_memory is None
+        else parse_size(args.host_memory, what="--host-memory"),
+        "disk_offload_bytes": None
+        if args.disk_size is None
+        else parse_size(args.disk_size, what="--disk-size"),
+        "disk_path": args.disk,
+    }
+    if args.disk is not None:
+        try:
+            check_disk_directory(command, "--disk", args.disk)
+        except InvalidFieldError as error:
+            raise ConfigError(f"--disk {args.disk!r} {error.allowed}") from None
+    return options
+
+
+def offload_tier_error(error: OffloadTierError) -> ConfigError:
+    """``error`` in the command line's words: the option and the least size that works."""
+    option = "--host-memory" if error.tier == "host" else "--disk-size"
+    return ConfigError(
+        f"{option} {format_size(error.budget)} is too small for the {error.tier} offload tier: "
+        f"every GPU pool needs one block beside its null block there, "
+        f"{format_size(error.needed)} ({error.needed:,} B) in all; pass {option} "
+        f"{error.needed} or more, or leave the tier out"
     )
 
 

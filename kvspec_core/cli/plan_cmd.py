@@ -22,12 +22,14 @@ from kvspec_core.cli.arguments import (
     add_model_arguments,
     add_pipeline_arguments,
     add_tier_arguments,
+    offload_tier_error,
+    offload_tier_options,
     plan_options,
     plot_file,
 )
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
-from kvspec_core.errors import CapacityError, ConfigError, InvalidFieldError
+from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.normalized import ModelConfig, normalize_config
 from kvspec_core.models.pipeline import (
@@ -43,7 +45,7 @@ from kvspec_core.models.planning import (
     prepare_model,
 )
 from kvspec_core.planner.plan import KVCachePlan, PlannedGroup
-from kvspec_core.planner.tiers import OffloadTierError, check_disk_directory
+from kvspec_core.planner.tiers import OffloadTierError
 from kvspec_core.plugins.manager import PluginManager
 
 
@@ -347,41 +349,6 @@ def _tier_lines(report: dict[str, Any]) -> list[str]:
     return [table, "", *totals]
 
 
-def _tier_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``prepare_model``'s tier options from ``--host-memory``, ``--disk``, ``--disk-size``,
-    refused naming the option before anything is planned."""
-    if args.disk_size is not None and args.disk is None:
-        raise ConfigError("--disk-size needs --disk PATH, the directory of the disk tier's files")
-    if args.disk is not None and args.disk_size is None:
-        raise ConfigError("--disk needs --disk-size SIZE, the bytes the disk tier may use")
-    options: dict[str, Any] = {
-        "host_offload_bytes": None
-        if args.host_memory is None
-        else parse_size(args.host_memory, what="--host-memory"),
-        "disk_offload_bytes": None
-        if args.disk_size is None
-        else parse_size(args.disk_size, what="--disk-size"),
-        "disk_path": args.disk,
-    }
-    if args.disk is not None:
-        try:
-            check_disk_directory("kvspec plan", "--disk", args.disk)
-        except InvalidFieldError as error:
-            raise ConfigError(f"--disk {args.disk!r} {error.allowed}") from None
-    return options
-
-
-def _tier_error(error: OffloadTierError) -> ConfigError:
-    """``error`` in the command line's words: the option and the least size that works."""
-    option = "--host-memory" if error.tier == "host" else "--disk-size"
-    return ConfigError(
-        f"{option} {format_size(error.budget)} is too small for the {error.tier} offload tier: "
-        f"every GPU pool needs one block beside its null block there, "
-        f"{format_size(error.needed)} ({error.needed:,} B) in all; pass {option} "
-        f"{error.needed} or more, or leave the tier out"
-    )
-
-
 def _stage_lines(report: dict[str, Any]) -> list[str]:
     """The per-stage table of a pipelined plan, then a line introducing the tightest stage."""
     rows = [
@@ -459,7 +426,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         from kvspec_core.cli.plot import load_pyplot
 
         load_pyplot()  # fail before planning when matplotlib is missing
-    tier_options = _tier_options(args)
+    tier_options = offload_tier_options(args, "kvspec plan")
     resolved = resolve_model(args.model)
     config = normalize_config(resolved.config)
     prepared = prepare_model(
@@ -475,7 +442,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     try:
         pipeline = plan_stages(stages, budget, manager)
     except OffloadTierError as error:
-        raise _tier_error(error) from None
+        raise offload_tier_error(error) from None
     except CapacityError as error:
         largest = largest_fitting_max_model_len(stages, budget, manager)
         if largest:

@@ -34,6 +34,17 @@ def load_pyplot() -> Any:
     return pyplot
 
 
+def _save_png(figure: Any, path: str | Path) -> Path:
+    """Lay ``figure`` out and write it to ``path`` as a PNG, or a clear error."""
+    figure.tight_layout()
+    target = Path(path)
+    try:
+        figure.savefig(target, format="png")
+    except OSError as error:
+        raise PlotError(f"cannot write the plot to {target}: {error}") from None
+    return target
+
+
 def plot_concurrency(
     curves: Mapping[str, Sequence[tuple[int, float | None]]],
     path: str | Path,
@@ -73,12 +84,43 @@ def plot_concurrency(
         axes.set_title(title, fontsize=10)
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize=8)
-        figure.tight_layout()
-        target = Path(path)
-        try:
-            figure.savefig(target, format="png")
-        except OSError as error:
-            raise PlotError(f"cannot write the plot to {target}: {error}") from None
+        return _save_png(figure, path)
     finally:
         pyplot.close(figure)
-    return target
+
+
+def plot_hit_rate_vs_host_memory(
+    points: Sequence[tuple[int, float]],
+    path: str | Path,
+    *,
+    title: str,
+    device_bytes: int,
+) -> Path:
+    """Write a PNG of the prefix-hit rate (0..1) against the host tier's bytes.
+
+    The x axis is in multiples of ``device_bytes`` (the device KV budget), linear, so the
+    zero-host point (no host tier) stays on the chart.
+    """
+    pyplot = load_pyplot()
+    figure, axes = pyplot.subplots(figsize=(8, 5), dpi=100)
+    try:
+        xs = [host / device_bytes for host, _ in points]
+        ys = [100.0 * rate for _, rate in points]
+        axes.plot(xs, ys, marker="o", markersize=4, linewidth=1.5)
+        for x, y in zip(xs, ys, strict=True):
+            axes.annotate(
+                f"{y:.1f}%",
+                (x, y),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
+        axes.set_xlabel("host tier memory (x the device KV budget)")
+        axes.set_ylabel("prefix-hit rate (% of prompt tokens)")
+        axes.set_ylim(bottom=0)
+        axes.set_title(title, fontsize=10)
+        axes.grid(True, alpha=0.3)
+        return _save_png(figure, path)
+    finally:
+        pyplot.close(figure)

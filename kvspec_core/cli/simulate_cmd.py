@@ -18,13 +18,25 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from kvspec_core.byte_sizes import format_size
-from kvspec_core.cli.arguments import add_model_arguments, plan_options, positive_int, seed
+from kvspec_core.cli.arguments import (
+    add_model_arguments,
+    add_tier_arguments,
+    offload_tier_error,
+    offload_tier_options,
+    plan_options,
+    plot_file,
+    positive_int,
+    seed,
+)
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.errors import KVSpecError
 from kvspec_core.models.catalog import resolve_model
-from kvspec_core.models.planning import prepare_model
+from kvspec_core.models.planning import ModelPlan, PreparedModel, prepare_model
+from kvspec_core.planner.tiers import OffloadTierError
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import chat_trace, trace
 from kvspec_core.runtime.allocator import KVCacheAllocator
@@ -35,7 +47,8 @@ from kvspec_core.runtime.mooncake_trace import (
     read_mooncake_trace,
     trace_events,
 )
-from kvspec_core.runtime.simulation import simulate
+from kvspec_core.runtime.simulation import SimulationReport, simulate
+from kvspec_core.runtime.tiers import tiers_from_plan
 
 #: ``--trace`` names of the built-in generated traces -> (generator, default requests).
 BUILT_IN_TRACES: dict[str, tuple[Callable[..., Iterator[tuple]], int]] = {
@@ -90,6 +103,15 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="leave out a trace file's requests whose prompt is longer than max_model_len "
         "(counted in the output) instead of refusing the file",
+    )
+    add_tier_arguments(parser)
+    parser.add_argument(
+        "--plot",
+        type=plot_file,
+        metavar="FILE",
+        help="also replay with a host tier of 0, 1/4, 1/2, 1, 2 and 4 x --memory (the disk "
+        "tier as given) and write a PNG of the prefix-hit rate against host memory (needs "
+        "kvspec-core[plot])",
     )
     parser.add_argument(
         "--no-progress",
@@ -178,8 +200,124 @@ def _fitting_requests(
     return kept
 
 
+#: ``--plot``: host memory of each replay, as multiples of the device KV budget (--memory).
+PLOT_HOST_MULTIPLES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+@attrs.frozen
+class _Replay:
+    """One replay's plan, figures and wall time."""
+
+    planned: ModelPlan
+    report: SimulationReport
+    seconds: float
+
+
+def _replay(
+    prepared: PreparedModel,
+    budget: int,
+    manager: PluginManager,
+    events: Iterable[tuple],
+    total_events: int | None,
+    progress: bool,
+) -> _Replay:
+    """Plan ``prepared`` within ``budget`` (its tiers too), build the allocator with the
+    plan's offload tiers and replay ``events`` through it."""
+    try:
+        planned = prepared.plan(budget, manager)
+    except OffloadTierError as error:
+        raise offload_tier_error(error) from None
+    plan = planned.plan
+    allocator = KVCacheAllocator.from_plan(plan, manager, offload_tiers=tiers_from_plan(plan))
+    tick, close = _progress(total_events, progress)
+    start = time.perf_counter()
+    try:
+        report = simulate(
+            allocator,
+            events,
+            num_encoder_tokens=planned.context.max_encoder_tokens,
+            on_event=tick,
+            block_bytes=[pool.block_bytes for pool in plan.pools],
+        )
+    finally:
+        close()
+    return _Replay(planned, report, time.perf_counter() - start)
+
+
+def _tier_rows(replay: _Replay) -> list[list[str]]:
+    """The per-tier table: blocks, hit tokens, what moved, load waits."""
+    plan = replay.planned.plan
+    blocks = [sum(pool.num_blocks for pool in plan.pools)] + [
+        sum(tier.blocks_per_pool) for tier in plan.tiers
+    ]
+    hits = replay.report.hit_tokens or 1
+    return [
+        [
+            tier.name,
+            f"{count:,}",
+            f"{tier.hit_tokens:,} ({tier.hit_tokens / hits:.1%})",
+            f"{tier.loaded_blocks:,} ({format_size(tier.loaded_bytes)})",
+            f"{tier.stored_blocks:,} ({format_size(tier.stored_bytes)})",
+            f"{tier.demoted_blocks:,} ({format_size(tier.demoted_bytes)})",
+            f"{tier.load_waits:,}",
+        ]
+        for tier, count in zip(replay.report.tiers, blocks, strict=True)
+    ]
+
+
+def _tier_table(replay: _Replay) -> str:
+    return render_table(
+        (
+            "tier",
+            "blocks",
+            "hit tokens",
+            "loaded to device",
+            "stored into",
+            "demoted from",
+            "load waits",
+        ),
+        _tier_rows(replay),
+        align_right=(1, 2, 3, 4, 5, 6),
+    )
+
+
+def _host_sweep(
+    args: argparse.Namespace,
+    prepared: PreparedModel,
+    budget: int,
+    manager: PluginManager,
+    make_events: Callable[[], Iterable[tuple]],
+    total_events: int | None,
+) -> list[dict[str, Any]]:
+    """``--plot``'s replays: one per :data:`PLOT_HOST_MULTIPLES` of the device budget as
+    the host tier (the disk tier, if any, as given)."""
+    points = []
+    for multiple in PLOT_HOST_MULTIPLES:
+        host_bytes = int(budget * multiple)
+        sized = attrs.evolve(prepared, host_offload_bytes=host_bytes or None)
+        replay = _replay(sized, budget, manager, make_events(), total_events, not args.no_progress)
+        points.append(
+            {
+                "host_memory_bytes": host_bytes,
+                "host_blocks": sum(
+                    sum(tier.blocks_per_pool)
+                    for tier in replay.planned.plan.tiers
+                    if tier.name == "host"
+                ),
+                "hit_tokens": replay.report.hit_tokens,
+                "prefix_hit_rate": replay.report.prefix_hit_rate,
+            }
+        )
+    return points
+
+
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
     budget = parse_size(args.memory)
+    tier_options = offload_tier_options(args, "kvspec simulate")
+    if args.plot is not None:
+        from kvspec_core.cli.plot import load_pyplot
+
+        load_pyplot()  # fail before replaying when matplotlib is missing
     file_requests = _read_trace_file(args)
     resolved = resolve_model(args.model)
     options = plan_options(args, args.kv_cache_dtype)
@@ -190,39 +328,41 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         name=resolved.name,
         max_model_len=args.max_model_len,
         max_in_flight_tokens=args.max_in_flight_tokens,
+        **tier_options,
     )
-    planned = prepared.plan(budget, manager)
-    allocator = KVCacheAllocator.from_plan(planned.plan, manager)
-    events: Iterable[tuple]
+    make_events: Callable[[], Iterable[tuple]]
     if file_requests is None:
         make_trace, default_requests = BUILT_IN_TRACES[args.trace]
         trace_seed = 0 if args.seed is None else args.seed
+        num_requests = args.requests or default_requests
         # Streamed, so any --requests fits in memory; the bar counts events as they come.
-        events = make_trace(seed=trace_seed, num_requests=args.requests or default_requests)
+        make_events = lambda: make_trace(seed=trace_seed, num_requests=num_requests)  # noqa: E731
         total_events = None
         skipped = 0
         trace_label = f"{args.trace} (seed {trace_seed})"
     else:
-        kept = _fitting_requests(args, file_requests, allocator.max_model_len)
-        events = trace_events(kept)
+        max_model_len = prepared.context.max_model_len
+        kept = _fitting_requests(args, file_requests, max_model_len)
+        make_events = lambda: trace_events(kept)  # noqa: E731
         total_events = count_events(kept)
         trace_seed = None
         skipped = len(file_requests) - len(kept)
         trace_label = f"{args.trace} (Mooncake format)" + (
             f", {skipped:,} left out: prompt over max_model_len" if skipped else ""
         )
-    tick, close = _progress(total_events, not args.no_progress)
-    start = time.perf_counter()
-    try:
-        report = simulate(
-            allocator,
-            events,
-            num_encoder_tokens=planned.context.max_encoder_tokens,
-            on_event=tick,
+    replay = _replay(prepared, budget, manager, make_events(), total_events, not args.no_progress)
+    planned, report, elapsed = replay.planned, replay.report, replay.seconds
+    sweep = None
+    if args.plot is not None:
+        from kvspec_core.cli.plot import plot_hit_rate_vs_host_memory
+
+        sweep = _host_sweep(args, prepared, budget, manager, make_events, total_events)
+        plot_hit_rate_vs_host_memory(
+            [(point["host_memory_bytes"], point["prefix_hit_rate"]) for point in sweep],
+            args.plot,
+            title=f"{resolved.name} on {trace_label}: {format_size(budget)} device KV budget",
+            device_bytes=budget,
         )
-    finally:
-        close()
-    elapsed = time.perf_counter() - start
     document = {
         "model": resolved.name,
         "kv_budget_bytes": budget,
@@ -233,9 +373,13 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         "skipped_too_long": skipped,
         "groups": [group.kind for group in planned.plan.groups],
         "num_blocks": planned.plan.num_blocks,
+        "tier_blocks": {tier.name: sum(tier.blocks_per_pool) for tier in planned.plan.tiers},
         **report.to_dict(),
         "seconds": elapsed,
     }
+    if sweep is not None:
+        document["plot"] = args.plot
+        document["host_memory_sweep"] = sweep
     if args.json:
         print(json.dumps(document, indent=2))
         return 0
@@ -269,4 +413,25 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         ("preemptions", f"{report.preemptions:,}"),
     ]
     print(render_table(("figure", "value"), rows))
+    if planned.plan.tiers:
+        print()
+        print(_tier_table(replay))
+    if sweep is not None:
+        print()
+        print(
+            render_table(
+                ("host memory", "host blocks", "hit tokens", "prefix-hit rate"),
+                [
+                    [
+                        format_size(point["host_memory_bytes"]),
+                        f"{point['host_blocks']:,}",
+                        f"{point['hit_tokens']:,}",
+                        f"{point['prefix_hit_rate']:.1%}",
+                    ]
+                    for point in sweep
+                ],
+                align_right=(0, 1, 2, 3),
+            )
+        )
+        print(f"plot: {args.plot}")
     return 0

@@ -15,18 +15,73 @@ Engine model (one event at a time, no batching of compute):
   request that waited until then never ran and is counted as never admitted).
 
 Hit tokens and prompt tokens count every admission, re-admissions after preemption included.
+
+Offload tiers (an allocator built with ``offload_tiers``): the simulator moves no data, so
+after every call that may record transfers (an admission, a decode that took a block) it
+takes them (``take_transfers``) and confirms them all at once (``complete_transfers(ok=True)``),
+as if each copy finished before the step's forward. No transfer fails and none is slow:
+the figures are the cache policy's (what was hit where, what had to move), not copy times.
+:class:`TierTraffic` counts, per tier, the hit tokens (``TieredPrefix.tokens_by_tier``), the
+blocks (and, given each pool's block bytes, the bytes) loaded to the device, stored into the
+tier and demoted to the next tier, and the admissions that had to wait for a load from it.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 
 from kvspec_core.runtime.allocator import KVCacheAllocator
 from kvspec_core.runtime.request import Request
-from kvspec_core.runtime.results import OVER_ADMISSION_CAP
+from kvspec_core.runtime.results import OVER_ADMISSION_CAP, CachedPrefix
+from kvspec_core.runtime.tiers import DEVICE_TIER, LOAD, TieredPrefix, Transfer
+
+
+@attrs.define
+class TierTraffic:
+    """One tier's side of a replay (``name``: ``"device"``, ``"host"``, ``"disk"``...).
+
+    Attributes:
+        hit_tokens: prefix-hit tokens served from this tier (``TieredPrefix.tokens_by_tier``;
+            the tiers' figures add up to the report's ``hit_tokens``).
+        load_waits: admissions that waited for a load from this tier before their forward
+            (0 for the device).
+        loaded_blocks / loaded_bytes: copied from this tier to the device (tier hits).
+        stored_blocks / stored_bytes: copied into this tier (the device's evictions into the
+            first tier; a tier's evictions into the next).
+        demoted_blocks / demoted_bytes: copied from this tier to the next one down.
+    Bytes are blocks x the block bytes of their pool (a tier block is a device block's
+    pages); 0 when the simulation was not given the pools' block bytes.
+    """
+
+    name: str
+    hit_tokens: int = 0
+    load_waits: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    demoted_blocks: int = 0
+    demoted_bytes: int = 0
+
+
+def count_transfer(tiers: list[TierTraffic], transfer: Transfer, block_bytes: int) -> None:
+    """Add ``transfer`` (of blocks of ``block_bytes`` each) to the figures of the tiers it
+    moves between."""
+    blocks = transfer.num_blocks
+    nbytes = blocks * block_bytes
+    if transfer.kind == LOAD:
+        tiers[transfer.source_tier].loaded_blocks += blocks
+        tiers[transfer.source_tier].loaded_bytes += nbytes
+        return
+    tiers[transfer.destination_tier].stored_blocks += blocks
+    tiers[transfer.destination_tier].stored_bytes += nbytes
+    if transfer.source_tier != DEVICE_TIER:
+        tiers[transfer.source_tier].demoted_blocks += blocks
+        tiers[transfer.source_tier].demoted_bytes += nbytes
 
 
 @attrs.define
@@ -48,6 +103,7 @@ class SimulationReport:
     truncated: int = 0
     peak_used_blocks: int = 0
     usable_blocks: int = 0
+    tiers: list[TierTraffic] = attrs.field(factory=list)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -57,10 +113,16 @@ class SimulationReport:
     def peak_usage(self) -> float:
         return self.peak_used_blocks / self.usable_blocks if self.usable_blocks else 0.0
 
-    def to_dict(self) -> dict[str, float | int]:
-        data: dict[str, float | int] = attrs.asdict(self)
+    @property
+    def hit_tokens_by_tier(self) -> dict[str, int]:
+        """Hit tokens per tier by name, the device first."""
+        return {tier.name: tier.hit_tokens for tier in self.tiers}
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = attrs.asdict(self)
         data["prefix_hit_rate"] = self.prefix_hit_rate
         data["peak_usage"] = self.peak_usage
+        data["hit_tokens_by_tier"] = self.hit_tokens_by_tier
         return data
 
 
@@ -70,9 +132,41 @@ def simulate(
     *,
     num_encoder_tokens: int = 0,
     on_event: Callable[[], None] | None = None,
+    block_bytes: Sequence[int] | None = None,
 ) -> SimulationReport:
-    """Replay ``events`` (see :mod:`kvspec_core.runtime.trace`) through ``allocator``."""
-    report = SimulationReport(usable_blocks=allocator.usage.usable_blocks)
+    """Replay ``events`` (see :mod:`kvspec_core.runtime.trace`) through ``allocator``;
+    ``block_bytes``: each pool's bytes per block (a plan's ``pools[i].block_bytes``), for
+    the bytes the tiers moved (0 without)."""
+    report = SimulationReport(
+        usable_blocks=allocator.usage.usable_blocks,
+        tiers=[TierTraffic(name) for name in allocator.tier_names],
+    )
+    tiers = report.tiers
+    tiered = len(tiers) > 1
+    pool_bytes = [0] * len(allocator.pools) if block_bytes is None else list(block_bytes)
+    if len(pool_bytes) != len(allocator.pools):
+        raise ValueError(
+            f"block_bytes has {len(pool_bytes)} entries for the allocator's "
+            f"{len(allocator.pools)} pools; give one per pool"
+        )
+
+    def run_transfers() -> None:
+        # No real copies: each recorded transfer is confirmed at once (see the module doc).
+        transfers = allocator.take_transfers()
+        if transfers:
+            for transfer in transfers:
+                count_transfer(tiers, transfer, pool_bytes[transfer.pool])
+            allocator.complete_transfers([transfer.transfer_id for transfer in transfers], True)
+
+    def count_hit(prefix: CachedPrefix) -> None:
+        if not isinstance(prefix, TieredPrefix):
+            tiers[DEVICE_TIER].hit_tokens += prefix.num_tokens
+            return
+        for tier, tokens in enumerate(prefix.tokens_by_tier):
+            tiers[tier].hit_tokens += tokens
+        for tier in {tier for group in prefix.loads for _, tier, _ in group}:
+            tiers[tier].load_waits += 1
+
     running: dict[object, Request] = {}
     waiting: collections.OrderedDict[object, Request] = collections.OrderedDict()
     ever_waited: set[object] = set()
@@ -99,9 +193,13 @@ def simulate(
             # so the state groups saved a checkpoint there; now the rest of the prompt.
             rest = allocator.allocate_slots(request, remaining - first)
             if not rest:
+                if tiered:
+                    run_transfers()  # the first step's, run before the request is freed
                 allocator.free(request.request_id)
                 return rest.reason  # type: ignore[union-attr]
             report.checkpoint_splits += 1
+        if tiered:
+            run_transfers()
         if request.request_id in admitted:
             report.readmissions += 1
         else:
@@ -109,6 +207,7 @@ def simulate(
             report.admitted += 1
         report.prompt_tokens += len(request.token_ids)
         report.hit_tokens += prefix.num_tokens
+        count_hit(prefix)
         running[request.request_id] = request
         note_usage()
         return ""
@@ -167,6 +266,8 @@ def simulate(
             result = allocator.allocate_slots(decoding, 1)
             if result:
                 if result is not allocator.no_new_blocks:
+                    if tiered:
+                        run_transfers()  # its new block may have evicted a cached one
                     note_usage()
                 continue
             allocator.free(rid)
