@@ -19,6 +19,7 @@ from transformers_testkit import (
     PROMPT_B,
     SHARED_PREFIX,
     config_of,
+    forward_lengths,
     model_case,
     reference_generate,
 )
@@ -116,14 +117,8 @@ def engine_after_request_a(name: str) -> tuple[TransformersEngine, CachedPrefix]
 @pytest.mark.parametrize("name", MODELS)
 def test_prefix_hit_computes_only_the_suffix_and_keeps_the_output(name: str) -> None:
     engine, _ = engine_after_request_a(name)
-    forwards: list[int] = []
-    hook = engine.model.get_input_embeddings().register_forward_hook(
-        lambda module, inputs, output: forwards.append(int(inputs[0].shape[1]))
-    )
-    try:
+    with forward_lengths(engine.model) as forwards:
         result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
-    finally:
-        hook.remove()
     assert result.cached_tokens == SHARED_PREFIX
     assert result.prefill_tokens == len(PROMPT_B) - SHARED_PREFIX == 10
     # the prefill forward ran the 10 suffix tokens only, then one token per decode step

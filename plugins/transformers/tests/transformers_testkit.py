@@ -3,8 +3,9 @@ weights, and transformers' own greedy outputs (its default DynamicCache and atte
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,16 @@ def fail_on_call(
             raise error("injected failure")
 
     return model.model.layers[layer].register_forward_pre_hook(explode)
+
+
+@contextlib.contextmanager
+def forward_lengths(model: torch.nn.Module) -> Iterator[list[int]]:
+    """The token count of each forward ``model`` runs inside the block, in order."""
+    lengths: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: lengths.append(int(inputs[0].shape[1]))
+    )
+    try:
+        yield lengths
+    finally:
+        hook.remove()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -38,12 +39,14 @@ from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.results import CachedPrefix
+from kvspec_core.runtime.tiers import TieredPrefix, tiers_from_plan
 from kvspec_transformers.adapter_registry import adapter_for
 from kvspec_transformers.cache import KVSpecCache
 from kvspec_transformers.errors import EngineError
 from kvspec_transformers.generation import Generation
 from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding
 from kvspec_transformers.model_layout import check_plan_against_model
+from kvspec_transformers.offload import StepTransfers, tier_storage
 from kvspec_transformers.paged_attention import (
     ATTENTION_NAME,
     CACHE_KWARG,
@@ -67,6 +70,13 @@ class TransformersEngine:
         budget_bytes: bytes of KV cache the plan may use.
         options: kvspec planning options (block size, KV dtype...).
         enable_prefix_caching: reuse cached prefixes across requests.
+        host_offload_bytes: bytes of host memory for an offload tier below the device
+            (``None``: none). Cached blocks the device evicts are copied there instead of
+            lost, and a later request's prefix found there is loaded back before its
+            forward (:mod:`kvspec_transformers.offload`). Needs prefix caching.
+        disk_offload_bytes / disk_path: a disk tier below the host one: bytes, and an
+            existing directory the engine creates its files in (one per pool; refused if
+            one is there already; :meth:`close` removes them). Both or neither.
     """
 
     def __init__(
@@ -79,7 +89,17 @@ class TransformersEngine:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         options: PlanOptions | None = None,
         enable_prefix_caching: bool = True,
+        host_offload_bytes: int | None = None,
+        disk_offload_bytes: int | None = None,
+        disk_path: str | None = None,
     ) -> None:
+        if not enable_prefix_caching and (
+            host_offload_bytes is not None or disk_offload_bytes is not None
+        ):
+            raise EngineError(
+                "offload tiers keep prefix-cache blocks, but enable_prefix_caching=False: "
+                "drop host_offload_bytes / disk_offload_bytes, or enable prefix caching"
+            )
         self.model = model
         self.manager = manager if manager is not None else load_plugins()
         config = dict(kvspec_config) if kvspec_config is not None else model.config.to_dict()
@@ -88,6 +108,9 @@ class TransformersEngine:
             options if options is not None else PlanOptions(),
             self.manager,
             max_model_len=max_model_len,
+            host_offload_bytes=host_offload_bytes,
+            disk_offload_bytes=disk_offload_bytes,
+            disk_path=disk_path,
         )
         self.plan: KVCachePlan = prepared.plan(budget_bytes, self.manager).plan
         planned_layers = {name for group in self.plan.groups for name in group.layers}
@@ -102,8 +125,13 @@ class TransformersEngine:
         )
         self.buffers: KVCacheBuffers = materialize(self.plan, device="cpu")
         self.allocator = KVCacheAllocator.from_plan(
-            self.plan, self.manager, enable_prefix_caching=enable_prefix_caching
+            self.plan,
+            self.manager,
+            enable_prefix_caching=enable_prefix_caching,
+            offload_tiers=tiers_from_plan(self.plan),
         )
+        #: Runs the allocator's copies between the tiers before each forward.
+        self.transfers = StepTransfers(self.allocator, tier_storage(self.buffers))
         self.bindings = self._bind(prepared.model.layers, prepared.specs)
         self.cache = KVSpecCache(self._layers())
         if self.allocator.enable_prefix_caching:
@@ -161,6 +189,15 @@ class TransformersEngine:
                     "prompt in one step from a zero state, as transformers does)"
                 )
 
+    def close(self) -> None:
+        """Remove the disk tier's files (the engine made them; a new engine refuses a
+        directory holding them). The engine must not be used afterwards."""
+        with self._lock:
+            for tier in self.buffers.tiers.values():
+                for path in tier.files.values():
+                    if os.path.exists(path):
+                        os.remove(path)
+
     @property
     def views(self) -> dict[str, torch.Tensor]:
         """Every planned layer's ``materialize()`` view, by kvspec layer name."""
@@ -206,18 +243,26 @@ class TransformersEngine:
     def _generate(
         self, rid: str, prompt: list[int], max_new_tokens: int, stops: frozenset[int]
     ) -> Generation:
-        request = Request(rid, list(prompt))
-        prefix = self.allocator.find_cached_prefix(request)
-        step_ends = self._prefill_step_ends(prefix, len(prompt))
         generated: list[int] = []
         # Tokens whose K/V (or state) the model has written: what a failure may keep cached.
-        written = prefix.num_tokens
+        written = 0
         finish_reason = "length"
         # The admission is inside the try: an interrupt right after it (its blocks cached, no
         # K/V written yet) must discard them like any failed step.
         try:
+            while True:
+                # A failed load drops the request (the allocator discarded it and dropped
+                # the tier copy that failed), so each retry finds a shorter prefix: the
+                # loop ends, at the latest when no tier hit is left.
+                request = Request(rid, list(prompt))
+                prefix = self.allocator.find_cached_prefix(request)
+                step_ends = self._prefill_step_ends(prefix, len(prompt))
+                written = prefix.num_tokens
+                if self._allocate(request, step_ends[0] - written, prefix):
+                    break
             for end in step_ends:
-                self._allocate(request, end - written, prefix if end == step_ends[0] else None)
+                if end != step_ends[0]:
+                    self._allocate_running(request, end - written)
                 logits = self._forward(rid, prompt[written:end], written)
                 written = end
             while True:
@@ -233,10 +278,11 @@ class TransformersEngine:
                     finish_reason = "stop"
                     break
                 request.append_token(token)
-                self._allocate(request, 1, None)
+                self._allocate_running(request, 1)
                 logits = self._forward(rid, [token], written)
                 written += 1
         except BaseException as error:
+            self.transfers.abandon()
             if self.allocator.is_running(rid):
                 self.allocator.discard_uncomputed(rid, written)
             if isinstance(error, EngineError) and generated:
@@ -245,15 +291,26 @@ class TransformersEngine:
         self.allocator.free(rid)
         return self._generation(rid, prompt, generated, prefix, finish_reason)
 
-    @staticmethod
     def _generation(
-        rid: str, prompt: list[int], generated: list[int], prefix: CachedPrefix, finish_reason: str
+        self,
+        rid: str,
+        prompt: list[int],
+        generated: list[int],
+        prefix: CachedPrefix,
+        finish_reason: str,
     ) -> Generation:
+        names = self.allocator.tier_names
+        by_tier = (
+            prefix.tokens_by_tier
+            if isinstance(prefix, TieredPrefix)
+            else (prefix.num_tokens,) + (0,) * (len(names) - 1)
+        )
         return Generation(
             request_id=rid,
             prompt_token_ids=tuple(prompt),
             token_ids=tuple(generated),
             cached_tokens=prefix.num_tokens,
+            cached_tokens_by_tier=dict(zip(names, by_tier, strict=True)),
             prefill_tokens=len(prompt) - prefix.num_tokens,
             finish_reason=finish_reason,
         )
@@ -296,12 +353,25 @@ class TransformersEngine:
     def _vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    def _allocate(self, request: Request, num_tokens: int, prefix: CachedPrefix | None) -> None:
+    def _allocate(self, request: Request, num_tokens: int, prefix: CachedPrefix | None) -> bool:
+        """``allocate_slots``, then the copies it recorded (stores of the blocks it evicted,
+        loads of a tier hit it admitted), before the forward may overwrite or read them.
+        ``False`` when a load failed: the allocator dropped the request (admit it again)."""
         result = self.allocator.allocate_slots(request, num_tokens, prefix=prefix)
         if not result:
             raise EngineError(
                 f"request {request.request_id!r}: no slots for {num_tokens} tokens "
                 f"({getattr(result, 'reason', '?')}): {getattr(result, 'message', '')}"
+            )
+        return request.request_id not in self.transfers.run()
+
+    def _allocate_running(self, request: Request, num_tokens: int) -> None:
+        """``_allocate`` for a request already admitted: it has no loads of its own (loads
+        are recorded at admission only), so being dropped is a broken allocator contract."""
+        if not self._allocate(request, num_tokens, None):
+            raise EngineError(
+                f"request {request.request_id!r} was dropped by a failed load after its "
+                "admission; the allocator records loads at admission only (a kvspec bug)"
             )
 
     def _forward(self, request_id: str, tokens: Sequence[int], start: int) -> torch.Tensor:

@@ -14,6 +14,9 @@ class Generation:
         prompt_token_ids: the prompt.
         token_ids: the generated tokens (greedy).
         cached_tokens: prompt tokens found in the prefix cache (not recomputed).
+        cached_tokens_by_tier: the same tokens by the tier they came from: ``"device"``,
+            then the engine's offload tiers (``"host"``, ``"disk"``) if any; a token counts
+            for the slowest tier any layer group loaded it from.
         prefill_tokens: prompt tokens the prefill step computed (``len(prompt) - cached``).
         finish_reason: why generation stopped, as vLLM reports it: ``"stop"`` (a stop
             token, the last of ``token_ids``), ``"length"`` (``max_new_tokens`` reached, or
@@ -25,5 +28,6 @@ class Generation:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = attrs.field(hash=False)
     prefill_tokens: int
     finish_reason: str
