@@ -84,25 +84,43 @@ HitScan = Callable[[Sequence[bytes], Mapping[bytes, int], int], list[int]]
 
 
 def hit_scanner(rules: FamilyRules) -> HitScan:
-    """``rules.longest_hit``, or, where ``rules`` keep :class:`FullAttentionRules`'s own scan
-    and the kernels are built, the compiled twin of that scan (the same answer)."""
-    if (
-        native is None
-        or getattr(type(rules), "longest_hit", None) is not FullAttentionRules.longest_hit
-    ):
-        return rules.longest_hit
+    """What the allocator calls for ``rules.longest_hit(hashes, cache, max_blocks)``: the
+    compiled twin of :class:`FullAttentionRules`'s scan (the same answer) when, at the call,
+    ``rules`` still use that scan (no override on the class, none set on the instance) and
+    the arguments are a list and a dict; ``rules.longest_hit`` itself otherwise. Decided per
+    call, so an override made after the allocator was built is asked too."""
+    if native is None:
+
+        def ask_the_rules(
+            hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
+        ) -> list[int]:
+            return rules.longest_hit(hashes, cache, max_blocks)
+
+        return ask_the_rules
     compiled_scan = native.longest_hit
-    python_scan = rules.longest_hit
+    core_scan = FullAttentionRules.longest_hit
 
     def longest_hit(
         hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
     ) -> list[int]:
-        if not rules.prefix_cacheable:
+        own = getattr(rules, "__dict__", None)
+        if (
+            getattr(type(rules), "longest_hit", None) is not core_scan
+            or (own is not None and "longest_hit" in own)
+            or hashes.__class__ is not list
+            or cache.__class__ is not dict
+        ):
+            return rules.longest_hit(hashes, cache, max_blocks)
+        try:
+            cacheable = rules.prefix_cacheable
+        except Exception:
+            # Raise from inside the rules' own scan, as the Python path does, so the error
+            # names the method the plugin's code failed in.
+            return rules.longest_hit(hashes, cache, max_blocks)
+        if not cacheable:
             return []
-        if hashes.__class__ is list and cache.__class__ is dict:
-            found: list[int] = compiled_scan(hashes, cache, max_blocks)
-            return found
-        return python_scan(hashes, cache, max_blocks)
+        found: list[int] = compiled_scan(hashes, cache, max_blocks)
+        return found
 
     return longest_hit
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvspec_core import FullAttentionSpec, SizingContext
 from kvspec_core.plugins.core_rules import FullAttentionRules
-from kvspec_core.runtime import rules as runtime_rules
 from kvspec_core.runtime.rules import hit_scanner
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
@@ -50,15 +50,51 @@ def test_scanner_answers_what_the_rules_answer(cached: list[bool], max_blocks: i
     assert hit_scanner(rules)(tuple(hashes), dict(cache), max_blocks) == expected
 
 
-def test_the_compiled_scan_is_taken_only_where_the_rules_keep_the_core_scan() -> None:
+def test_an_override_set_on_the_instance_is_asked() -> None:
+    # A rules factory may set longest_hit on the object it returns; the compiled scan must
+    # not answer for it (review of issue 19: it did, a false hit on the kernels only).
+    hashes = digests(5)
+    cache = {digest: 7 + index for index, digest in enumerate(hashes)}
     rules = FullAttentionRules(SPEC, CTX)
     scanner = hit_scanner(rules)
-    if runtime_rules.native is None:  # pure-Python run (or no kernels built)
-        assert scanner == rules.longest_hit
-    else:
-        assert scanner != rules.longest_hit
-    overriding = FirstBlockOnly(SPEC, CTX)
-    assert hit_scanner(overriding) == overriding.longest_hit
+    rules.longest_hit = lambda hashes, cache, max_blocks: []  # type: ignore[method-assign]
+    assert scanner(hashes, cache, 5) == []
+
+
+def test_an_override_made_on_the_class_after_construction_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hashes = digests(5)
+    cache = {digest: 7 + index for index, digest in enumerate(hashes)}
+    rules = FirstBlockOnly(SPEC, CTX)
+    scanner = hit_scanner(rules)
+    monkeypatch.setattr(FirstBlockOnly, "longest_hit", lambda self, h, c, m: [1, 2])
+    assert scanner(hashes, cache, 5) == [1, 2]
+
+
+class BrokenCacheability(FullAttentionRules):
+    """A plugin's rules whose prefix_cacheable property raises."""
+
+    @property  # type: ignore[override]
+    def prefix_cacheable(self) -> bool:
+        raise RuntimeError("broken property")
+
+    @prefix_cacheable.setter
+    def prefix_cacheable(self, value: bool) -> None:
+        pass
+
+
+def test_a_raising_property_raises_from_inside_the_scan_on_both_paths() -> None:
+    scanner = hit_scanner(BrokenCacheability(SPEC, CTX))
+    with pytest.raises(RuntimeError, match="broken property") as caught:
+        scanner(digests(2), {}, 2)
+    frames = [entry.name for entry in caught.traceback]
+    assert "longest_hit" in frames[frames.index("longest_hit") :]
+    # The scan of the rules object itself is among the frames, as in the Python path.
+    assert any(
+        entry.name == "longest_hit" and entry.frame.f_locals.get("self") is not None
+        for entry in caught.traceback
+    )
 
 
 def test_an_overridden_scan_is_asked_not_bypassed() -> None:
