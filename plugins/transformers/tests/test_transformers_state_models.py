@@ -271,3 +271,86 @@ def test_a_failed_prefill_step_keeps_only_the_states_it_saved(name: str) -> None
     assert result.cached_tokens == SHARED_PREFIX
     assert result.token_ids == expected["b"]
     assert engine.generate(long_prompt, NEW_TOKENS).token_ids == expected["long"]
+
+
+# --------------------------------------------------------------------------- offload tiers
+#: Bytes of one block of each pool, summed (state pool + attention pool).
+BLOCK_BYTES = {"qwen3_next": 5632 + 8192, "bamba": 10112 + 4096}
+
+
+def tiered_engine(name: str, disk_dir: Path | None = None) -> TransformersEngine:
+    """10 device blocks per pool (a few requests' worth), a host tier of 40 blocks per
+    pool, or of 6 with a disk tier of 40 below it."""
+    config, model, _ = case(name)
+    block = BLOCK_BYTES[name]
+    engine = TransformersEngine(
+        model,
+        kvspec_config=config,
+        max_model_len=96,
+        budget_bytes=10 * block,
+        host_offload_bytes=(40 if disk_dir is None else 6) * block,
+        disk_offload_bytes=None if disk_dir is None else 40 * block,
+        disk_path=None if disk_dir is None else str(disk_dir),
+    )
+    assert [pool.num_blocks for pool in engine.plan.pools] == [10, 10]
+    return engine
+
+
+def evict_prefix_of_a(engine: TransformersEngine, prompt: Sequence[int]) -> Any:
+    """Run A and three unrelated requests; the prefix ``prompt`` would find afterwards: all
+    48 tokens, from the offload tiers only."""
+    engine.generate(PROMPT_A, NEW_TOKENS)
+    for seed in range(3):
+        engine.generate(token_ids(57, seed=100 + seed), NEW_TOKENS)
+    hit = engine.allocator.find_cached_prefix(Request("probe", list(prompt)))
+    assert hit.num_tokens == SHARED_PREFIX
+    assert hit.tokens_by_tier[0] == 0
+    return hit
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("tiers", ["host", "host+disk"])
+def test_a_checkpointed_state_offloaded_to_the_tiers_is_resumed_from(
+    name: str, tiers: str, tmp_path: Path
+) -> None:
+    """The state saved at 48 and the attention blocks before it leave the device for host
+    memory (and, below a small host tier, a disk file); B loads them back, resumes from the
+    state and computes its 10 suffix tokens only, with transformers' tokens."""
+    engine = tiered_engine(name, tmp_path if tiers == "host+disk" else None)
+    slowest = engine.allocator.tier_names[-1]
+    hit = evict_prefix_of_a(engine, PROMPT_B)
+    # every state group loads the state block at 48 (column 2), not the blocks before it
+    for group in engine.plan.groups:
+        if group.kind == "mamba":
+            assert [index for index, _, _ in hit.loads[group.id]] == [2]
+    with forward_tokens(engine.model) as forwards:
+        result = engine.generate(PROMPT_B, NEW_TOKENS)
+    assert result.cached_tokens_by_tier[slowest] == SHARED_PREFIX
+    assert forwards[0] == 10
+    assert result.token_ids == case(name)[2]["b"]
+    assert engine.transfers.failed == 0
+    engine.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_corrupting_the_offloaded_state_changes_the_output(corrupt: bool) -> None:
+    """Bamba: noise in the host tier's copies of the state blocks C (the 48 + 1) loads
+    changes C's tokens; untouched, C's tokens are transformers'."""
+    engine = tiered_engine("bamba")
+    hit = evict_prefix_of_a(engine, PROMPT_C)
+    generator = torch.Generator().manual_seed(11)
+    host = engine.buffers.tiers["host"]
+    corrupted = 0
+    for group in engine.plan.groups:
+        if group.kind != "mamba" or not corrupt:
+            continue
+        for _, tier, slot in hit.loads[group.id]:
+            assert tier == 1
+            for layer in group.layers:
+                view = host.views[layer]
+                view[slot] = torch.randn(view[slot].shape, generator=generator).to(view.dtype)
+                corrupted += 1
+    result = engine.generate(PROMPT_C, NEW_TOKENS)
+    assert result.cached_tokens_by_tier == {"device": 0, "host": SHARED_PREFIX}
+    assert (result.token_ids != case("bamba")[2]["c"]) == corrupt
+    assert corrupted == (3 if corrupt else 0)
