@@ -13,6 +13,8 @@ receive, :class:`FamilyRules` / :class:`FullAttentionRules` (runtime rules), ``c
 
 from __future__ import annotations
 
+# `import kvspec_core` has always loaded the runtime (`kvspec_core.runtime.X` works after it).
+from kvspec_core import runtime  # noqa: F401
 from kvspec_core.arithmetic import cdiv, round_up
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import (

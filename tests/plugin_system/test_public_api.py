@@ -103,3 +103,15 @@ def test_a_plugin_written_against_public_names_claims_layers_and_runs() -> None:
     assert spec.max_blocks_per_request(ctx) == 32
     rules = rules_for(spec, ctx, manager)
     assert isinstance(rules, EveryOtherBlockRules) and isinstance(rules, FamilyRules)
+
+
+def test_importing_the_root_loads_the_runtime_as_it_always_did() -> None:
+    # In a fresh interpreter: `import kvspec_core` alone makes `kvspec_core.runtime` usable
+    # (it did before the plugin contract moved below the runtime; review of issue 19).
+    import subprocess
+    import sys
+
+    code = "import kvspec_core; print(kvspec_core.runtime.KVCacheAllocator.__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "KVCacheAllocator"
