@@ -239,6 +239,22 @@ def test_a_failed_load_leaves_no_hit_and_the_output_holds() -> None:
     assert again.token_ids == model_case("llama").reference["b"]
 
 
+def test_a_failed_load_keeps_the_device_part_of_the_hit() -> None:
+    """The hit is 16 device + 32 host tokens; the host load fails: re-admitted, B resumes
+    from the 16 device tokens only and computes the rest, with transformers' tokens."""
+    engine = tiered_engine("llama", LARGE_HOST_BLOCKS)
+    hit = evict_prefix_of_a(engine, fillers=2)
+    assert hit.tokens_by_tier == (16, 32)
+    runner = FailingRunner(engine.transfers.runner.storage, LOAD)
+    engine.transfers.runner = runner
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert runner.failures == 1
+    assert result.cached_tokens_by_tier == {"device": 16, "host": 0}
+    assert result.prefill_tokens == len(PROMPT_B) - 16
+    assert result.token_ids == model_case("llama").reference["b"]
+    engine.allocator.check_invariants()
+
+
 def test_failed_stores_lose_the_prefix_not_the_output() -> None:
     engine = tiered_engine("llama", LARGE_HOST_BLOCKS)
     runner = FailingRunner(engine.transfers.runner.storage, STORE)
