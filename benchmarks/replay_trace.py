@@ -10,8 +10,16 @@ else ``../shared/bench/mooncake_synthetic_trace.jsonl`` beside the repository (M
 FAST'25 synthetic trace, ``FAST25-release/traces/synthetic_trace.jsonl``). Its prompts reach
 191,386 tokens, so the allocator's max_model_len is 262,144 for it (8,192 otherwise); a
 request longer than that is refused before the replay (it would block the admission queue).
-``--hybrid`` is refused with it: its sliding-window group admits at most 16,384 prompt tokens
-per step and this replay prefills a whole prompt in one step (no chunked prefill).
+``--hybrid`` with it prefills in chunks of 16,384 tokens (``max_in_flight_tokens``: its
+sliding-window group admits no more per step); every other replay prefills a prompt in one
+step (or two, see ``checkpoint_at`` below).
+
+Offload tiers: ``--host-blocks N`` adds a host tier of N blocks below the device pool,
+``--disk-blocks M`` a disk tier below that (each with the ``--eviction`` order). Evicted
+cached blocks go down the tiers instead of being lost, and prefixes are found across them.
+No data moves here: after each admission and each block-taking decode the replay takes the
+recorded transfers and confirms them all at once, as an engine would after running them
+before its forward. Per-event CPU time includes that bookkeeping.
 
 Block size 16, prefix caching on, all groups sharing one pool. Models: default one
 full-attention group; ``--hybrid``: Gemma-2-like, sliding window 4096 + full attention;
@@ -37,17 +45,23 @@ at most prompt length - 1, floored to whole blocks.
 
     python benchmarks/replay_trace.py [--trace shared|chat|mooncake[:FILE]]
                                       [--hybrid | --mamba] [--blocks 32768] [--requests N]
+                                      [--host-blocks N [--disk-blocks N]]
                                       [--seed 0] [--eviction POLICY] [--batched] [--json]
                                       [--profile]
 
 ``--json`` prints one object: ``trace`` (``shared``, ``chat`` or ``mooncake``),
 ``trace_file`` (the Mooncake file, else null), ``mode`` (``full_attention``, ``hybrid``,
-``mamba_hybrid``), ``blocks``, ``eviction``, ``max_model_len``, ``requests``, ``events``,
+``mamba_hybrid``), ``blocks``, ``host_blocks`` and ``disk_blocks`` (0: no such tier),
+``prefill_chunk`` (null: one step), ``eviction``, ``max_model_len``, ``requests``, ``events``,
 ``seconds`` and ``cpu_seconds`` (the timed replay), ``events_per_s``, ``events_per_cpu_s``,
 ``prompt_tokens`` (admitted, re-admissions included), ``prompt_tokens_hashed_per_s``,
-``hit_tokens`` (prefix-cache hits over all admissions), ``ideal_hit_tokens`` (the trace's ideal
-reusable prefix at 16-token blocks, as above), ``peak_blocks``, ``waits`` (failed admission
-tries), ``dropped_events`` (decodes and finishes of requests still queued) and
+``hit_tokens`` (prefix-cache hits over all admissions), ``hit_tokens_by_tier`` (``device``,
+``host``, ``disk``: where those hit tokens came from, ``TieredPrefix.tokens_by_tier``; they
+add up to ``hit_tokens``), ``blocks_moved`` (``"device->host"``, ``"host->device"``,
+``"host->disk"``, ``"disk->device"``: blocks each kind of transfer copied),
+``ideal_hit_tokens`` (the trace's ideal reusable prefix at 16-token blocks, as above),
+``peak_blocks``, ``waits`` (failed admission tries), ``dropped_events`` (decodes and
+finishes of requests still queued) and
 ``decode_stalls`` (decodes that found no free block).
 """
 
@@ -61,6 +75,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -174,7 +189,7 @@ def replay(
     allocator: KVCacheAllocator,
     batched: bool = False,
     prefill_chunk: int | None = None,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Replay ``events``; ``batched``: each engine step's decodes through one
     ``decode_step`` call (peak blocks then sampled once per step); ``prefill_chunk``:
     prefill a prompt in steps of at most that many tokens (``None``: one step)."""
@@ -239,7 +254,7 @@ def replay(
         if tiered:
             run_transfers()
             if prefix.__class__ is TieredPrefix:
-                for tier, tokens in enumerate(prefix.tokens_by_tier):  # type: ignore[attr-defined]
+                for tier, tokens in enumerate(prefix.tokens_by_tier):
                     hit_by_tier[tier] += tokens
             else:
                 hit_by_tier[0] += prefix.num_tokens
@@ -488,6 +503,12 @@ def main() -> None:
         f"prompt tokens hashed/s; hit tokens {figures['hit_tokens']:,} of ideal {ideal:,} "
         f"({share:.1%}); peak blocks {figures['peak_blocks']:,}; waits {figures['waits']}"
     )
+    if args.host_blocks:
+        by_tier = ", ".join(
+            f"{tier} {tokens:,}" for tier, tokens in figures["hit_tokens_by_tier"].items()
+        )
+        moved = ", ".join(f"{kind} {blocks:,}" for kind, blocks in figures["blocks_moved"].items())
+        print(f"hit tokens by tier: {by_tier}; blocks moved: {moved or 'none'}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,29 @@ prefix-hit rate, peak block usage, and how many admissions had to wait for block
 (``--trace``) is one of the deterministic built-in ones (``shared``:
 :mod:`kvspec_core.runtime.trace`; ``chat``: :mod:`kvspec_core.runtime.chat_trace`) or a
 Mooncake-format JSONL file (:mod:`kvspec_core.runtime.mooncake_trace`).
+
+Offload tiers (``--host-memory``, ``--disk`` / ``--disk-size``, as ``kvspec plan`` sizes
+them): the allocator gets the plan's tiers (``tiers_from_plan``) and the replay confirms
+every transfer at once (no data moves; see :mod:`kvspec_core.runtime.simulation`).
+``--plot FILE`` replays again with a host tier of each of :data:`PLOT_HOST_MULTIPLES` times
+``--memory`` and draws the prefix-hit rate against host memory.
+
+``--json`` keys: ``model``, ``kv_budget_bytes``, ``max_model_len``, ``block_size``,
+``trace``, ``seed`` (null for a file), ``skipped_too_long``, ``groups`` (kinds),
+``num_blocks`` (device, all pools), ``tier_blocks`` (offload tier name -> its blocks, all
+pools; empty without tiers), the replay's figures (``events``, ``requests``, ``admitted``,
+``never_admitted``, ``readmissions``, ``prompt_tokens``, ``hit_tokens``,
+``prefix_hit_rate``, ``waited_admissions``, ``wait_retries``, ``rejected``,
+``preemptions``, ``checkpoint_splits``, ``truncated``, ``peak_used_blocks``,
+``usable_blocks``, ``peak_usage``), ``hit_tokens_by_tier`` (tier name -> hit tokens served
+from it, the device first; they add up to ``hit_tokens``), ``tiers`` (one object per tier,
+the device first: ``name``, ``hit_tokens``, ``load_waits`` (admissions whose forward waited
+for a load from it), ``loaded_blocks`` / ``loaded_bytes`` (copied to the device),
+``stored_blocks`` / ``stored_bytes`` (copied into it), ``demoted_blocks`` /
+``demoted_bytes`` (copied from it to the next tier down); bytes are blocks x the pool's
+block bytes), ``seconds`` (the replay's wall time); with ``--plot``, ``plot`` (the file) and
+``host_memory_sweep`` (per replay: ``host_memory_bytes``, ``host_blocks``, ``hit_tokens``,
+``prefix_hit_rate``).
 """
 
 from __future__ import annotations
