@@ -383,7 +383,9 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         plot_hit_rate_vs_host_memory(
             [(point["host_memory_bytes"], point["prefix_hit_rate"]) for point in sweep],
             args.plot,
-            title=f"{resolved.name} on {trace_label}: {format_size(budget)} device KV budget",
+            # The file's name only: a long path would run off the chart.
+            title=f"{resolved.name}, {format_size(budget)} device KV budget, trace "
+            f"{Path(args.trace).name}",
             device_bytes=budget,
         )
     document = {
