@@ -38,6 +38,8 @@ from kvspec_core.runtime.rules import (
     rules_for,
 )
 from kvspec_core.runtime.simulation import SimulationReport, simulate
+from kvspec_core.runtime.tier_copy import BlockFile, TransferRunner
+from kvspec_core.runtime.tiers import OffloadTier, TieredPrefix, Transfer, tiers_from_plan
 
 __all__ = [
     "NEVER",
@@ -47,6 +49,7 @@ __all__ = [
     "STALE_PREFIX",
     "AllBlocksCleared",
     "Allocated",
+    "BlockFile",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
@@ -58,15 +61,20 @@ __all__ = [
     "KVCacheEvent",
     "MultiModalInput",
     "NotNow",
+    "OffloadTier",
     "PrefixHasher",
     "Request",
     "RulesFactory",
     "SimulationReport",
     "SingleBlockRules",
     "StateCheckpointRules",
+    "TieredPrefix",
     "TrailingWindowRules",
+    "Transfer",
+    "TransferRunner",
     "Usage",
     "block_tokens_of",
     "rules_for",
     "simulate",
+    "tiers_from_plan",
 ]

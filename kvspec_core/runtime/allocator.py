@@ -161,7 +161,18 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
                 raise AllocatorError(
                     f"offload_tiers[{index}]={tier!r} must be a kvspec_core.runtime.OffloadTier"
                 )
-        self._tiers = TierManager(tiers, self.pools, pools_of, self._caches) if tiers else None
+        self._tiers = (
+            TierManager(
+                tiers,
+                self.pools,
+                pools_of,
+                self._caches,
+                self.rules,
+                self._coordinator.hit_scans,
+            )
+            if tiers
+            else None
+        )
         # Groups whose rules are plugin code: checked before a step changes anything. Per
         # guarded group, which of the methods a step asks afterwards are plugin code (a
         # method inherited from the core's full-attention rules cannot raise: not asked twice).

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime.rules import FamilyRules, hit_scanner
+from kvspec_core.runtime.rules import FamilyRules, HitScan, hit_scanner
 
 
 class PrefixCoordinator:
@@ -57,17 +57,22 @@ class PrefixCoordinator:
         hashes: Sequence[bytes],
         max_tokens: int,
         caches: Sequence[Mapping[bytes, int]] | None = None,
+        scans: Sequence[HitScan] | None = None,
     ) -> tuple[int, dict[int, list[int]], int | None]:
         """``(hit, blocks per group, checkpoint_at)`` for a prompt whose hash-block hashes
-        are ``hashes``, resuming at most at ``max_tokens``; ``caches``: per group, the map
-        to search instead of the device caches (offload tiers' merged views)."""
+        are ``hashes``, resuming at most at ``max_tokens``; ``caches`` / ``scans``: per
+        group, the map to search and how, instead of the device caches and the rules' own
+        scans (offload tiers' merged views)."""
         found: dict[int, list[int]] = {}
         settled: dict[int, int] = {}
         maps = self.caches if caches is None else caches
+        how = self.hit_scans if scans is None else scans
         # A fixed point from any upper bound is the largest common position below it, so
         # the two phases give the same hit as one.
-        shared = self._fixed_point(self.positional_order, max_tokens, hashes, found, settled, maps)
-        hit = self._fixed_point(self.order, shared, hashes, found, settled, maps)
+        shared = self._fixed_point(
+            self.positional_order, max_tokens, hashes, found, settled, maps, how
+        )
+        hit = self._fixed_point(self.order, shared, hashes, found, settled, maps, how)
         checkpoint_at = None
         if self.state_groups and hit < shared:
             aligned = shared // self.common_block_tokens * self.common_block_tokens
@@ -83,6 +88,7 @@ class PrefixCoordinator:
         found: dict[int, list[int]],
         settled: dict[int, int],
         caches: Sequence[Mapping[bytes, int]],
+        scans: Sequence[HitScan],
     ) -> int:
         """Ask ``order``'s groups in turn, each at most the current hit, until none lowers
         it; ``found`` / ``settled`` keep each group's last answer."""
@@ -95,7 +101,7 @@ class PrefixCoordinator:
                 stride = self.hash_strides[gid]
                 max_blocks = hit // tokens
                 group_hashes = hashes[stride - 1 : max_blocks * stride : stride]
-                blocks = self.hit_scans[gid](group_hashes, caches[gid], max_blocks)
+                blocks = scans[gid](group_hashes, caches[gid], max_blocks)
                 if len(blocks) > max_blocks:
                     raise AllocatorError(
                         f"{self.rules[gid]!r}.longest_hit returned {len(blocks)} blocks for "

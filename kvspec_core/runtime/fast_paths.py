@@ -14,6 +14,7 @@ from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.prefix_lookup import PrefixLookup
+from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.rules import compiled_shape
 from kvspec_core.runtime.stepping import Stepping
@@ -59,7 +60,7 @@ class CompiledFastPaths(Stepping, PrefixLookup):
                 and type(self).find_cached_prefix is CompiledFastPaths.find_cached_prefix
             ):
                 # Prefix lookups too (every one the kernel does not answer reaches the method).
-                self.find_cached_prefix = functools.partial(  # type: ignore[method-assign]
+                compiled_find = functools.partial(
                     native.find_prefix,
                     (
                         self._running,
@@ -71,6 +72,11 @@ class CompiledFastPaths(Stepping, PrefixLookup):
                     ),
                     self._find_cached_prefix,
                 )
+                self.find_cached_prefix = (  # type: ignore[method-assign]
+                    compiled_find
+                    if self._tiers is None
+                    else functools.partial(_find_across_tiers, self, compiled_find)
+                )
 
     def _compiled_dense_step(self) -> tuple[Any, ...] | None:
         """What ``native.SlotsFastPath`` needs to do :meth:`_grow_dense` itself, or None
@@ -79,9 +85,7 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         allocator, pool and hasher methods (a subclass's override runs as Python)."""
         pool = self._group_pools[0]
         if not (
-            # With offload tiers, evictions must reach the pool's Python hook.
-            self._tiers is None
-            and self._single_full
+            self._single_full
             and type(pool) is BlockPool
             and pool._compiled
             and type(self._hasher) is PrefixHasher
@@ -115,7 +119,6 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         )
         if (
             self._events is not None
-            or self._tiers is not None
             or not self._holding
             or type(self._hasher) is not PrefixHasher
             or any(
@@ -171,3 +174,22 @@ class CompiledFastPaths(Stepping, PrefixLookup):
         ):
             return None
         return (self._freed, CachedPrefix, tuple(self.pools), groups, self._handed_out)
+
+
+def _find_across_tiers(
+    allocator: CompiledFastPaths, compiled_find: Any, request: Request
+) -> CachedPrefix:
+    """The compiled lookup of a one-group full-attention allocator with offload tiers: the
+    device's run, unless a tier holds the block after it (then the lookup across tiers,
+    in Python). The same answer: the group's hit is the device run continued in the tiers."""
+    prefix: CachedPrefix = compiled_find(request)
+    tiers = allocator._tiers
+    assert tiers is not None
+    found = len(prefix.block_ids[0])
+    tokens = allocator._block_tokens[0]
+    if found < (len(request.token_ids) - 1) // tokens:
+        digest = allocator._hasher.hashes(request, (found + 1) * tokens)[found]
+        for _, cache in tiers.views[0].tiers:
+            if digest in cache:
+                return allocator._find_cached_prefix(request)
+    return prefix

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.results import CachedPrefix
+from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, HitScan
 from kvspec_core.runtime.tiers import (
     DEVICE_TIER,
     LOAD,
@@ -153,6 +154,7 @@ class TierManager:
         device_pools: the allocator's pools (their ``on_evict`` hooks are set here).
         pool_of_group: pool index of each group.
         device_caches: per group, the device prefix cache (``hash -> block``).
+        rules / device_scans: per group, its rules and its scan of the device cache.
     """
 
     def __init__(
@@ -161,11 +163,19 @@ class TierManager:
         device_pools: Sequence[BlockPool],
         pool_of_group: Sequence[int],
         device_caches: Sequence[dict[bytes, int]],
+        rules: Sequence[FamilyRules],
+        device_scans: Sequence[HitScan],
     ) -> None:
         self.tiers = tuple(tiers)
         self.device_pools = list(device_pools)
         self.pool_of_group = list(pool_of_group)
         count = len(self.tiers)
+        #: Per device pool, its evictions since the last :meth:`take`, as the pool's hook
+        #: reports them (``(groups, hashes, blocks)``): stored in the tiers by :meth:`take`,
+        #: once per engine step, before the step's loads (see :meth:`take`).
+        self._victims: list[list[tuple[list[int], list[bytes], list[int]]]] = [
+            [] for _ in device_pools
+        ]
         #: Per offload tier (0-based), per pool: its slots' pool, or None (no slots there).
         self.tier_pools: list[list[BlockPool | None]] = []
         for index, tier in enumerate(self.tiers):
@@ -175,11 +185,17 @@ class TierManager:
                     row.append(None)
                     continue
                 slots = BlockPool(size, device_pools[pool_index].group_ids, eviction=tier.eviction)
-                slots._on_evict = self._demoter(index, pool_index)
                 row.append(slots)
             self.tier_pools.append(row)
+        for index, row in enumerate(self.tier_pools):
+            for pool_index, tier_pool in enumerate(row):
+                below = [later[pool_index] for later in self.tier_pools[index + 1 :]]
+                if tier_pool is not None and any(later is not None for later in below):
+                    # Only a tier with a tier below it for this pool demotes (the last
+                    # drops: its evictions keep the compiled path).
+                    tier_pool._on_evict = self._demoter(index, pool_index)
         for pool_index, pool in enumerate(self.device_pools):
-            pool._on_evict = self._demoter(-1, pool_index)
+            pool._on_evict = self._deferrer(pool_index)
         self.views = [
             TieredView(
                 device_caches[gid],
@@ -191,6 +207,15 @@ class TierManager:
                 count,
             )
             for gid, pool in enumerate(self.pool_of_group)
+        ]
+        #: Per group, how a lookup scans its view: a full-attention group scans its
+        #: device cache (compiled where built) and goes on in the tiers after its run;
+        #: other groups' rules decide over the whole view.
+        self.scans: list[HitScan] = [
+            _full_scan(device_scan)
+            if getattr(type(group), "longest_hit", None) is FullAttentionRules.longest_hit
+            else group.longest_hit
+            for group, device_scan in zip(rules, device_scans, strict=True)
         ]
         #: Per offload tier, per group: hash -> id of the store in flight bringing it there.
         self._storing: list[dict[int, dict[bytes, int]]] = [
@@ -205,20 +230,40 @@ class TierManager:
         self.blocks_moved: dict[tuple[int, int], int] = {}
 
     # ----------------------------------------------------------------- recording copies
-    def _demoter(self, index: int, pool: int) -> Callable[[int, bytes, int], None]:
-        """The eviction hook of tier ``index`` (-1: the device) for ``pool``: store each
-        victim in the next tier down that has slots for the pool."""
+    def _demoter(
+        self, index: int, pool: int
+    ) -> Callable[[list[int], list[bytes], list[int]], None]:
+        """The eviction hook of tier ``index`` (-1: the device) for ``pool``: store the
+        victims in the next tier down that has slots for the pool."""
 
-        def evicted(gid: int, digest: bytes, block: int) -> None:
-            self._store(index + 1, pool, gid, digest, index + 1, block)
+        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+            self._store(index + 1, pool, groups, hashes, index + 1, blocks)
+
+        return evicted
+
+    def _deferrer(self, pool: int) -> Callable[[list[int], list[bytes], list[int]], None]:
+        """The device pool's eviction hook: note the victims (stored by :meth:`take`)."""
+        append = self._victims[pool].append
+
+        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+            append((groups, hashes, blocks))
 
         return evicted
 
     def _store(
-        self, index: int, pool: int, gid: int, digest: bytes, source_tier: int, source: int
+        self,
+        index: int,
+        pool: int,
+        groups: list[int],
+        hashes: list[bytes],
+        source_tier: int,
+        sources: list[int],
     ) -> None:
-        """Record the copy of ``source`` (in tier ``source_tier``) into offload tier
-        ``index`` (0-based) or the first one after it with slots for ``pool``."""
+        """Record the copies of ``sources`` (blocks of tier ``source_tier``, cached under
+        ``hashes`` for ``groups``) into offload tier ``index`` (0-based) or the first one
+        after it with slots for ``pool``. A hash the tier holds already becomes its most
+        recently used entry instead; one in flight there is skipped; when fewer slots are
+        free than copies (every other slot is in flight), the oldest victims are dropped."""
         count = len(self.tiers)
         while index < count and self.tier_pools[index][pool] is None:
             index += 1
@@ -226,22 +271,77 @@ class TierManager:
             return  # the last tier: dropped
         slots = self.tier_pools[index][pool]
         assert slots is not None
-        held = slots.caches[gid].get(digest)
-        if held is not None:
-            # Held already: it becomes the tier's most recently used entry.
-            slots.touch([held], known_cached=True)
-            slots._release_unchecked([held])
+        caches = slots.caches
+        storing = self._storing[index]
+        refresh: list[int] = []
+        kept: list[tuple[int, bytes, int]] = []
+        if len(caches) == 1:
+            # One group in this pool (the common case): one cache, one map in flight.
+            (gid,) = caches
+            in_flight = storing[gid]
+            found = list(map(caches[gid].get, hashes))
+            if (
+                not in_flight
+                and found.count(None) == len(found)
+                and len(set(hashes)) == len(hashes)
+            ):
+                # None of them held or in flight (the steady state): all of them, in bulk.
+                self._store_all(index, pool, gid, hashes, source_tier, sources)
+                return
+            groups = [gid] * len(hashes)
+        # A hash evicted twice since the last take (cached again in between) is stored once.
+        seen: set[tuple[int, bytes]] = set()
+        for gid, digest, source in zip(groups, hashes, sources, strict=True):
+            held = caches[gid].get(digest)
+            if held is not None:
+                refresh.append(held)
+            elif digest not in storing[gid] and (gid, digest) not in seen:
+                seen.add((gid, digest))
+                kept.append((gid, digest, source))
+        if refresh:
+            refresh = list(dict.fromkeys(refresh))
+            slots.touch(refresh, known_cached=True)
+            slots._release_unchecked(refresh)
+        room = slots.num_free_blocks
+        if len(kept) > room:
+            kept = kept[len(kept) - room :]
+        if not kept:
             return
-        storing = self._storing[index][gid]
-        if digest in storing or not slots.num_free_blocks:
-            # In flight already, or every slot is held by a copy in flight: dropped.
+        taken = slots.take(len(kept))  # may evict: those slots' stores are recorded first
+        pending = None
+        for (gid, digest, source), slot in zip(kept, taken, strict=True):
+            if pending is None or pending.group != gid:
+                pending = self._append(STORE, gid, pool, source_tier, index + 1)
+            pending.source.append(source)
+            pending.destination.append(slot)
+            pending.hashes.append(digest)
+            storing[gid][digest] = pending.transfer_id
+
+    def _store_all(
+        self,
+        index: int,
+        pool: int,
+        gid: int,
+        hashes: list[bytes],
+        source_tier: int,
+        sources: list[int],
+    ) -> None:
+        """:meth:`_store` of blocks of one group none of which tier ``index`` holds or has in
+        flight: as many as there are free slots (the newest victims), in one batch."""
+        slots = self.tier_pools[index][pool]
+        assert slots is not None
+        room = slots.num_free_blocks
+        if len(hashes) > room:
+            hashes = hashes[len(hashes) - room :]
+            sources = sources[len(sources) - room :]
+        if not hashes:
             return
-        slot = slots.take(1)[0]  # may evict: that slot's own store is recorded first
+        taken = slots.take(len(hashes))  # may evict: those slots' stores are recorded first
         pending = self._append(STORE, gid, pool, source_tier, index + 1)
-        pending.source.append(source)
-        pending.destination.append(slot)
-        pending.hashes.append(digest)
-        storing[digest] = pending.transfer_id
+        pending.source.extend(sources)
+        pending.destination.extend(taken)
+        pending.hashes.extend(hashes)
+        self._storing[index][gid].update(dict.fromkeys(hashes, pending.transfer_id))
 
     def _append(
         self, kind: str, gid: int, pool: int, source_tier: int, destination_tier: int
@@ -294,7 +394,7 @@ class TierManager:
                 continue
             group_loads = []
             table = list(ids)
-            for index, block in enumerate(table):
+            for index, block in enumerate(table) if table and min(table) < 0 else ():
                 if block < 0:
                     code = -block
                     number = (code - 1) % count + 1
@@ -333,6 +433,15 @@ class TierManager:
         """Hit tokens per tier (device first): each hash block counts for the slowest tier
         any group takes its content from; a position a group does not need (null) counts
         for the tier of the group's next block."""
+        (ids,) = found.values() if len(found) == 1 else ([0],)
+        if block_tokens[next(iter(found))] == hash_block_size and 0 not in ids:
+            # One group whose blocks are hash blocks, all real (full attention).
+            counts = [0] * (count + 1)
+            counts[0] = len(ids) - sum(1 for block in ids if block < 0)
+            for block in ids:
+                if block < 0:
+                    counts[(-block - 1) % count + 1] += 1
+            return tuple(number * hash_block_size for number in counts)
         slowest = [0] * (hit // hash_block_size)
         for gid, ids in found.items():
             stride = block_tokens[gid] // hash_block_size
@@ -422,10 +531,13 @@ class TierManager:
         # and a tier's eviction must not take a slot this admission reads.
         for gid, group_loads in loads.items():
             pool = self.pool_of_group[gid]
+            by_tier_slots: dict[int, list[int]] = {}
             for _, tier, slot in group_loads:
+                by_tier_slots.setdefault(tier, []).append(slot)
+            for tier, tier_slots in by_tier_slots.items():
                 slots = self.tier_pools[tier - 1][pool]
                 assert slots is not None
-                slots.touch([slot], known_cached=True)
+                slots.touch(tier_slots, known_cached=True)
         taken_total = 0
         for gid, group_loads in loads.items():
             pool_index = self.pool_of_group[gid]
@@ -455,7 +567,25 @@ class TierManager:
 
     # ----------------------------------------------------------------- the engine's side
     def take(self) -> list[Transfer]:
-        queue = self._queue
+        """The transfers recorded since the last call, stores of the device's evictions
+        first: an evicted block may be one a load of this step fills, so its store must
+        read it before (loads are recorded at admission, the evictions' stores here; tier
+        slots a load reads are locked, so no store here writes one)."""
+        loads = self._queue
+        self._queue = []
+        for pool, noted in enumerate(self._victims):
+            if noted:
+                # Emptied in place: the pool's hook appends to this very list.
+                victims = noted[:]
+                noted.clear()
+                if len(victims) == 1:
+                    groups, hashes, blocks = victims[0]
+                else:
+                    groups = [gid for batch in victims for gid in batch[0]]
+                    hashes = [digest for batch in victims for digest in batch[1]]
+                    blocks = [block for batch in victims for block in batch[2]]
+                self._store(0, pool, groups, hashes, DEVICE_TIER, blocks)
+        queue = self._queue + loads
         self._queue = []
         for pending in queue:
             pending.taken = True
@@ -500,9 +630,13 @@ class TierManager:
         slots = self.tier_pools[index][pending.pool]
         assert slots is not None
         storing = self._storing[index][pending.group]
-        for digest in pending.hashes:
-            if storing.get(digest) == pending.transfer_id:
-                del storing[digest]
+        if pending.generation == self.generation:
+            # Each of its hashes maps to it (no second copy of a hash is sent in flight).
+            if len(storing) == len(pending.hashes):
+                storing.clear()
+            else:
+                for digest in pending.hashes:
+                    del storing[digest]
         if cache:
             slots.cache_blocks(pending.group, pending.hashes, pending.destination)
         slots._release_unchecked(pending.destination)
@@ -530,6 +664,8 @@ class TierManager:
     def reset(self) -> None:
         """Forget every tier's content; copies in flight complete without caching."""
         self.generation += 1
+        for victims in self._victims:
+            victims.clear()
         for row in self.tier_pools:
             for slots in row:
                 if slots is not None:
@@ -587,6 +723,25 @@ class TierManager:
 
     def num_pending(self) -> int:
         return len(self._pending)
+
+
+def _full_scan(device_scan: HitScan) -> HitScan:
+    """Full attention's longest run over a :class:`TieredView`: the run in the device
+    cache, then on in the tiers (the same answer as the rules' scan over the view)."""
+
+    def scan(hashes: Sequence[bytes], view: Mapping[bytes, int], max_blocks: int) -> list[int]:
+        assert isinstance(view, TieredView)
+        found = device_scan(hashes, view.device, max_blocks)
+        if len(found) < max_blocks and view.tiers and (found or max_blocks):
+            get = view.get
+            for digest in hashes[len(found) : max_blocks]:
+                block = get(digest)
+                if block is None:
+                    break
+                found.append(block)
+        return found
+
+    return scan
 
 
 def uncache(pool: BlockPool, gid: int, digest: bytes, block: int) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
@@ -104,10 +105,11 @@ class BlockPool:
         self.caches: dict[int, dict[bytes, int]] = {gid: {} for gid in self.group_ids}
         self._events = events
         self.epoch = 0
-        #: Called as ``(group, hash, block)`` for each cached block eviction takes out of
-        #: the cache, before the block is handed out (offload tiers store it; see
-        #: ``offloading.py``). Set, every eviction takes the Python path (:meth:`_evict`).
-        self._on_evict: Callable[[int, bytes, int], None] | None = None
+        #: Called as ``(groups, hashes, blocks)`` with the cached blocks an eviction takes
+        #: out of the cache, before they are handed out (offload tiers store them; see
+        #: ``offloading.py``). Set, the kernels' evictions go through :meth:`take`
+        #: (``pool_access.c``).
+        self._on_evict: Callable[[list[int], list[bytes], list[int]], None] | None = None
 
     # ----------------------------------------------------------------- counts
     @property
@@ -165,13 +167,15 @@ class BlockPool:
         else:
             blocks = fresh.tolist()
             del fresh[:]
-            if (
-                self._events is None
-                and self._on_evict is None
-                and len(self._evictable) >= count - available
-            ):
+            if self._events is None and len(self._evictable) >= count - available:
                 # Never-reused cached blocks cover the rest (the steady state of a full
                 # pool; their reused flag is 0 already): evict and hand out in one pass.
+                on_evict = self._on_evict
+                if on_evict is not None:
+                    # What the hook is told: the victims, in eviction order, as cached.
+                    order = list(islice(self._evictable, count - available))
+                    groups = [self._block_group[block] for block in order]
+                    hashes = [self._block_hash[block] for block in order]
                 kernels = native if self._compiled else None
                 if kernels is not None:
                     kernels.evict_take(
@@ -188,6 +192,8 @@ class BlockPool:
                 self.epoch += 1
                 for block in blocks[:available]:
                     refs[block] = 1
+                if on_evict is not None:
+                    on_evict(groups, hashes, order)  # type: ignore[arg-type]
                 return blocks
             blocks.extend(self._evict(count - available))
         for block in blocks:
@@ -228,16 +234,23 @@ class BlockPool:
         append = victims.append
         protected = self._protected
         on_evict = self._on_evict
+        groups: list[int] = []
+        hashes: list[bytes] = []
         for _ in range(count):
             block = (evictable if evictable else protected).popitem(last=False)[0]
             append(block)
             reused[block] = 0
+            gid = block_group[block]
+            digest = block_hash[block]
             if on_evict is not None:
-                on_evict(block_group[block], block_hash[block], block)  # type: ignore[arg-type]
+                groups.append(gid)
+                hashes.append(digest)  # type: ignore[arg-type]
             # Only the block a hash maps to is ever marked cached (see cache_blocks).
-            del caches[block_group[block]][block_hash[block]]  # type: ignore[arg-type]
+            del caches[gid][digest]  # type: ignore[arg-type]
             block_hash[block] = None
         self.epoch += 1
+        if on_evict is not None:
+            on_evict(groups, hashes, victims)
         return victims
 
     def _eviction_order(self, count: int) -> list[int]:

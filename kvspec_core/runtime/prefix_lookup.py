@@ -53,7 +53,9 @@ class PrefixLookup(AllocatorBase):
         if tiers is not None:
             # Every group's rules decide over its device and tier entries together.
             try:
-                hit, found, checkpoint_at = self._coordinator.find(fine, max_tokens, tiers.views)
+                hit, found, checkpoint_at = self._coordinator.find(
+                    fine, max_tokens, tiers.views, tiers.scans
+                )
             except KVSpecError:
                 raise
             except Exception as error:

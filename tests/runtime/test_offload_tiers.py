@@ -4,11 +4,13 @@ are in test_tiered_state_machine.py)."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from runtime_testkit import full, make_allocator, sliding
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import NotNow, Request
+from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tiers import LOAD, STORE, OffloadTier, TieredPrefix
 
 
@@ -153,8 +155,6 @@ def test_a_prefix_whose_tier_slot_was_evicted_since_is_stale() -> None:
 
 
 def test_a_forged_tier_prefix_is_refused() -> None:
-    import attrs
-
     allocator = tiered()
     serve(allocator, "a", PROMPT_A)
     serve(allocator, "b", PROMPT_B)
@@ -213,7 +213,10 @@ def test_without_tiers_nothing_changes(runtime_kernels: str) -> None:
         # The compiled steps and lookup stay installed.
         assert allocator._compiled_dense_step() is not None
         assert type(allocator.find_cached_prefix).__name__ == "partial"
-        assert tiered()._compiled_dense_step() is None
+        # With tiers too; a lookup goes on in Python where a tier holds the next block.
+        with_tiers = tiered()
+        assert with_tiers._compiled_dense_step() is not None
+        assert with_tiers.find_cached_prefix.args[1].func is native.find_prefix
 
 
 @pytest.mark.parametrize(
@@ -231,3 +234,61 @@ def test_bad_tiers_are_refused_naming_the_field(tier, match) -> None:
         make_allocator([full(2)], 6, offload_tiers=(tier,))
     with pytest.raises(AllocatorError, match=r"must be a kvspec_core\.runtime\.OffloadTier"):
         make_allocator([full(2)], 6, offload_tiers=("host",))
+
+
+def _random_trace(allocator, seed: int) -> list:
+    """Admissions of prompts sharing prefixes, decodes, frees, some failed transfers: what
+    the allocator answers and every transfer, as plain values."""
+    import random
+
+    rng = random.Random(seed)
+    heads = [[rng.randrange(50) for _ in range(rng.randrange(2, 14))] for _ in range(6)]
+    seen: list = []
+    running: list[Request] = []
+    for step in range(120):
+        action = rng.random()
+        if action < 0.4 or not running:
+            tokens = rng.choice(heads) + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            request = Request(step, tokens)
+            prefix = allocator.find_cached_prefix(request)
+            result = allocator.allocate_slots(
+                request, len(tokens) - prefix.num_tokens, prefix=prefix
+            )
+            seen.append((prefix.num_tokens, getattr(prefix, "tokens_by_tier", None), bool(result)))
+            if result:
+                running.append(request)
+        elif action < 0.75:
+            request = rng.choice(running)
+            request.append_token(rng.randrange(3))
+            seen.append(repr(allocator.allocate_slots(request, 1)))
+        else:
+            request = running.pop(rng.randrange(len(running)))
+            allocator.free(request.request_id)
+        transfers = allocator.take_transfers()
+        seen.append([attrs.astuple(transfer) for transfer in transfers])
+        fail = [t.transfer_id for t in transfers if rng.random() < 0.1]
+        allocator.complete_transfers(
+            [t.transfer_id for t in transfers if t.transfer_id not in fail]
+        )
+        dropped = allocator.complete_transfers(fail, ok=False)
+        running = [request for request in running if request.request_id not in dropped]
+        seen.append(dropped)
+        allocator.check_invariants()
+    return seen
+
+
+@pytest.mark.both_kernels
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_the_kernels_and_python_answer_alike_with_tiers(hybrid, monkeypatch) -> None:
+    from runtime_testkit import use_pure_python
+
+    specs = [full(2), sliding(2, 5)] if hybrid else [full(2)]
+
+    def build():
+        return tiered(num_blocks=14 if hybrid else 8, host=6, disk=8, specs=specs)
+
+    if native is None:
+        pytest.skip("kvspec_core.runtime._native is not built")
+    compiled = [_random_trace(build(), seed) for seed in range(6)]
+    use_pure_python(monkeypatch)
+    assert [_random_trace(build(), seed) for seed in range(6)] == compiled

@@ -33,6 +33,16 @@ def transfer(tid, src_tier, dst_tier, src, dst) -> Transfer:
     )
 
 
+def admit_and_transfer(allocator, runner: TransferRunner, rid: str, tokens: list[int]):
+    """Admit a prompt with its cached prefix and run the step's transfers, as an engine
+    does before the forward: (the prefix, group 0's block table)."""
+    request = Request(rid, tokens)
+    prefix = allocator.find_cached_prefix(request)
+    assert allocator.allocate_slots(request, len(tokens) - prefix.num_tokens, prefix=prefix)
+    assert runner.run_pending(allocator) == ()
+    return prefix, allocator.block_ids(rid)[0]
+
+
 def test_blocks_round_trip_exactly_through_host_and_file(tmp_path) -> None:
     device = layer_views(8, 1)
     original = [tensor.clone() for tensor in device]
@@ -91,11 +101,7 @@ def test_an_engine_loop_over_a_tiered_allocator_reads_back_what_it_wrote(tmp_pat
         return torch.randn(2, 8, generator=torch.Generator().manual_seed(seed)).half()
 
     def serve(rid: str, tokens: list[int]) -> int:
-        request = Request(rid, tokens)
-        prefix = allocator.find_cached_prefix(request)
-        assert allocator.allocate_slots(request, len(tokens) - prefix.num_tokens, prefix=prefix)
-        assert runner.run_pending(allocator) == ()
-        table = allocator.block_ids(rid)[0]
+        prefix, table = admit_and_transfer(allocator, runner, rid, tokens)
         for index in range(prefix.num_tokens // 2):  # the hit: must hold this prefix
             assert torch.equal(device[0][table[index]], content(tokens, index)), index
         for index in range(prefix.num_tokens // 2, len(table)):  # the forward
@@ -109,3 +115,73 @@ def test_an_engine_loop_over_a_tiered_allocator_reads_back_what_it_wrote(tmp_pat
             hit = serve(f"{round_}-{number}", prompt)
             assert hit == (8 if round_ else 0), (round_, number)
     allocator.check_invariants()
+
+
+def test_a_plans_materialized_tiers_carry_blocks_through_the_allocators_transfers(
+    tmp_path,
+) -> None:
+    """from_plan with the plan's tiers, and the helper over materialize()'s views: a
+    prefix evicted to the host and then to disk files loads back bit for bit."""
+    from kvspec_core import PluginManager, SizingContext
+    from kvspec_core.planner import materialize, plan_kv_cache
+    from kvspec_core.planner.layer_views import plan_layer_views
+    from kvspec_core.runtime import KVCacheAllocator, tiers_from_plan
+
+    ctx = SizingContext(max_model_len=256, max_in_flight_tokens=64)
+    specs = {f"layer{index}": full(16) for index in range(2)}
+    plan = plan_kv_cache(
+        specs,
+        18 * 1024,
+        ctx,
+        PluginManager(),
+        host_offload_bytes=20 * 1024,
+        disk_offload_bytes=80 * 1024,
+        disk_path=str(tmp_path),
+    )
+    buffers = materialize(plan)
+    layers_of = {}
+    for view in plan_layer_views(plan, None):
+        layers_of.setdefault(view.pool, []).append(view.layer)
+    storage = {
+        0: {pool: [buffers.views[name] for name in names] for pool, names in layers_of.items()}
+    }
+    for number, tier in enumerate(plan.tiers, 1):
+        views = buffers.tiers[tier.name].views
+        storage[number] = {
+            pool: [views[name] for name in names] for pool, names in layers_of.items()
+        }
+    allocator = KVCacheAllocator.from_plan(
+        plan, PluginManager(), offload_tiers=tiers_from_plan(plan), hash_salt=b"t"
+    )
+    assert [tier.name for tier in allocator._tiers.tiers] == ["host", "disk"]
+    runner = TransferRunner(storage)
+    device = storage[0][0]
+    generator = torch.Generator().manual_seed(7)
+    written: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def serve(rid: str, tokens: list[int]) -> int:
+        prefix, table = admit_and_transfer(allocator, runner, rid, tokens)
+        for index, block in enumerate(table):
+            key = tuple(tokens[: (index + 1) * 16])
+            if index < prefix.num_tokens // 16:
+                assert all(
+                    torch.equal(view[block], want)
+                    for view, want in zip(device, written[key], strict=True)
+                )
+            else:
+                written[key] = [
+                    torch.randn(view[block].shape, generator=generator).to(view.dtype)
+                    for view in device
+                ]
+                for view, data in zip(device, written[key], strict=True):
+                    view[block] = data
+        allocator.free(rid)
+        return prefix.num_tokens
+
+    prompts = [[start + step for step in range(65)] for start in range(0, 1000, 100)]
+    for round_ in range(2):
+        hits = [serve(f"{round_}-{number}", prompt) for number, prompt in enumerate(prompts)]
+        if round_:
+            assert sum(hits) > 0
+    moved = allocator._tiers.blocks_moved
+    assert moved.get((0, 1)) and moved.get((1, 2)) and moved.get((2, 0)), moved

@@ -52,7 +52,7 @@ Py_ssize_t kv_first_unrevivable(PyObject *blocks, PyObject *refs, PyObject *evic
 enum {
     POOL_FRESH, POOL_REF_COUNTS, POOL_EVICTABLE, POOL_PROTECTED, POOL_CACHES,
     POOL_BLOCK_GROUP, POOL_BLOCK_HASH, POOL_REUSED, POOL_EPOCH, POOL_TAKE, POOL_MOVE_HASH,
-    POOL_SEGMENTED, POOL_FIELDS
+    POOL_SEGMENTED, POOL_ON_EVICT, POOL_FIELDS
 };
 /* The pool's __dict__ (a new reference), or NULL with an exception. */
 PyObject *kv_pool_dict(PyObject *pool);

@@ -1,6 +1,7 @@
 /* What the block-boundary kernels (grow.c, group_step.c) do to a BlockPool without calling
  * its Python methods: read its containers, count its free blocks, take blocks (the one-block
- * cases inline, every other count through BlockPool.take), release and cache blocks through
+ * cases inline, every other count through BlockPool.take: any eviction of a pool with an
+ * ``_on_evict`` hook too), release and cache blocks through
  * the pool's own kernels. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,7 +15,7 @@ static int intern_names(void) {
     if (names[0] != NULL) return 0;
     static const char *const texts[POOL_FIELDS] = {
         "_fresh", "ref_counts", "_evictable", "_protected", "caches", "_block_group",
-        "_block_hash", "_reused", "epoch", "take", "_move_hash", "_segmented",
+        "_block_hash", "_reused", "epoch", "take", "_move_hash", "_segmented", "_on_evict",
     };
     for (int i = 0; i < POOL_FIELDS; i++)
         if ((names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return -1;
@@ -102,7 +103,11 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
         return taken;
     }
     if ((num_evictable = PyObject_Length(evictable)) < 0) return NULL;
-    if (count - num_fresh <= num_evictable) {
+    /* A pool with an eviction hook (offload tiers) evicts through BlockPool.take, which
+     * calls the hook with each victim before it is handed out. */
+    PyObject *on_evict = kv_pool_get(pool_dict, POOL_ON_EVICT);
+    if (on_evict == NULL) return NULL;
+    if (count - num_fresh <= num_evictable && on_evict == Py_None) {
         /* Every uncached block, then never-reused cached ones evicted in one pass. */
         PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
         PyObject *block_group = caches ? kv_pool_get(pool_dict, POOL_BLOCK_GROUP) : NULL;
