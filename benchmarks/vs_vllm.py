@@ -111,7 +111,11 @@ def _import_vllm() -> Any:
 
 
 def build_vllm_manager(
-    num_blocks: int, model: str | bool, hash_algo: str, retention_interval: int | None = 0
+    num_blocks: int,
+    model: str | bool,
+    hash_algo: str,
+    retention_interval: int | None = 0,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> tuple[Any, Callable]:
     """vLLM's KVCacheManager for one of ``replay_trace.MODELS`` (``True`` / ``False``:
     hybrid or not), and the engine core's request block hasher. ``retention_interval``:
@@ -179,7 +183,7 @@ def build_vllm_manager(
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
     manager = KVCacheManager(
         config,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=max_model_len,
         scheduler_block_size=BLOCK_SIZE,
         hash_block_size=BLOCK_SIZE,
         enable_caching=True,
@@ -387,6 +391,27 @@ def _retention_interval(value: str) -> int | None:
     return interval
 
 
+def interleaved_runs(
+    sides: dict[str, tuple[Callable[[], Any], Callable[[Any], dict[str, Any]]]], repeat: int
+) -> dict[str, list[dict[str, Any]]]:
+    """``repeat`` rounds of one run per side (side name -> (build, run of what was built)),
+    in order within each round; each side's runs' figures."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for _ in range(repeat):
+        for name, (build, run) in sides.items():
+            built = build()
+            # As vLLM's engine core does once its scheduler and KV-cache manager are built
+            # (EngineCore.__init__: freeze_gc_heap): the start-up heap, the allocator or
+            # manager included, leaves the collector's generations.
+            gc.collect()
+            gc.freeze()
+            runs[name].append(run(built))
+            del built
+            gc.unfreeze()
+            gc.collect()
+    return runs
+
+
 def compare(events: list[tuple], args: argparse.Namespace) -> dict[str, Any]:
     """Interleaved runs of every side; per side its medians and each run's figures."""
     model = model_name(args)
@@ -411,19 +436,7 @@ def compare(events: list[tuple], args: argparse.Namespace) -> dict[str, Any]:
             lambda: build_allocator(args.blocks, model),
             lambda allocator: replay(events, allocator, batched=True),
         )
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
-    for _ in range(args.repeat):
-        for name, (build, run) in sides.items():
-            built = build()
-            # As vLLM's engine core does once its scheduler and KV-cache manager are built
-            # (EngineCore.__init__: freeze_gc_heap): the start-up heap, the allocator or
-            # manager included, leaves the collector's generations.
-            gc.collect()
-            gc.freeze()
-            runs[name].append(run(built))
-            del built
-            gc.unfreeze()
-            gc.collect()
+    runs = interleaved_runs(sides, args.repeat)
     summary: dict[str, Any] = {}
     for name, side_runs in runs.items():
         first = side_runs[0]
