@@ -20,6 +20,7 @@ is why the engine runs the transfers, in order, before the step's forward overwr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import compress
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.pool import BlockPool
@@ -276,19 +277,24 @@ class TierManager:
         refresh: list[int] = []
         kept: list[tuple[int, bytes, int]] = []
         if len(caches) == 1:
-            # One group in this pool (the common case): one cache, one map in flight.
-            (gid,) = caches
-            in_flight = storing[gid]
-            found = list(map(caches[gid].get, hashes))
-            if (
-                not in_flight
-                and found.count(None) == len(found)
-                and len(set(hashes)) == len(hashes)
-            ):
-                # None of them held or in flight (the steady state): all of them, in bulk.
-                self._store_all(index, pool, gid, hashes, source_tier, sources)
-                return
-            groups = [gid] * len(hashes)
+            (only,) = caches
+            per_group = {only: (hashes, sources)}
+        else:
+            per_group = {}
+            for gid in caches:
+                mask = [group == gid for group in groups]
+                if any(mask):
+                    per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
+        if len(hashes) <= slots.num_free_blocks and all(
+            not storing[gid]
+            and len(set(group_hashes)) == len(group_hashes)
+            and list(map(caches[gid].get, group_hashes)).count(None) == len(group_hashes)
+            for gid, (group_hashes, _) in per_group.items()
+        ):
+            # None of them held or in flight and room for all (the steady state): in bulk.
+            for gid, (group_hashes, group_sources) in per_group.items():
+                self._store_all(index, pool, gid, group_hashes, source_tier, group_sources)
+            return
         # A hash evicted twice since the last take (cached again in between) is stored once.
         seen: set[tuple[int, bytes]] = set()
         for gid, digest, source in zip(groups, hashes, sources, strict=True):

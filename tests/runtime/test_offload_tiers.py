@@ -292,3 +292,27 @@ def test_the_kernels_and_python_answer_alike_with_tiers(hybrid, monkeypatch) -> 
     compiled = [_random_trace(build(), seed) for seed in range(6)]
     use_pure_python(monkeypatch)
     assert [_random_trace(build(), seed) for seed in range(6)] == compiled
+
+
+def test_a_block_evicted_twice_in_one_step_is_stored_once() -> None:
+    # Evicted, computed again and evicted again before the step's take_transfers: its
+    # hash is noted twice, stored once.
+    allocator = tiered(host=13, disk=0)
+
+    def admit_and_free(rid, tokens):
+        request = Request(rid, tokens)
+        prefix = allocator.find_cached_prefix(request)
+        assert allocator.allocate_slots(request, len(tokens) - prefix.num_tokens, prefix=prefix)
+        allocator.free(rid)
+
+    admit_and_free("a", PROMPT_A)
+    admit_and_free("b", PROMPT_B)  # evicts a's blocks (noted)
+    admit_and_free("a2", PROMPT_A)  # computes them again (no hit: not stored yet)
+    admit_and_free("c", PROMPT_C)  # evicts them again
+    stores = allocator.take_transfers()
+    stored = [t.num_blocks for t in stores]
+    assert sum(stored) == 8  # a's four and b's four, once each
+    allocator.check_invariants()
+    allocator.complete_transfers([t.transfer_id for t in stores])
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(Request("a3", PROMPT_A)).tokens_by_tier == (0, 8)
