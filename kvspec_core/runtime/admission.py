@@ -218,7 +218,9 @@ class Admission(BlockCaching):
         loaded: list[set[int]] = [set() for _ in block_ids]
         if tiered:
             assert self._tiers is not None and isinstance(prefix, TieredPrefix)
-            stale, why = self._tiers.check_loads(prefix, fine, self._holding, self._hash_stride)
+            stale, why = self._tiers.check_loads(
+                request, prefix, fine, self._holding, self._hash_stride
+            )
             if why is not None:
                 raise self._forged(request, why)
             loaded = [{entry[0] for entry in group} for group in prefix.loads]

@@ -35,6 +35,10 @@ from kvspec_core.runtime.tiers import (
     Transfer,
 )
 
+#: TieredPrefixes handed out and not yet admitted that an admission trusts without the
+#: per-load check; past this many, forgotten (their admissions check them).
+HANDED_OUT_KEPT = 4096
+
 
 class _Pending:
     """One transfer in flight (the mutable twin of the :class:`Transfer` handed out)."""
@@ -223,6 +227,8 @@ class TierManager:
             {gid: {} for gid in range(len(self.pool_of_group))} for _ in self.tiers
         ]
         self._pending: dict[int, _Pending] = {}
+        # Per request id, the TieredPrefix last handed out and what it was made of.
+        self._handed: dict[str | int, tuple[object, ...]] = {}
         self._queue: list[_Pending] = []
         self._next_id = 1
         # Bumped by reset_prefix_cache: transfers of an older generation cache nothing.
@@ -469,17 +475,44 @@ class TierManager:
             tuple(-1 if slots is None else slots.epoch for slots in row) for row in self.tier_pools
         )
 
+    def hand_out(self, request: object, prefix: TieredPrefix) -> None:
+        """Remember ``prefix`` as found for ``request`` (the very objects): its admission
+        then skips the per-load check while no tier evicted since (see check_loads)."""
+        if len(self._handed) >= HANDED_OUT_KEPT:
+            self._handed.clear()
+        self._handed[prefix.request_id] = (
+            prefix,
+            request,
+            prefix.loads,
+            prefix.block_ids,
+            prefix.tier_epochs,
+        )
+
     def check_loads(
         self,
+        request: object,
         prefix: TieredPrefix,
         fine: Sequence[bytes],
         holding: Sequence[int],
         hash_strides: Sequence[int],
-        forged: type[Exception] | None = None,
     ) -> tuple[int | None, str | None]:
         """``(stale group, None)`` when a load's slot no longer holds its hash and a tier
         evicted since the lookup; ``(None, why)`` when a load is not one this allocator
         could have handed out (the caller refuses the prefix); ``(None, None)`` if fine."""
+        entry = self._handed.pop(prefix.request_id, None)
+        if (
+            entry is not None
+            and entry[0] is prefix
+            and entry[1] is request
+            and entry[2] is prefix.loads
+            and entry[3] is prefix.block_ids
+            and entry[4] is prefix.tier_epochs
+            and prefix.tier_epochs == self.tier_epochs()
+        ):
+            # Handed out for this very request, unchanged, no tier evicted since: every
+            # load's slot still holds its hash (a tier's cached entries change only with
+            # its epoch).
+            return None, None
         loads = prefix.loads
         if loads.__class__ is not tuple or len(loads) != len(prefix.block_ids):
             return None, f"loads must be a tuple of {len(prefix.block_ids)} tuples"

@@ -12,6 +12,7 @@ from kvspec_core.runtime.base import AllocatorBase
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.running import _id_error, _is_id
+from kvspec_core.runtime.tiers import TieredPrefix
 
 #: Prefixes handed out and not yet admitted that an admission trusts without a per-block
 #: check (see ``_check_prefix``); past this many, forgotten (their admissions check them).
@@ -70,8 +71,9 @@ class PrefixLookup(AllocatorBase):
                 self._block_tokens,
                 self.hash_block_size,
             )
-            if prefix.__class__ is not CachedPrefix:
-                return prefix  # a TieredPrefix: its admission checks every block
+            if isinstance(prefix, TieredPrefix):
+                tiers.hand_out(request, prefix)
+                return prefix
             hit = prefix.num_tokens
         elif self._single_full:
             # One full-attention group whose blocks are hash blocks: its longest cached run
