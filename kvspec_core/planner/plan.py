@@ -16,8 +16,8 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import PlanError
 from kvspec_core.planner.plan_parts import (
     KVCacheTensor,
-    OffloadTier,
     PlannedGroup,
+    PlannedTier,
     Pool,
     tuple_of_str,
 )
@@ -35,8 +35,8 @@ __all__ = [
     "PLAN_FORMAT_VERSION",
     "KVCachePlan",
     "KVCacheTensor",
-    "OffloadTier",
     "PlannedGroup",
+    "PlannedTier",
     "Pool",
 ]
 
@@ -55,7 +55,7 @@ def _tuple_of_tensors(items: Iterable[KVCacheTensor]) -> tuple[KVCacheTensor, ..
     return tuple(items)
 
 
-def _tuple_of_tiers(items: Iterable[OffloadTier]) -> tuple[OffloadTier, ...]:
+def _tuple_of_tiers(items: Iterable[PlannedTier]) -> tuple[PlannedTier, ...]:
     return tuple(items)
 
 
@@ -86,7 +86,7 @@ class KVCachePlan:
     )
     max_concurrency: float
     memoryless_layers: tuple[str, ...] = attrs.field(default=(), converter=tuple_of_str)
-    tiers: tuple[OffloadTier, ...] = attrs.field(default=(), converter=_tuple_of_tiers)
+    tiers: tuple[PlannedTier, ...] = attrs.field(default=(), converter=_tuple_of_tiers)
 
     # ----------------------------------------------------------------- totals
     @property
@@ -97,7 +97,7 @@ class KVCachePlan:
     def device_pools(self) -> tuple[Pool, ...]:
         return tuple(pool for pool in self.pools if not pool.host_resident)
 
-    def tier(self, name: str) -> OffloadTier | None:
+    def tier(self, name: str) -> PlannedTier | None:
         """The offload tier called ``name`` (``"host"``, ``"disk"``), ``None`` if not planned."""
         return next((tier for tier in self.tiers if tier.name == name), None)
 

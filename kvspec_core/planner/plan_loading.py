@@ -25,8 +25,8 @@ from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_document import check_plan_document
 from kvspec_core.planner.plan_parts import (
     KVCacheTensor,
-    OffloadTier,
     PlannedGroup,
+    PlannedTier,
     Pool,
     specs_per_layer,
 )
@@ -121,7 +121,7 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
         max_concurrency=float(data["max_concurrency"]),
         memoryless_layers=data["memoryless_layers"],
         tiers=tuple(
-            OffloadTier(
+            PlannedTier(
                 name=item["name"],
                 budget_bytes=item["budget_bytes"],
                 path=item["path"],

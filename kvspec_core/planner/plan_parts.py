@@ -173,7 +173,7 @@ TIER_NAMES = ("host", "disk")
 
 
 @attrs.frozen(kw_only=True)
-class OffloadTier:
+class PlannedTier:
     """A slower tier the KV cache offloads blocks to: host DRAM or files on a local disk.
 
     A tier block of pool ``p`` has exactly ``p``'s block bytes and page layout, so a block

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvspec_core.planner.plan_parts import KVCacheTensor, OffloadTier, PlannedGroup, Pool
+from kvspec_core.planner.plan_parts import KVCacheTensor, PlannedGroup, PlannedTier, Pool
 from kvspec_core.specs.serialization import spec_to_dict
 
 #: Version of :meth:`KVCachePlan.to_dict`'s format (2 added ``input_checksums``).
@@ -106,7 +106,7 @@ def tensor_to_dict(tensor: KVCacheTensor) -> dict[str, Any]:
     }
 
 
-def tier_to_dict(tier: OffloadTier) -> dict[str, Any]:
+def tier_to_dict(tier: PlannedTier) -> dict[str, Any]:
     """The JSON-able fields of ``tier`` in a plan document (``tiers[i]``)."""
     return {
         "name": tier.name,

@@ -22,7 +22,7 @@ from kvspec_core.errors import ConfigError
 from kvspec_core.planner.assembly import assemble
 from kvspec_core.planner.layer_views import make_view, plan_layer_views
 from kvspec_core.planner.plan import KVCachePlan
-from kvspec_core.planner.plan_parts import OffloadTier
+from kvspec_core.planner.plan_parts import PlannedTier
 from kvspec_core.planner.skeleton import skeleton_of_plan
 from kvspec_core.planner.tiers import check_disk_directory
 
@@ -74,7 +74,7 @@ def _pin() -> bool:
     return torch.cuda.is_available()
 
 
-def tier_geometry(plan: KVCachePlan, tier: OffloadTier) -> KVCachePlan:
+def tier_geometry(plan: KVCachePlan, tier: PlannedTier) -> KVCachePlan:
     """``plan``'s groups, pools and tensors placed for the tier's block counts (a pool not
     offloaded gets one placeholder block and no buffer)."""
     blocks = [count or 1 for count in tier.blocks_per_pool]
@@ -114,7 +114,7 @@ def _block_runs(geometry: KVCachePlan, pool: int) -> tuple[ByteRun, ...]:
     return tuple((start, length, stride) for start, length, stride in merged)
 
 
-def _disk_files(tier: OffloadTier, geometry: KVCachePlan) -> dict[int, str]:
+def _disk_files(tier: PlannedTier, geometry: KVCachePlan) -> dict[int, str]:
     """The disk tier's files, checked before any is made: the directory must still be
     writable and no file may exist (it could be another process's cache)."""
     assert tier.path is not None  # a plan's disk tier always names its directory
@@ -154,7 +154,7 @@ def _map_files(files: Mapping[int, str], geometry: KVCachePlan) -> dict[int, tor
 
 def materialize_tier(
     plan: KVCachePlan,
-    tier: OffloadTier,
+    tier: PlannedTier,
     kernel_block_sizes: Mapping[int, int] | None,
 ) -> TierBuffers:
     """Allocate ``tier`` of ``plan`` (host memory, or files under its directory) and view

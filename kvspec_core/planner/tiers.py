@@ -18,7 +18,7 @@ import attrs
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.errors import ConfigError, InvalidFieldError, InvalidFieldTypeError
 from kvspec_core.planner.budget import split_budget
-from kvspec_core.planner.plan_parts import OffloadTier, Pool
+from kvspec_core.planner.plan_parts import PlannedTier, Pool
 
 #: Largest tier budget accepted (bytes): far above any machine, far below int64 overflow.
 MAX_TIER_BYTES = 1 << 60
@@ -116,7 +116,7 @@ def check_tier_request(
     return TierRequest(host, disk, disk_path)
 
 
-def request_of(tiers: Sequence[OffloadTier]) -> TierRequest:
+def request_of(tiers: Sequence[PlannedTier]) -> TierRequest:
     """The request a plan's ``tiers`` were sized from."""
     by_name = {tier.name: tier for tier in tiers}
     host, disk = by_name.get("host"), by_name.get("disk")
@@ -127,7 +127,7 @@ def request_of(tiers: Sequence[OffloadTier]) -> TierRequest:
     )
 
 
-def size_tiers(pools: Sequence[Pool], request: TierRequest) -> tuple[OffloadTier, ...]:
+def size_tiers(pools: Sequence[Pool], request: TierRequest) -> tuple[PlannedTier, ...]:
     """The tiers ``request`` asks for over ``pools``: host, then disk."""
     wanted = (
         ("host", request.host_bytes, None, "host_offload_bytes"),
@@ -142,7 +142,7 @@ def size_tiers(pools: Sequence[Pool], request: TierRequest) -> tuple[OffloadTier
 
 def _size_tier(
     pools: Sequence[Pool], name: str, budget: int, path: str | None, argument: str
-) -> OffloadTier:
+) -> PlannedTier:
     offloaded = [pool for pool in pools if not pool.host_resident]
     block_bytes = [pool.block_bytes for pool in offloaded]
     split = split_budget(
@@ -170,7 +170,7 @@ def _size_tier(
         )
     counts = dict(zip((pool.id for pool in offloaded), split, strict=True))
     blocks = tuple(counts.get(pool.id, 0) for pool in pools)
-    return OffloadTier(
+    return PlannedTier(
         name=name,
         budget_bytes=budget,
         path=path,
