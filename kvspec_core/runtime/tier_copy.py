@@ -161,7 +161,11 @@ class TransferRunner:
             ids = torch.tensor(src, dtype=torch.long, device=from_tensor.device)
             data = from_tensor.index_select(0, ids)
             to_ids = torch.tensor(dst, dtype=torch.long, device=to_tensor.device)
-            to_tensor.index_copy_(0, to_ids, data.to(to_tensor.device, non_blocking=True))
+            # A copy to the host must have finished before the CPU's index_copy_ reads it
+            # (non_blocking into pinned memory returns at once: stale bytes would be cached
+            # as the block); a copy to a GPU is ordered before index_copy_ on its stream.
+            moved = data.to(to_tensor.device, non_blocking=to_tensor.device.type != "cpu")
+            to_tensor.index_copy_(0, to_ids, moved)
 
     def run(self, transfers: Iterable[Transfer]) -> tuple[list[int], list[int]]:
         """Run ``transfers`` in order: ``(ids that ran, ids that failed)``. A failure (an
@@ -183,7 +187,14 @@ class TransferRunner:
         """Take the allocator's transfers, run them in order and complete them (those that
         ran as ``ok``, the rest as failed): the requests whose loads failed (drop them from
         the step; see ``complete_transfers``). Call it before the step's forward."""
-        done, failed = self.run(allocator.take_transfers())
+        taken = allocator.take_transfers()
+        try:
+            done, failed = self.run(taken)
+        except BaseException:
+            # An error run() does not expect (a bad storage object, an interrupt): fail every
+            # transfer taken, so none stays pending for good, and let the error through.
+            allocator.complete_transfers([t.transfer_id for t in taken], ok=False)
+            raise
         allocator.complete_transfers(done, ok=True)
         return allocator.complete_transfers(failed, ok=False)
 

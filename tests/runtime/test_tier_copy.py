@@ -185,3 +185,55 @@ def test_a_plans_materialized_tiers_carry_blocks_through_the_allocators_transfer
             assert sum(hits) > 0
     moved = allocator._tiers.blocks_moved
     assert moved.get((0, 1)) and moved.get((1, 2)) and moved.get((2, 0)), moved
+
+
+def test_a_copy_into_host_memory_is_blocking(monkeypatch) -> None:
+    # non_blocking into (pinned) host memory returns before the bytes arrive; the CPU's
+    # index_copy_ would then cache stale bytes as the block (review of issue 20: a CUDA ->
+    # host store did that). Only a copy to a GPU may be asynchronous. Recorded on CPU here.
+    calls: list[tuple[str, bool]] = []
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        calls.append((str(device), bool(kwargs.get("non_blocking", False))))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    device = layer_views(4, 5)
+    host = [torch.zeros_like(tensor) for tensor in device]
+    runner = TransferRunner({0: [device], 1: [host]})
+    assert runner.run([transfer(1, 0, 1, [1, 3], [2, 1])]) == ([1], [])
+    moves = [call for call in calls if call[0] == "cpu"]
+    assert moves and not any(non_blocking for _, non_blocking in moves)
+
+
+class ExplodingStorage(list):
+    """Storage whose length check raises what run() does not catch."""
+
+    def __len__(self) -> int:
+        raise TypeError("not a storage")
+
+
+def test_an_unexpected_error_while_copying_leaves_no_transfer_pending(tmp_path) -> None:
+    allocator = make_allocator([full(2)], 4, offload_tiers=(OffloadTier("host", 9),))
+    runner = TransferRunner({0: [ExplodingStorage()], 1: [ExplodingStorage()]})
+    good = TransferRunner(
+        {0: [[torch.zeros(4, 3)]], 1: [[torch.zeros(9, 3)]]}  # type: ignore[list-item]
+    )
+    for number in range(4):  # fill the device; the next admissions evict -> stores
+        admit_and_transfer(
+            allocator, good, f"warm-{number}", list(range(number * 10, number * 10 + 3))
+        )
+        allocator.free(f"warm-{number}")
+    request = Request("r", list(range(500, 505)))
+    assert allocator.allocate_slots(request, 5, prefix=allocator.find_cached_prefix(request))
+    try:
+        runner.run_pending(allocator)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("the storage's TypeError was swallowed")
+    assert allocator.take_transfers() == []
+    assert allocator._tiers.num_pending() == 0  # every taken transfer was failed, none dangles
+    allocator.check_invariants()
