@@ -167,6 +167,28 @@ class TransferRunner:
             moved = data.to(to_tensor.device, non_blocking=to_tensor.device.type != "cpu")
             to_tensor.index_copy_(0, to_ids, moved)
 
+    def block_bytes(self, tier: int, pool: int) -> int:
+        """Bytes of one block of ``pool`` in ``tier`` (every tensor's block bytes, in turn)."""
+        storage = self._at(tier, pool)
+        if isinstance(storage, BlockFile):
+            return storage.block_bytes
+        return sum(tensor[0].numel() * tensor.element_size() for tensor in storage)
+
+    def read_blocks(self, tier: int, pool: int, blocks: Sequence[int]) -> torch.Tensor:
+        """``[len(blocks), block_bytes]`` uint8 rows of the blocks of ``pool`` in ``tier``."""
+        storage = self._at(tier, pool)
+        if isinstance(storage, BlockFile):
+            return storage.read(blocks)
+        return _rows(storage, blocks)
+
+    def write_blocks(self, tier: int, pool: int, blocks: Sequence[int], rows: torch.Tensor) -> None:
+        """Write ``[len(blocks), block_bytes]`` uint8 rows into blocks of ``pool`` in ``tier``."""
+        storage = self._at(tier, pool)
+        if isinstance(storage, BlockFile):
+            storage.write(blocks, rows)
+        else:
+            _write_rows(storage, blocks, rows)
+
     def run(self, transfers: Iterable[Transfer]) -> tuple[list[int], list[int]]:
         """Run ``transfers`` in order: ``(ids that ran, ids that failed)``. A failure (an
         I/O error, a bad storage) fails that transfer only: the later ones still run."""

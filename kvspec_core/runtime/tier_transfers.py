@@ -18,11 +18,13 @@ A transfer not confirmed is pending: its destination is neither a hit nor evicta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.base import AllocatorBase
 from kvspec_core.runtime.freeing import Freeing
+from kvspec_core.runtime.hashing import DIGEST_SIZE
+from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.tiers import Transfer
 
 
@@ -73,3 +75,50 @@ class TierTransfers(Freeing, AllocatorBase):
         for request_id, position in first_lost.items():
             self.discard_uncomputed(request_id, min(position, self._running[request_id].computed))
         return tuple(first_lost)
+
+    # ----------------------------------------------------------------- remote blocks
+    def block_hashes(self, request: Request, group: int) -> tuple[bytes, ...]:
+        """The hashes group ``group``'s full blocks of ``request``'s prompt (all tokens but
+        the last, as :meth:`find_cached_prefix` looks up) are cached under, in order: what a
+        remote store shared by replicas keys them by (``remote_tier.py``)."""
+        self._check_group(group, "block_hashes")
+        if request.request_id in self._running:
+            raise AllocatorError(
+                f"block_hashes: request {request.request_id!r} is already running; ask before "
+                "its first allocate_slots"
+            )
+        stride = self._hash_stride[group]
+        max_tokens = max(0, len(request.token_ids) - 1)
+        fine = self._hasher.hashes(request, max_tokens)[: max_tokens // self.hash_block_size]
+        return tuple(fine[stride - 1 :: stride])
+
+    def reserve_remote_blocks(self, group: int, block_hashes: Sequence[bytes]) -> Transfer | None:
+        """Reserve tier slots for blocks of ``group`` fetched from a remote store under
+        ``block_hashes`` (a chain in order; see ``TierManager.reserve_remote``): the
+        returned transfer's ``destination_blocks`` are slots of its ``destination_tier``
+        for the leading ``block_hashes`` it names (it stops at a hash a tier holds or has
+        in flight, and at the free slots). Pending, they are no hit: write the pages there,
+        then ``complete_transfers([transfer.transfer_id], ok=...)`` (``ok=True`` caches them
+        under these hashes, ``ok=False`` frees them uncached). None when nothing is
+        reserved."""
+        self._check_group(group, "reserve_remote_blocks")
+        if self._tiers is None:
+            raise AllocatorError(
+                "reserve_remote_blocks: this allocator has no offload tiers; give it "
+                "offload_tiers=(OffloadTier('host', n),) to hold blocks fetched remotely"
+            )
+        hashes = list(block_hashes)
+        for index, digest in enumerate(hashes):
+            if digest.__class__ is not bytes or len(digest) != DIGEST_SIZE:
+                raise AllocatorError(
+                    f"reserve_remote_blocks: block_hashes[{index}] must be {DIGEST_SIZE} bytes "
+                    "(a hash of block_hashes()), not "
+                    f"{type(digest).__name__}"
+                )
+        return self._tiers.reserve_remote(group, hashes)
+
+    def _check_group(self, group: object, method: str) -> None:
+        if group.__class__ is not int or not 0 <= group < len(self.specs):
+            raise AllocatorError(
+                f"{method}: group={group!r} must be a group index 0..{len(self.specs) - 1}"
+            )

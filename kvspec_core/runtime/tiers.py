@@ -22,6 +22,9 @@ LOAD = "load"
 STORE = "store"
 #: The tier number of the device.
 DEVICE_TIER = 0
+#: ``Transfer.source_tier`` of blocks fetched from a remote store shared by replicas
+#: (``remote_tier.py``): never a tier of ``take_transfers()``, whose copies the engine runs.
+REMOTE_TIER = -1
 
 
 @attrs.frozen
@@ -107,6 +110,8 @@ class Transfer:
         source_tier / destination_tier: ``0`` the device, ``1``.. the offload tiers.
         source_blocks / destination_blocks: block ids (device) or slots (tiers), paired.
         request_id: the request a load was admitted for (``None`` for stores).
+        block_hashes: the hash each block is cached under, paired with the block lists
+            (what a remote store keys a published block by).
     """
 
     transfer_id: int
@@ -118,6 +123,7 @@ class Transfer:
     source_blocks: tuple[int, ...]
     destination_blocks: tuple[int, ...]
     request_id: str | int | None = None
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def num_blocks(self) -> int:

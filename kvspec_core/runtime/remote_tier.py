@@ -1,0 +1,241 @@
+"""A remote store shared by replicas, as the tier below an allocator's local ones.
+
+The allocator never touches the network: :class:`RemoteTier` sits beside the engine's
+:class:`~kvspec_core.runtime.tier_copy.TransferRunner` and does the remote I/O::
+
+    remote = RemoteTier(allocator, runner, store)   # store: a RemoteBlockStore
+    remote.fetch(request)                           # before the lookup: remote hits -> a tier
+    prefix = allocator.find_cached_prefix(request)  # finds them as tier hits (loads)
+    allocator.allocate_slots(request, n, prefix=prefix)
+    dropped = remote.run_pending()                  # runner.run_pending + publishing
+
+* **Publishing.** ``run_pending`` runs the step's transfers as ``TransferRunner.run_pending``
+  does; then the pages of each device block stored into a tier (an eviction's write-back)
+  are read back from that tier and put to the store under the block's hash.
+* **Fetching.** ``fetch`` asks the store how many of the request's blocks after its local
+  hit it has, gets them (a miss or a corrupt value ends the run there: never a partial
+  block), reserves slots for them in a local tier
+  (``KVCacheAllocator.reserve_remote_blocks``: pending, never a hit until written), writes
+  the pages and confirms: they are then tier entries, cached under the very hashes they were
+  fetched by, that the next ``find_cached_prefix`` loads like any tier hit. A failed write
+  frees the slots uncached.
+* **Failures.** A server that is down or slow costs misses within the store's timeouts (the
+  store counts them; see ``remote_store.py``); nothing raises into the step.
+
+Replicas share blocks only if they hash alike: give every replica's allocator the same
+``hash_salt`` (and the same model, layout and block size; the store's namespace keeps
+other models apart). Only allocators whose one caching group is full attention are
+accepted: what a sliding window or a Mamba group needs to resume is not a run of leading
+blocks, so fetching for those families is refused rather than guessed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.remote_store import RemoteBlockStore
+from kvspec_core.runtime.request import Request
+from kvspec_core.runtime.rules import FullAttentionRules
+from kvspec_core.runtime.tier_copy import TransferRunner
+from kvspec_core.runtime.tiers import DEVICE_TIER, STORE, Transfer
+
+if TYPE_CHECKING:
+    from kvspec_core.runtime.allocator import KVCacheAllocator
+
+#: Blocks one ``fetch`` asks the store for at most (a bound on one call's wait and bytes).
+DEFAULT_MAX_FETCH_BLOCKS = 256
+
+
+@attrs.define
+class RemoteTierCounters:
+    """What the remote tier did (the store's own counters say what the server answered)."""
+
+    #: Blocks fetched and cached in a local tier.
+    fetched: int = 0
+    #: Blocks the store said it had but did not return (absent by now, corrupt, failed)
+    #: or returned with a size other than the local tier's block size.
+    fetch_misses: int = 0
+    #: Blocks the server took from :meth:`RemoteTier.run_pending`'s publishing.
+    published: int = 0
+    #: Blocks not published: the server refused them or was down, or the tier's copy
+    #: could not be read back.
+    publish_failures: int = 0
+    #: Fetched runs whose write into the local tier failed (their slots freed uncached).
+    write_failures: int = 0
+
+
+class RemoteTier:
+    """The shared remote store of ``allocator``'s one full-attention group, written and read
+    through ``runner``'s storage of the local tiers (see the module docstring).
+
+    Args:
+        allocator: an allocator with offload tiers, prefix caching and one caching group
+            of full attention (others are refused with :class:`AllocatorError`).
+        runner: the engine's transfer runner over the device and tier storage.
+        store: the store of that group's blocks (its namespace names the model, layout,
+            group, pool and rank: see ``BlockNamespace``).
+        max_fetch_blocks: blocks one :meth:`fetch` asks for at most.
+    """
+
+    def __init__(
+        self,
+        allocator: KVCacheAllocator,
+        runner: TransferRunner,
+        store: RemoteBlockStore,
+        *,
+        max_fetch_blocks: int = DEFAULT_MAX_FETCH_BLOCKS,
+    ) -> None:
+        if not isinstance(store, RemoteBlockStore):
+            raise AllocatorError(
+                f"RemoteTier: store must be a RemoteBlockStore, not {type(store).__name__}"
+            )
+        if not isinstance(runner, TransferRunner):
+            raise AllocatorError(
+                f"RemoteTier: runner must be a TransferRunner, not {type(runner).__name__}"
+            )
+        if len(allocator.tier_names) < 2:
+            raise AllocatorError(
+                "RemoteTier: the allocator has no offload tiers; remote blocks are loaded "
+                "through a local one (offload_tiers=(OffloadTier('host', n),))"
+            )
+        holding = [gid for gid, cap in enumerate(allocator.admission_caps) if cap > 0]
+        if not allocator.enable_prefix_caching or len(holding) != 1:
+            raise AllocatorError(
+                "RemoteTier: needs prefix caching and exactly one caching KV-cache group; "
+                f"this allocator has {len(holding)} (hybrid models are not supported yet)"
+            )
+        (group,) = holding
+        if type(allocator.rules[group]) is not FullAttentionRules:
+            raise AllocatorError(
+                f"RemoteTier: group {group} is {allocator.specs[group].kind}; only full "
+                "attention is supported (a window or state group does not resume from a run "
+                "of leading blocks)"
+            )
+        if (
+            isinstance(max_fetch_blocks, bool)
+            or not isinstance(max_fetch_blocks, int)
+            or max_fetch_blocks < 1
+        ):
+            raise AllocatorError(
+                f"RemoteTier: max_fetch_blocks={max_fetch_blocks!r} must be an int >= 1"
+            )
+        self.allocator = allocator
+        self.runner = runner
+        self.store = store
+        self.group = group
+        self.max_fetch_blocks = max_fetch_blocks
+        self.counters = RemoteTierCounters()
+
+    # ----------------------------------------------------------------- fetching
+    def fetch(self, request: Request) -> int:
+        """Bring the request's blocks after its local hit from the store into a local tier,
+        before ``find_cached_prefix``; returns how many now lie there (0 on any miss, a
+        server down or slow, a running request, nothing to fetch)."""
+        allocator = self.allocator
+        if allocator.is_running(request.request_id):
+            return 0
+        hashes = allocator.block_hashes(request, self.group)
+        local = allocator.find_cached_prefix(request).num_tokens
+        start = local // allocator.rules[self.group].block_tokens
+        wanted = list(hashes[start : start + self.max_fetch_blocks])
+        if not wanted:
+            return 0
+        run = self.store.contained_prefix_length(wanted)
+        if run == 0:
+            return 0
+        transfer = None
+        try:
+            pages = self.store.get_many(wanted[:run])
+            good = next((i for i, page in enumerate(pages) if page is None), run)
+            self.counters.fetch_misses += run - good
+            if good == 0:
+                return 0
+            transfer = allocator.reserve_remote_blocks(self.group, wanted[:good])
+            if transfer is None:
+                return 0
+            block_bytes = self.runner.block_bytes(transfer.destination_tier, transfer.pool)
+            fetched = [pages[i] for i in transfer.source_blocks]
+            if any(len(page) != block_bytes for page in fetched):  # type: ignore[arg-type]
+                # Another layout under this namespace: the caller's namespace is wrong.
+                self.counters.fetch_misses += transfer.num_blocks
+                allocator.complete_transfers([transfer.transfer_id], ok=False)
+                return 0
+            rows = torch.frombuffer(
+                bytearray(b"".join(fetched)),  # type: ignore[arg-type]
+                dtype=torch.uint8,
+            ).reshape(transfer.num_blocks, block_bytes)
+            self.runner.write_blocks(
+                transfer.destination_tier, transfer.pool, transfer.destination_blocks, rows
+            )
+        except (OSError, RuntimeError, IndexError, AllocatorError):
+            if transfer is None:
+                raise
+            allocator.complete_transfers([transfer.transfer_id], ok=False)
+            self.counters.write_failures += 1
+            return 0
+        except BaseException:
+            if transfer is not None:
+                allocator.complete_transfers([transfer.transfer_id], ok=False)
+            raise
+        allocator.complete_transfers([transfer.transfer_id], ok=True)
+        self.counters.fetched += transfer.num_blocks
+        return transfer.num_blocks
+
+    # ----------------------------------------------------------------- publishing
+    def run_pending(self) -> tuple[str | int, ...]:
+        """``TransferRunner.run_pending`` (take, run in order, complete; returns the
+        requests to drop from the step), then publish the blocks the step's completed
+        stores wrote from the device into a tier. Call it before the step's forward."""
+        allocator = self.allocator
+        taken = allocator.take_transfers()
+        try:
+            done, failed = self.runner.run(taken)
+        except BaseException:
+            allocator.complete_transfers([t.transfer_id for t in taken], ok=False)
+            raise
+        allocator.complete_transfers(done, ok=True)
+        dropped = allocator.complete_transfers(failed, ok=False)
+        ran = set(done)
+        self.publish(
+            [
+                transfer
+                for transfer in taken
+                if transfer.transfer_id in ran
+                and transfer.kind == STORE
+                and transfer.source_tier == DEVICE_TIER
+                and transfer.group == self.group
+            ]
+        )
+        return dropped
+
+    def publish(self, stores: list[Transfer]) -> int:
+        """Put the pages of completed device -> tier stores to the store under their
+        blocks' hashes (read back from the tier); returns how many the server took."""
+        blocks: list[tuple[bytes, bytes]] = []
+        for transfer in stores:
+            if len(transfer.block_hashes) != transfer.num_blocks:
+                raise AllocatorError(
+                    f"RemoteTier.publish: transfer {transfer.transfer_id} names "
+                    f"{len(transfer.block_hashes)} hashes for {transfer.num_blocks} blocks"
+                )
+            try:
+                rows = self.runner.read_blocks(
+                    transfer.destination_tier, transfer.pool, transfer.destination_blocks
+                )
+            except (OSError, RuntimeError, IndexError, AllocatorError):
+                self.counters.publish_failures += transfer.num_blocks
+                continue
+            data = rows.contiguous().numpy()
+            blocks.extend(
+                (digest, data[row].tobytes()) for row, digest in enumerate(transfer.block_hashes)
+            )
+        if not blocks:
+            return 0
+        stored = self.store.put_many(blocks)
+        self.counters.published += stored
+        self.counters.publish_failures += len(blocks) - stored
+        return stored

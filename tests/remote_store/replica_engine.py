@@ -1,0 +1,91 @@
+"""A small engine replica for the remote tier's tests: a full-attention allocator with a host
+tier, CPU tensors as its device and host pools, a TransferRunner and a RemoteTier on a real
+server. Its "forward" writes seeded random pages into the blocks it computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvspec_core import FullAttentionSpec, SizingContext
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request, TransferRunner
+from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
+from kvspec_core.runtime.remote_tier import RemoteTier
+
+BLOCK = 4
+DEVICE_BLOCKS = 8
+HOST_BLOCKS = 16
+SALT = b"fleet-salt"
+LLAMA: dict[str, Any] = {"checksum:layout": "3f0a", "checksum:groups[0].spec": "91bc", "pool": 0}
+
+
+def pool_views(num_blocks: int) -> list[torch.Tensor]:
+    """Two layer views of one pool (keys fp16, values int32-strided), block dim first."""
+    keys = torch.zeros(num_blocks, BLOCK, 1, 8, dtype=torch.float16)
+    values = torch.zeros(3, num_blocks, BLOCK, dtype=torch.int32).transpose(0, 1)
+    return [keys, values]
+
+
+class Replica:
+    """One engine process's allocator, storage and remote tier."""
+
+    def __init__(
+        self, port: int, salt: bytes = SALT, parts: dict[str, Any] = LLAMA, **config: Any
+    ) -> None:
+        self.allocator = KVCacheAllocator(
+            [FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)],
+            DEVICE_BLOCKS,
+            SizingContext(max_model_len=64, max_in_flight_tokens=8),
+            manager=PluginManager(),
+            hash_salt=salt,
+            offload_tiers=(OffloadTier("host", HOST_BLOCKS),),
+        )
+        self.device, self.host = pool_views(DEVICE_BLOCKS), pool_views(HOST_BLOCKS)
+        self.runner = TransferRunner({0: [self.device], 1: [self.host]})
+        self.store = RemoteBlockStore(
+            BlockNamespace.of(**parts), RemoteStoreConfig(port=port, **config)
+        )
+        self.remote = RemoteTier(self.allocator, self.runner, self.store)
+
+    def admit(self, rid: str, tokens: list[int], seed: int | None = None) -> Any:
+        """Fetch, look up, admit and run the step's transfers; with ``seed``, the forward
+        writes random pages into the blocks after the hit. Returns the prefix."""
+        request = Request(rid, tokens)
+        self.remote.fetch(request)
+        prefix = self.allocator.find_cached_prefix(request)
+        result = self.allocator.allocate_slots(
+            request, len(tokens) - prefix.num_tokens, prefix=prefix
+        )
+        assert result, result
+        assert self.remote.run_pending() == ()
+        if seed is not None:
+            generator = torch.Generator().manual_seed(seed)
+            computed = list(self.allocator.block_ids(rid)[0][prefix.num_tokens // BLOCK :])
+            ids = torch.tensor(computed, dtype=torch.long)
+            for tensor in self.device:
+                fresh = torch.randint(-100, 100, (len(computed), *tensor.shape[1:]),
+                                      generator=generator).to(tensor.dtype)  # fmt: skip
+                tensor.index_copy_(0, ids, fresh)
+        self.allocator.check_invariants()
+        return prefix
+
+    def pages(self, rid: str, num_blocks: int) -> list[bytes]:
+        """The device pages of the request's first ``num_blocks`` blocks."""
+        blocks = list(self.allocator.block_ids(rid)[0][:num_blocks])
+        rows = self.runner.read_blocks(0, 0, blocks)
+        return [rows[row].numpy().tobytes() for row in range(num_blocks)]
+
+
+def compute_and_publish(port: int, tokens: list[int], filler: list[int], out: Any) -> None:
+    """Replica 1 (a spawned process): compute ``tokens``, finish, let ``filler`` evict its
+    blocks (written back to the host tier, published), and put ``(pages, published)``."""
+    replica = Replica(port)
+    replica.admit("a", tokens, seed=1)
+    full = (len(tokens) - 1) // BLOCK
+    pages = replica.pages("a", full)
+    replica.allocator.free("a")
+    replica.admit("filler", filler, seed=2)
+    replica.store.close()
+    out.put((pages, replica.remote.counters.published))

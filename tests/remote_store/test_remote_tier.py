@@ -1,0 +1,172 @@
+"""The remote store as the tier below the local ones (issue 20 item 3): a prefix replica 1
+computed, evicted and published is a remote hit for replica 2, loaded through its host tier to
+the device bit for bit; other namespaces never hit; a corrupt value ends the run; a killed
+server costs misses within the timeouts and nothing raises into the step."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import redis
+import torch
+from replica_engine import BLOCK, LLAMA, Replica, compute_and_publish, pool_views
+from valkey_server import ServerProcess
+
+from kvspec_core import FullAttentionSpec, SizingContext
+from kvspec_core.errors import AllocatorError
+from kvspec_core.plugins.manager import PluginManager
+from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request, TransferRunner
+from kvspec_core.runtime.remote_store import KEY_PREFIX, BlockNamespace
+from kvspec_core.runtime.remote_tier import RemoteTier
+from kvspec_core.runtime.tiers import REMOTE_TIER
+
+PROMPT = list(range(100, 100 + 5 * BLOCK + 1))  # five full blocks are looked up
+FILLER = list(range(900, 900 + 7 * BLOCK - 3))  # seven device blocks: evicts the five
+SLACK_S = 0.3
+
+
+def published_by_replica_1(port: int) -> tuple[list[bytes], int]:
+    """Run replica 1 in this process: the prompt's pages and how many blocks it published."""
+    replica = Replica(port)
+    replica.admit("a", PROMPT, seed=1)
+    pages = replica.pages("a", 5)
+    replica.allocator.free("a")
+    replica.admit("filler", FILLER, seed=2)
+    return pages, replica.remote.counters.published
+
+
+def test_a_prefix_another_process_computed_loads_bit_identical(valkey: ServerProcess) -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    replica_1 = context.Process(
+        target=compute_and_publish, args=(valkey.port, PROMPT, FILLER, results)
+    )
+    replica_1.start()
+    try:
+        pages, published = results.get(timeout=60)
+    finally:
+        replica_1.join(timeout=60)
+    assert replica_1.exitcode == 0 and published == 5
+
+    replica_2 = Replica(valkey.port)
+    request = Request("b", PROMPT)
+    assert replica_2.allocator.find_cached_prefix(request).num_tokens == 0  # empty cache
+    assert replica_2.remote.fetch(request) == 5
+    prefix = replica_2.allocator.find_cached_prefix(request)
+    assert prefix.num_tokens == 5 * BLOCK
+    assert prefix.tokens_by_tier == (0, 5 * BLOCK)  # a host tier hit, loaded to the device
+    assert replica_2.allocator.allocate_slots(
+        request, len(PROMPT) - prefix.num_tokens, prefix=prefix
+    )
+    assert replica_2.remote.run_pending() == ()
+    assert replica_2.pages("b", 5) == pages
+    assert replica_2.allocator._tiers.blocks_moved[(REMOTE_TIER, 1)] == 5
+    replica_2.allocator.check_invariants()
+    counters = replica_2.store.counters
+    assert (counters.hits, counters.misses, counters.errors) == (5, 0, 0)
+
+
+def test_another_namespace_or_salt_never_hits(valkey: ServerProcess) -> None:
+    published_by_replica_1(valkey.port)
+    other_model = Replica(valkey.port, parts={**LLAMA, "checksum:layout": "other"})
+    other_salt = Replica(valkey.port, salt=b"another fleet")
+    for replica in (other_model, other_salt):
+        assert replica.remote.fetch(Request("b", PROMPT)) == 0
+        assert replica.admit("b", PROMPT).num_tokens == 0
+
+
+def test_a_corrupt_value_ends_the_run_there(valkey: ServerProcess) -> None:
+    pages, _ = published_by_replica_1(valkey.port)
+    replica_2 = Replica(valkey.port)
+    hashes = replica_2.allocator.block_hashes(Request("b", PROMPT), 0)
+    key = KEY_PREFIX + BlockNamespace.of(**LLAMA).digest + hashes[2]
+    client = redis.Redis(port=valkey.port, socket_timeout=2)
+    value = bytearray(client.get(key))
+    value[-1] ^= 0x01
+    client.set(key, bytes(value))
+
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 2
+    assert replica_2.store.counters.corrupt == 1
+    assert replica_2.remote.counters.fetch_misses == 3  # blocks 2, 3, 4: none after it
+    prefix = replica_2.admit("b", PROMPT)  # fetches again from block 2: a miss again
+    assert prefix.num_tokens == 2 * BLOCK
+    assert replica_2.pages("b", 2) == pages[:2]
+
+
+@pytest.mark.parametrize("failure", ["kill", "pause"])
+def test_a_dead_or_hung_server_costs_bounded_misses_and_the_engine_goes_on(
+    valkey: ServerProcess, failure: str
+) -> None:
+    published_by_replica_1(valkey.port)
+    replica_2 = Replica(valkey.port)
+    getattr(valkey, failure)()  # SIGKILL, or SIGSTOP: connections accepted, never answered
+    started = time.monotonic()
+    prefix = replica_2.admit("b", PROMPT, seed=3)  # fetch misses; nothing raises
+    assert time.monotonic() - started < 3 * (0.05 + 0.2) + SLACK_S
+    assert prefix.num_tokens == 0
+    replica_2.allocator.free("b")
+    replica_2.admit("filler", FILLER, seed=4)  # evicts "b": publishing fails, counted
+    assert replica_2.remote.counters.published == 0
+    assert replica_2.remote.counters.publish_failures == 5
+    counters = replica_2.store.counters
+    assert counters.errors + counters.timeouts + counters.skipped >= 2
+    # The evicted blocks are still local tier hits.
+    assert replica_2.allocator.find_cached_prefix(Request("c", PROMPT)).num_tokens == 5 * BLOCK
+
+
+def allocator_with_host_tier(**options: object) -> KVCacheAllocator:
+    return KVCacheAllocator(
+        [FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)],
+        8,
+        SizingContext(max_model_len=64, max_in_flight_tokens=8),
+        manager=PluginManager(),
+        hash_salt=b"s",
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_reserved_slots_are_no_hit_until_confirmed_and_a_failure_caches_nothing() -> None:
+    allocator = allocator_with_host_tier(offload_tiers=(OffloadTier("host", 16),))
+    request = Request("r", PROMPT)
+    hashes = allocator.block_hashes(request, 0)
+    assert len(hashes) == 5
+    transfer = allocator.reserve_remote_blocks(0, hashes[:3])
+    assert transfer is not None and transfer.source_tier == REMOTE_TIER
+    assert transfer.block_hashes == hashes[:3] and transfer.destination_tier == 1
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(request).num_tokens == 0  # pending: no hit
+    assert allocator.reserve_remote_blocks(0, hashes[:3]) is None  # in flight already
+    allocator.complete_transfers([transfer.transfer_id], ok=False)
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(request).num_tokens == 0
+    transfer = allocator.reserve_remote_blocks(0, hashes[:3])
+    assert transfer is not None
+    allocator.complete_transfers([transfer.transfer_id], ok=True)
+    assert allocator.find_cached_prefix(request).num_tokens == 3 * BLOCK
+    # Held hashes end a later run: a reservation never caches a hash twice.
+    assert allocator.reserve_remote_blocks(0, hashes[:4]) is None
+    allocator.check_invariants()
+    with pytest.raises(AllocatorError, match=r"block_hashes\[0\] must be 32 bytes"):
+        allocator.reserve_remote_blocks(0, [b"short"])
+    with pytest.raises(AllocatorError, match="group=1"):
+        allocator.reserve_remote_blocks(1, hashes)
+
+
+def test_what_the_remote_tier_refuses(valkey: ServerProcess) -> None:
+    replica = Replica(valkey.port)
+    runner = TransferRunner({0: [pool_views(8)]})
+    with pytest.raises(AllocatorError, match="no offload tiers"):
+        RemoteTier(allocator_with_host_tier(), runner, replica.store)
+    two_groups = KVCacheAllocator(
+        [FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)] * 2,
+        8,
+        SizingContext(max_model_len=64, max_in_flight_tokens=8),
+        manager=PluginManager(),
+        offload_tiers=(OffloadTier("host", 16),),
+    )
+    with pytest.raises(AllocatorError, match="exactly one caching KV-cache group"):
+        RemoteTier(two_groups, runner, replica.store)
+    with pytest.raises(AllocatorError, match="max_fetch_blocks"):
+        RemoteTier(replica.allocator, runner, replica.store, max_fetch_blocks=0)
