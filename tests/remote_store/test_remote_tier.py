@@ -20,6 +20,7 @@ from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request, TransferRunner
 from kvspec_core.runtime.remote_store import KEY_PREFIX, BlockNamespace
 from kvspec_core.runtime.remote_tier import RemoteTier
+from kvspec_core.runtime.tier_copy import BlockFile
 from kvspec_core.runtime.tiers import REMOTE_TIER
 
 PROMPT = list(range(100, 100 + 5 * BLOCK + 1))  # five full blocks are looked up
@@ -170,3 +171,24 @@ def test_what_the_remote_tier_refuses(valkey: ServerProcess) -> None:
         RemoteTier(two_groups, runner, replica.store)
     with pytest.raises(AllocatorError, match="max_fetch_blocks"):
         RemoteTier(replica.allocator, runner, replica.store, max_fetch_blocks=0)
+
+
+def test_a_failed_write_or_a_page_of_another_size_caches_nothing(
+    valkey: ServerProcess, tmp_path
+) -> None:
+    published_by_replica_1(valkey.port)
+    replica_2 = Replica(valkey.port)
+    block_bytes = replica_2.runner.block_bytes(1, 0)
+    # A host file of 2 blocks where the tier hands out slots up to 15: the write fails.
+    replica_2.runner.storage[1] = [BlockFile(str(tmp_path / "host"), block_bytes, 2)]
+    request = Request("b", PROMPT)
+    assert replica_2.remote.fetch(request) == 0
+    assert replica_2.remote.counters.write_failures == 1
+    replica_2.allocator.check_invariants()
+    assert replica_2.allocator.find_cached_prefix(request).num_tokens == 0
+    # Pages of another size than the tier's blocks: refused whole, nothing cached.
+    replica_2.runner.storage[1] = [BlockFile(str(tmp_path / "wide"), block_bytes + 2, 16)]
+    assert replica_2.remote.fetch(request) == 0
+    assert replica_2.remote.counters.fetch_misses == 5
+    replica_2.allocator.check_invariants()
+    assert replica_2.allocator.find_cached_prefix(request).num_tokens == 0
