@@ -15,6 +15,8 @@ from kvspec_core.runtime.allocator import KVCacheAllocator
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.pool import NULL_BLOCK, BlockPool
+from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
+from kvspec_core.runtime.remote_tier import RemoteTier
 from kvspec_core.runtime.request import MultiModalInput, Request
 from kvspec_core.runtime.results import (
     NO_FREE_BLOCKS,
@@ -37,7 +39,7 @@ from kvspec_core.runtime.rules import (
     block_tokens_of,
     rules_for,
 )
-from kvspec_core.runtime.simulation import SimulationReport, simulate
+from kvspec_core.runtime.simulation import SimulationReport, TierTraffic, simulate
 from kvspec_core.runtime.tier_copy import BlockFile, TransferRunner
 from kvspec_core.runtime.tiers import OffloadTier, TieredPrefix, Transfer, tiers_from_plan
 
@@ -50,6 +52,7 @@ __all__ = [
     "AllBlocksCleared",
     "Allocated",
     "BlockFile",
+    "BlockNamespace",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
@@ -63,11 +66,15 @@ __all__ = [
     "NotNow",
     "OffloadTier",
     "PrefixHasher",
+    "RemoteBlockStore",
+    "RemoteStoreConfig",
+    "RemoteTier",
     "Request",
     "RulesFactory",
     "SimulationReport",
     "SingleBlockRules",
     "StateCheckpointRules",
+    "TierTraffic",
     "TieredPrefix",
     "TrailingWindowRules",
     "Transfer",
