@@ -42,7 +42,12 @@ from kvspec_core.runtime.invariants import InvariantChecks
 from kvspec_core.runtime.offloading import TierManager
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, BlockPool
 from kvspec_core.runtime.results import Allocated, Usage
-from kvspec_core.runtime.rules import FullAttentionRules, rules_for, rules_plugin
+from kvspec_core.runtime.rules import (
+    FullAttentionRules,
+    overrides_on_instance,
+    rules_for,
+    rules_plugin,
+)
 from kvspec_core.runtime.running import _is_id, _Running
 from kvspec_core.runtime.tier_transfers import TierTransfers
 from kvspec_core.runtime.tiers import OffloadTier
@@ -193,7 +198,9 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
         # full-attention rules, not a subclass) and no events are recorded: decode steps
         # that cross a block boundary take the short path of _grow_dense.
         self._dense = self._events is None and all(
-            type(self.rules[gid]) is FullAttentionRules for gid in self._holding
+            type(self.rules[gid]) is FullAttentionRules
+            and not overrides_on_instance(self.rules[gid])
+            for gid in self._holding
         )
         # One full-attention group whose blocks are hash blocks: find_cached_prefix asks it
         # directly, and the compiled fast path may take its block-boundary steps.

@@ -68,9 +68,21 @@ COMPILED_SHAPES: tuple[type[FullAttentionRules], ...] = (
 )
 
 
+def overrides_on_instance(rules: object) -> bool:
+    """Whether ``rules`` carries a rules method of its own (set on the instance, e.g. by its
+    factory): the compiled kernels, which run the class's code, must not answer for it."""
+    own = getattr(rules, "__dict__", None)
+    if not own:
+        return False
+    return any(name in own for name in (*STEP_METHODS, "longest_hit"))
+
+
 def compiled_shape(rules: object) -> int | None:
     """The index in :data:`COMPILED_SHAPES` of the shape whose step methods ``rules`` keeps
-    (a subclass that overrides none of them), or ``None`` (its steps run as Python)."""
+    (a subclass that overrides none of them, none set on the instance), or ``None`` (its
+    steps run as Python)."""
+    if overrides_on_instance(rules):
+        return None
     for code, shape in enumerate(COMPILED_SHAPES):
         if isinstance(rules, shape) and all(
             getattr(type(rules), name) is getattr(shape, name) for name in STEP_METHODS

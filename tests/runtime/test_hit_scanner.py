@@ -5,15 +5,26 @@ everywhere else. A scanner that ignored a plugin's override would be a silent fa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec_core import FullAttentionSpec, SizingContext
+from kvspec_core import (
+    FullAttentionSpec,
+    KVSpec,
+    PluginManager,
+    RegisterRuntimeRules,
+    RegisterSpecKind,
+    SizingContext,
+    hookimpl,
+)
 from kvspec_core.plugins.core_rules import FullAttentionRules
-from kvspec_core.runtime.rules import hit_scanner
+from kvspec_core.runtime import KVCacheAllocator, Request
+from kvspec_core.runtime.rules import compiled_shape, hit_scanner
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float16)
 CTX = SizingContext(max_model_len=1024)
@@ -111,3 +122,53 @@ def test_rules_that_stop_caching_after_construction_hit_nothing() -> None:
     scanner = hit_scanner(rules)
     rules.prefix_cacheable = False
     assert scanner(hashes, cache, 3) == []
+
+
+@attrs.frozen(kw_only=True)
+class NoResumeSpec(FullAttentionSpec):
+    kind: ClassVar[str] = "no_resume_attention"
+
+
+class NoResumePlugin:
+    """Its rules factory adapts the core's full-attention rules on the instance: this family
+    never resumes from a cached prefix, and never frees a block early either way."""
+
+    kvspec_contract_version = 1
+
+    @staticmethod
+    def rules(spec: KVSpec, ctx: SizingContext) -> FullAttentionRules:
+        rules = FullAttentionRules(spec, ctx)
+        rules.longest_hit = lambda hashes, cache, max_blocks: []  # type: ignore[method-assign]
+        return rules
+
+    @hookimpl
+    def kvspec_register_spec_kinds(self, register: RegisterSpecKind) -> None:
+        register(NoResumeSpec)
+
+    @hookimpl
+    def kvspec_register_runtime_rules(self, register: RegisterRuntimeRules) -> None:
+        register("no_resume_attention", self.rules)
+
+
+def test_rules_adapted_on_the_instance_are_not_answered_by_the_compiled_lookup() -> None:
+    # One full-attention group takes the compiled lookup (find.c) and steps; they run the
+    # class's code, so an instance carrying its own longest_hit must keep them off (before
+    # this, the compiled lookup returned the cached prefix the plugin refuses).
+    manager = PluginManager()
+    manager.register(NoResumePlugin(), "no_resume")
+    spec = NoResumeSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    ctx = SizingContext(max_model_len=64, max_in_flight_tokens=16)
+    allocator = KVCacheAllocator([spec], 32, ctx, manager=manager)
+    first = Request("a", list(range(9)))
+    assert allocator.allocate_slots(first, 9, prefix=allocator.find_cached_prefix(first))
+    allocator.free("a")
+    again = allocator.find_cached_prefix(Request("b", list(range(9))))
+    assert again.num_tokens == 0
+    allocator.check_invariants()
+
+
+def test_instance_overrides_keep_a_group_off_the_compiled_shapes() -> None:
+    rules = FullAttentionRules(SPEC, CTX)
+    assert compiled_shape(rules) == 0
+    rules.blocks_needed = lambda *args: (0, 0)  # type: ignore[method-assign]
+    assert compiled_shape(rules) is None
