@@ -270,3 +270,31 @@ def _kernels_built() -> bool:
     from kvspec_core.runtime import native as native_module
 
     return native_module.native is not None
+
+
+def machine_test_cases(machine: type, *, max_examples: int) -> tuple[type, type]:
+    """The unittest cases of a hypothesis state machine, on the compiled kernels and on the
+    pure-Python code they mirror (the folder's conftest cannot parametrize unittest-style
+    cases): ``TestX, TestXPurePython = machine_test_cases(XMachine, max_examples=...)``."""
+    from hypothesis import HealthCheck, settings
+
+    compiled = machine.TestCase  # type: ignore[attr-defined]
+    compiled.settings = settings(
+        max_examples=max_examples,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+    class PurePython(compiled):  # type: ignore[misc,valid-type]
+        """The same machine over the pure-Python code."""
+
+        def setUp(self) -> None:
+            self._patch = pytest.MonkeyPatch()
+            use_pure_python(self._patch)
+
+        def tearDown(self) -> None:
+            self._patch.undo()
+
+    PurePython.__name__ = PurePython.__qualname__ = f"{machine.__name__}PurePython"
+    return compiled, PurePython

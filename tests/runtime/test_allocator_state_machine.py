@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -25,10 +25,10 @@ from runtime_testkit import (
     chunked,
     full,
     live_indices,
+    machine_test_cases,
     make_allocator,
     mamba,
     sliding,
-    use_pure_python,
 )
 
 from kvspec_core.errors import AllocatorError
@@ -179,21 +179,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert usage.free_blocks == usage.usable_blocks
 
 
-AllocatorMachine.TestCase.settings = settings(
-    max_examples=400,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+TestAllocatorMachine, TestAllocatorMachinePurePython = machine_test_cases(
+    AllocatorMachine, max_examples=400
 )
-TestAllocatorMachine = AllocatorMachine.TestCase
-
-
-class TestAllocatorMachinePurePython(AllocatorMachine.TestCase):  # type: ignore[misc,valid-type]
-    """The same machine over the pure-Python code the compiled kernels mirror."""
-
-    def setUp(self) -> None:
-        self._patch = pytest.MonkeyPatch()
-        use_pure_python(self._patch)
-
-    def tearDown(self) -> None:
-        self._patch.undo()

@@ -13,8 +13,7 @@ later, or failed; a destination in flight is never named by a lookup, never evic
 from __future__ import annotations
 
 import hypothesis.strategies as st
-import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -24,7 +23,7 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
-from runtime_testkit import full, make_allocator, mamba, needed_indices, sliding, use_pure_python
+from runtime_testkit import full, machine_test_cases, make_allocator, mamba, needed_indices, sliding
 
 from kvspec_core.runtime import NotNow, Request
 from kvspec_core.runtime.tiers import LOAD, OffloadTier, TieredPrefix, Transfer
@@ -249,21 +248,4 @@ class TieredMachine(RuleBasedStateMachine):
         assert usage.used_blocks == 0, f"{usage.used_blocks} blocks leaked"
 
 
-TieredMachine.TestCase.settings = settings(
-    max_examples=300,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestTieredMachine = TieredMachine.TestCase
-
-
-class TestTieredMachinePurePython(TieredMachine.TestCase):  # type: ignore[misc,valid-type]
-    """The same machine over the pure-Python code."""
-
-    def setUp(self) -> None:
-        self._patch = pytest.MonkeyPatch()
-        use_pure_python(self._patch)
-
-    def tearDown(self) -> None:
-        self._patch.undo()
+TestTieredMachine, TestTieredMachinePurePython = machine_test_cases(TieredMachine, max_examples=300)
