@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvspec_core.specs.base import KVSpec
 
 __all__ = [
+    "COMPILED_METHODS",
     "COMPILED_SHAPES",
     "CORE_RULES",
     "NEVER",
@@ -68,13 +69,18 @@ COMPILED_SHAPES: tuple[type[FullAttentionRules], ...] = (
 )
 
 
-def overrides_on_instance(rules: object) -> bool:
-    """Whether ``rules`` carries a rules method of its own (set on the instance, e.g. by its
-    factory): the compiled kernels, which run the class's code, must not answer for it."""
+#: The rules methods the compiled kernels run as the class's code.
+COMPILED_METHODS = (*STEP_METHODS, "longest_hit")
+
+
+def overrides_on_instance(rules: object, names: Sequence[str] = COMPILED_METHODS) -> bool:
+    """Whether ``rules`` carries one of the methods ``names`` of its own (set on the
+    instance, e.g. by its factory): the compiled kernels, which run the class's code, must
+    not answer for it."""
     own = getattr(rules, "__dict__", None)
     if not own:
         return False
-    return any(name in own for name in (*STEP_METHODS, "longest_hit"))
+    return any(name in own for name in names)
 
 
 def compiled_shape(rules: object) -> int | None:
@@ -115,10 +121,9 @@ def hit_scanner(rules: FamilyRules) -> HitScan:
     def longest_hit(
         hashes: Sequence[bytes], cache: Mapping[bytes, int], max_blocks: int
     ) -> list[int]:
-        own = getattr(rules, "__dict__", None)
         if (
             getattr(type(rules), "longest_hit", None) is not core_scan
-            or (own is not None and "longest_hit" in own)
+            or overrides_on_instance(rules, ("longest_hit",))
             or hashes.__class__ is not list
             or cache.__class__ is not dict
         ):
