@@ -45,16 +45,23 @@ def test_every_plugin_is_released_with_the_core_and_pins_it_exactly() -> None:
         assert importlib_metadata.version(project["name"]) == kvspec_core.__version__, path
 
 
-def test_set_version_rewrites_every_copy_and_refuses_a_bad_number(tmp_path: Path) -> None:
+def copy_of_the_repository(tmp_path: Path, plugin_pyprojects: list[Path]) -> Path:
+    """A folder holding what set-version reads: the script, version.py and the given plugin
+    pyprojects (repository paths)."""
     copy = tmp_path / "repo"
-    (copy / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "set-version", copy / "scripts" / "set-version")
-    (copy / "kvspec_core").mkdir()
-    shutil.copy(ROOT / "kvspec_core" / "version.py", copy / "kvspec_core" / "version.py")
-    for path in PLUGIN_PYPROJECTS:
+    for path in [ROOT / "scripts" / "set-version", ROOT / "kvspec_core" / "version.py"]:
+        target = copy / path.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    for path in plugin_pyprojects:
         target = copy / path.relative_to(ROOT)
         target.parent.mkdir(parents=True)
         shutil.copy(path, target)
+    return copy
+
+
+def test_set_version_rewrites_every_copy_and_refuses_a_bad_number(tmp_path: Path) -> None:
+    copy = copy_of_the_repository(tmp_path, PLUGIN_PYPROJECTS)
     script = [sys.executable, str(copy / "scripts" / "set-version")]
 
     refused = subprocess.run([*script, "two"], capture_output=True, text=True)
@@ -75,12 +82,8 @@ def test_set_version_rewrites_every_copy_and_refuses_a_bad_number(tmp_path: Path
 
 
 def test_set_version_writes_nothing_when_one_file_does_not_match(tmp_path: Path) -> None:
-    copy = tmp_path / "repo"
-    (copy / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "set-version", copy / "scripts" / "set-version")
-    (copy / "kvspec_core").mkdir()
+    copy = copy_of_the_repository(tmp_path, [])
     version_py = (ROOT / "kvspec_core" / "version.py").read_text()
-    (copy / "kvspec_core" / "version.py").write_text(version_py)
     (copy / "plugins" / "odd").mkdir(parents=True)
     (copy / "plugins" / "odd" / "pyproject.toml").write_text('[project]\nname = "odd"\n')
     result = subprocess.run(
