@@ -4,8 +4,12 @@ allocator's rules (what each family needs to resume, and what each block really 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import pkgutil
 from collections.abc import Sequence
+from types import ModuleType
 
 import pytest
 import torch
@@ -248,22 +252,28 @@ def use_pure_python(monkeypatch: pytest.MonkeyPatch) -> None:
     Every runtime module holding a ``native`` binding is patched, found by walking the
     package: a module that starts reading the kernels is covered without editing a list (a
     forgotten one would make the pure-Python runs silently test the kernels)."""
-    import importlib
-    import pkgutil
-
-    import kvspec_core.runtime as runtime_package
-
     kernels_built = _kernels_built()
     patched = []
-    for info in pkgutil.iter_modules(runtime_package.__path__):
-        module = importlib.import_module(f"{runtime_package.__name__}.{info.name}")
+    for name, module in _runtime_modules():
         if getattr(module, "native", None) is not None:
             monkeypatch.setattr(module, "native", None)
-            patched.append(info.name)
+            patched.append(name)
     if kernels_built:
         # The modules that run kernels by themselves must be among them.
         missing = {"fast_paths", "hashing", "pool", "rules", "stepping"} - set(patched)
         assert not missing, f"use_pure_python did not find {sorted(missing)}"
+
+
+@functools.cache
+def _runtime_modules() -> tuple[tuple[str, ModuleType], ...]:
+    """Every module of kvspec_core.runtime, imported (walked once per test session, not
+    once per pure-Python test)."""
+    import kvspec_core.runtime as runtime_package
+
+    return tuple(
+        (info.name, importlib.import_module(f"{runtime_package.__name__}.{info.name}"))
+        for info in pkgutil.iter_modules(runtime_package.__path__)
+    )
 
 
 def _kernels_built() -> bool:
