@@ -190,15 +190,8 @@ class RemoteTier:
         """``TransferRunner.run_pending`` (take, run in order, complete; returns the
         requests to drop from the step), then publish the blocks the step's completed
         stores wrote from the device into a tier. Call it before the step's forward."""
-        allocator = self.allocator
-        taken = allocator.take_transfers()
-        try:
-            done, failed = self.runner.run(taken)
-        except BaseException:
-            allocator.complete_transfers([t.transfer_id for t in taken], ok=False)
-            raise
-        allocator.complete_transfers(done, ok=True)
-        dropped = allocator.complete_transfers(failed, ok=False)
+        taken = self.allocator.take_transfers()
+        done, _, dropped = self.runner.run_and_complete(self.allocator, taken)
         ran = set(done)
         self.publish(
             [

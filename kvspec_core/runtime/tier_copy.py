@@ -205,20 +205,27 @@ class TransferRunner:
             torch.cuda.synchronize()
         return done, failed
 
-    def run_pending(self, allocator: _TransferSource) -> tuple[str | int, ...]:
-        """Take the allocator's transfers, run them in order and complete them (those that
-        ran as ``ok``, the rest as failed): the requests whose loads failed (drop them from
-        the step; see ``complete_transfers``). Call it before the step's forward."""
-        taken = allocator.take_transfers()
+    def run_and_complete(
+        self, allocator: _TransferSource, transfers: Sequence[Transfer]
+    ) -> tuple[list[int], list[int], tuple[str | int, ...]]:
+        """Run ``transfers`` (just taken from ``allocator``) in order and complete them, those
+        that ran as ``ok``, the rest as failed: ``(ids that ran, ids that failed, the requests
+        whose loads failed)`` (drop those from the step; see ``complete_transfers``). An
+        error :meth:`run` does not expect (a bad storage object, an interrupt) fails every
+        one of them before it propagates, so none stays pending for good."""
         try:
-            done, failed = self.run(taken)
+            done, failed = self.run(transfers)
         except BaseException:
-            # An error run() does not expect (a bad storage object, an interrupt): fail every
-            # transfer taken, so none stays pending for good, and let the error through.
-            allocator.complete_transfers([t.transfer_id for t in taken], ok=False)
+            allocator.complete_transfers([t.transfer_id for t in transfers], ok=False)
             raise
         allocator.complete_transfers(done, ok=True)
-        return allocator.complete_transfers(failed, ok=False)
+        return done, failed, allocator.complete_transfers(failed, ok=False)
+
+    def run_pending(self, allocator: _TransferSource) -> tuple[str | int, ...]:
+        """Take the allocator's transfers, run them in order and complete them
+        (:meth:`run_and_complete`): the requests whose loads failed (drop them from the
+        step; see ``complete_transfers``). Call it before the step's forward."""
+        return self.run_and_complete(allocator, allocator.take_transfers())[2]
 
 
 class _TransferSource(Protocol):

@@ -87,15 +87,13 @@ class StepTransfers:
         if not transfers:
             return ()
         try:
-            done, failed = self.runner.run(transfers)
+            done, failed, dropped = self.runner.run_and_complete(self.allocator, transfers)
         except BaseException:
-            self.failed += len(transfers)
-            self.allocator.complete_transfers([t.transfer_id for t in transfers], ok=False)
+            self.failed += len(transfers)  # run_and_complete failed every one of them
             raise
         self.completed += len(done)
         self.failed += len(failed)
-        self.allocator.complete_transfers(done, ok=True)
-        return self.allocator.complete_transfers(failed, ok=False)
+        return dropped
 
     def abandon(self) -> None:
         """Fail the transfers recorded but not run (a step interrupted between its
