@@ -19,141 +19,19 @@ is why the engine runs the transfers, in order, before the step's forward overwr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import compress
+from collections.abc import Sequence
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.pool import BlockPool
-from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, HitScan
-from kvspec_core.runtime.tiers import (
-    DEVICE_TIER,
-    LOAD,
-    REMOTE_TIER,
-    STORE,
-    OffloadTier,
-    TieredPrefix,
-    Transfer,
-)
-
-#: TieredPrefixes handed out and not yet admitted that an admission trusts without the
-#: per-load check; past this many, forgotten (their admissions check them).
-HANDED_OUT_KEPT = 4096
+from kvspec_core.runtime.tier_lookup import TierLookup
+from kvspec_core.runtime.tier_state import PendingTransfer
+from kvspec_core.runtime.tier_storing import TierStoring
+from kvspec_core.runtime.tier_view import TieredView, full_scan_across_tiers
+from kvspec_core.runtime.tiers import DEVICE_TIER, LOAD, STORE, OffloadTier, Transfer
 
 
-class _Pending:
-    """One transfer in flight (the mutable twin of the :class:`Transfer` handed out)."""
-
-    __slots__ = (
-        "destination",
-        "destination_tier",
-        "first_position",
-        "generation",
-        "group",
-        "hashes",
-        "kind",
-        "pool",
-        "request",
-        "request_id",
-        "source",
-        "source_tier",
-        "taken",
-        "transfer_id",
-    )
-
-    def __init__(
-        self,
-        transfer_id: int,
-        kind: str,
-        group: int,
-        pool: int,
-        source_tier: int,
-        destination_tier: int,
-        generation: int,
-    ) -> None:
-        self.transfer_id = transfer_id
-        self.kind = kind
-        self.group = group
-        self.pool = pool
-        self.source_tier = source_tier
-        self.destination_tier = destination_tier
-        self.generation = generation
-        self.source: list[int] = []
-        self.destination: list[int] = []
-        self.hashes: list[bytes] = []
-        self.request_id: str | int | None = None
-        # The running state a load was admitted into (a failed load discards it, if it
-        # still runs: not a later request reusing the id).
-        self.request: object = None
-        # A load's first token position (the smallest its blocks start at).
-        self.first_position = 0
-        self.taken = False
-
-    def record(self) -> Transfer:
-        return Transfer(
-            transfer_id=self.transfer_id,
-            kind=self.kind,
-            group=self.group,
-            pool=self.pool,
-            source_tier=self.source_tier,
-            destination_tier=self.destination_tier,
-            source_blocks=tuple(self.source),
-            destination_blocks=tuple(self.destination),
-            request_id=self.request_id,
-            block_hashes=tuple(self.hashes),
-        )
-
-
-class TieredView(Mapping[bytes, int]):
-    """One group's prefix cache seen across tiers, for the family rules' ``longest_hit``:
-    a hash cached on the device maps to its block id; one held (confirmed) by offload tier
-    ``t`` only, to the negative code ``-(slot * count + t)`` (``count`` tiers), which
-    :meth:`TierManager.prefix` turns into a load. The rules decide hits over this merged
-    view with their own logic, so a hit is one the group can resume from whichever tier
-    holds each block."""
-
-    __slots__ = ("count", "device", "tiers")
-
-    def __init__(
-        self, device: dict[bytes, int], tiers: Sequence[tuple[int, dict[bytes, int]]], count: int
-    ) -> None:
-        self.device = device
-        self.tiers = tuple(tiers)
-        self.count = count
-
-    def get(self, digest: bytes, default: int | None = None) -> int | None:  # type: ignore[override]
-        block = self.device.get(digest)
-        if block is not None:
-            return block
-        for number, cache in self.tiers:
-            slot = cache.get(digest)
-            if slot is not None:
-                return -(slot * self.count + number)
-        return default
-
-    def __getitem__(self, digest: bytes) -> int:
-        found = self.get(digest)
-        if found is None:
-            raise KeyError(digest)
-        return found
-
-    def __contains__(self, digest: object) -> bool:
-        return isinstance(digest, bytes) and self.get(digest) is not None
-
-    def __iter__(self) -> Iterator[bytes]:
-        seen = set(self.device)
-        yield from self.device
-        for _, cache in self.tiers:
-            for digest in cache:
-                if digest not in seen:
-                    seen.add(digest)
-                    yield digest
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class TierManager:
+class TierManager(TierStoring, TierLookup):
     """Offload tiers of one allocator (see the module docstring).
 
     Args:
@@ -219,7 +97,7 @@ class TierManager:
         #: device cache (compiled where built) and goes on in the tiers after its run;
         #: other groups' rules decide over the whole view.
         self.scans: list[HitScan] = [
-            _full_scan(device_scan)
+            full_scan_across_tiers(device_scan)
             if getattr(type(group), "longest_hit", None) is FullAttentionRules.longest_hit
             else group.longest_hit
             for group, device_scan in zip(rules, device_scans, strict=True)
@@ -228,368 +106,15 @@ class TierManager:
         self._storing: list[dict[int, dict[bytes, int]]] = [
             {gid: {} for gid in range(len(self.pool_of_group))} for _ in self.tiers
         ]
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingTransfer] = {}
         # Per request id, the TieredPrefix last handed out and what it was made of.
         self._handed: dict[str | int, tuple[object, ...]] = {}
-        self._queue: list[_Pending] = []
+        self._queue: list[PendingTransfer] = []
         self._next_id = 1
         # Bumped by reset_prefix_cache: transfers of an older generation cache nothing.
         self.generation = 0
         #: Blocks confirmed moved, per (source tier, destination tier).
         self.blocks_moved: dict[tuple[int, int], int] = {}
-
-    # ----------------------------------------------------------------- recording copies
-    def _demoter(
-        self, index: int, pool: int
-    ) -> Callable[[list[int], list[bytes], list[int]], None]:
-        """The eviction hook of tier ``index`` (-1: the device) for ``pool``: store the
-        victims in the next tier down that has slots for the pool."""
-
-        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
-            self._store(index + 1, pool, groups, hashes, index + 1, blocks)
-
-        return evicted
-
-    def _deferrer(self, pool: int) -> Callable[[list[int], list[bytes], list[int]], None]:
-        """The device pool's eviction hook: note the victims (stored by :meth:`take`)."""
-        append = self._victims[pool].append
-
-        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
-            append((groups, hashes, blocks))
-
-        return evicted
-
-    def _store(
-        self,
-        index: int,
-        pool: int,
-        groups: list[int],
-        hashes: list[bytes],
-        source_tier: int,
-        sources: list[int],
-    ) -> None:
-        """Record the copies of ``sources`` (blocks of tier ``source_tier``, cached under
-        ``hashes`` for ``groups``) into offload tier ``index`` (0-based) or the first one
-        after it with slots for ``pool``. A hash the tier holds already becomes its most
-        recently used entry instead; one in flight there is skipped; when fewer slots are
-        free than copies (every other slot is in flight), the oldest victims are dropped."""
-        count = len(self.tiers)
-        while index < count and self.tier_pools[index][pool] is None:
-            index += 1
-        if index >= count:
-            return  # the last tier: dropped
-        slots = self.tier_pools[index][pool]
-        assert slots is not None
-        caches = slots.caches
-        storing = self._storing[index]
-        refresh: list[int] = []
-        kept: list[tuple[int, bytes, int]] = []
-        if len(caches) == 1:
-            (only,) = caches
-            per_group = {only: (hashes, sources)}
-        else:
-            per_group = {}
-            for gid in caches:
-                mask = [group == gid for group in groups]
-                if any(mask):
-                    per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
-        if len(hashes) <= slots.num_free_blocks and all(
-            not storing[gid]
-            and len(set(group_hashes)) == len(group_hashes)
-            and list(map(caches[gid].get, group_hashes)).count(None) == len(group_hashes)
-            for gid, (group_hashes, _) in per_group.items()
-        ):
-            # None of them held or in flight and room for all (the steady state): in bulk.
-            for gid, (group_hashes, group_sources) in per_group.items():
-                self._store_all(index, pool, gid, group_hashes, source_tier, group_sources)
-            return
-        # A hash evicted twice since the last take (cached again in between) is stored once.
-        seen: set[tuple[int, bytes]] = set()
-        for gid, digest, source in zip(groups, hashes, sources, strict=True):
-            held = caches[gid].get(digest)
-            if held is not None:
-                refresh.append(held)
-            elif digest not in storing[gid] and (gid, digest) not in seen:
-                seen.add((gid, digest))
-                kept.append((gid, digest, source))
-        if refresh:
-            refresh = list(dict.fromkeys(refresh))
-            slots.touch(refresh, known_cached=True)
-            slots._release_unchecked(refresh)
-        room = slots.num_free_blocks
-        if len(kept) > room:
-            kept = kept[len(kept) - room :]
-        if not kept:
-            return
-        taken = slots.take(len(kept))  # may evict: those slots' stores are recorded first
-        pending = None
-        for (gid, digest, source), slot in zip(kept, taken, strict=True):
-            if pending is None or pending.group != gid:
-                pending = self._append(STORE, gid, pool, source_tier, index + 1)
-            pending.source.append(source)
-            pending.destination.append(slot)
-            pending.hashes.append(digest)
-            storing[gid][digest] = pending.transfer_id
-
-    def _store_all(
-        self,
-        index: int,
-        pool: int,
-        gid: int,
-        hashes: list[bytes],
-        source_tier: int,
-        sources: list[int],
-    ) -> None:
-        """:meth:`_store` of blocks of one group none of which tier ``index`` holds or has in
-        flight: as many as there are free slots (the newest victims), in one batch."""
-        slots = self.tier_pools[index][pool]
-        assert slots is not None
-        room = slots.num_free_blocks
-        if len(hashes) > room:
-            hashes = hashes[len(hashes) - room :]
-            sources = sources[len(sources) - room :]
-        if not hashes:
-            return
-        taken = slots.take(len(hashes))  # may evict: those slots' stores are recorded first
-        pending = self._append(STORE, gid, pool, source_tier, index + 1)
-        pending.source.extend(sources)
-        pending.destination.extend(taken)
-        pending.hashes.extend(hashes)
-        self._storing[index][gid].update(dict.fromkeys(hashes, pending.transfer_id))
-
-    def _append(
-        self, kind: str, gid: int, pool: int, source_tier: int, destination_tier: int
-    ) -> _Pending:
-        """The transfer to extend: the last one not handed out if it is the same kind of
-        copy (so an eviction of many blocks is one batch), else a new one."""
-        queue = self._queue
-        if queue:
-            last = queue[-1]
-            if (
-                kind == STORE
-                and last.kind == STORE
-                and last.group == gid
-                and last.source_tier == source_tier
-                and last.destination_tier == destination_tier
-            ):
-                return last
-        pending = _Pending(
-            self._next_id, kind, gid, pool, source_tier, destination_tier, self.generation
-        )
-        self._next_id += 1
-        self._pending[pending.transfer_id] = pending
-        queue.append(pending)
-        return pending
-
-    # ----------------------------------------------------------------- remote blocks
-    def reserve_remote(self, gid: int, hashes: Sequence[bytes]) -> Transfer | None:
-        """Reserve slots for blocks of group ``gid`` fetched from a remote store under
-        ``hashes`` (a chain, in order) in the last tier with slots for the group's pool:
-        that tier's evictions drop, so taking its slots records no copy the engine would
-        have to run before the fetched pages are written. The run stops before the first
-        hash any tier holds or has in flight, and at the free slots. Returns the pending
-        transfer (``source_tier`` :data:`REMOTE_TIER`, already taken: the caller writes
-        the pages into ``destination_blocks`` and completes it, ``ok=False`` if the write
-        failed), or None when nothing is reserved."""
-        pool = self.pool_of_group[gid]
-        index = max(
-            (number for number, row in enumerate(self.tier_pools) if row[pool] is not None),
-            default=None,
-        )
-        if index is None:
-            return None
-        slots = self.tier_pools[index][pool]
-        assert slots is not None and slots._on_evict is None
-        view = self.views[gid]
-        kept: list[bytes] = []
-        for digest in hashes[: slots.num_free_blocks]:
-            if digest in view or any(digest in storing[gid] for storing in self._storing):
-                break
-            kept.append(digest)
-        if not kept:
-            return None
-        pending = _Pending(self._next_id, STORE, gid, pool, REMOTE_TIER, index + 1, self.generation)
-        self._next_id += 1
-        pending.source.extend(range(len(kept)))  # positions in the fetched run
-        pending.destination.extend(slots.take(len(kept)))
-        pending.hashes.extend(kept)
-        pending.taken = True
-        self._pending[pending.transfer_id] = pending
-        self._storing[index][gid].update(dict.fromkeys(kept, pending.transfer_id))
-        return pending.record()
-
-    # ----------------------------------------------------------------- lookups
-    def prefix(
-        self,
-        request_id: str | int,
-        hit: int,
-        found: dict[int, list[int]],
-        checkpoint_at: int | None,
-        epochs: tuple[int, ...],
-        group_count: int,
-        block_tokens: Sequence[int],
-        hash_block_size: int,
-    ) -> CachedPrefix:
-        """The prefix for the coordinator's answer over :attr:`views`: a plain
-        :class:`CachedPrefix` when every hit block is on the device, else a
-        :class:`TieredPrefix` naming the loads."""
-        count = len(self.tiers)
-        block_ids: list[tuple[int, ...]] = []
-        loads: list[tuple[tuple[int, int, int], ...]] = []
-        any_load = False
-        for gid in range(group_count):
-            ids = found.get(gid)
-            if ids is None:
-                block_ids.append(())
-                loads.append(())
-                continue
-            group_loads = []
-            table = list(ids)
-            for index, block in enumerate(table) if table and min(table) < 0 else ():
-                if block < 0:
-                    code = -block
-                    number = (code - 1) % count + 1
-                    group_loads.append((index, number, (code - number) // count))
-                    table[index] = 0
-            block_ids.append(tuple(table))
-            loads.append(tuple(group_loads))
-            any_load = any_load or bool(group_loads)
-        if not any_load:
-            return CachedPrefix(
-                request_id=request_id,
-                num_tokens=hit,
-                block_ids=tuple(block_ids),
-                epochs=epochs,
-                checkpoint_at=checkpoint_at,
-            )
-        return TieredPrefix(
-            request_id=request_id,
-            num_tokens=hit,
-            block_ids=tuple(block_ids),
-            epochs=epochs,
-            checkpoint_at=checkpoint_at,
-            loads=tuple(loads),
-            tokens_by_tier=self._tokens_by_tier(hit, found, block_tokens, hash_block_size, count),
-            tier_epochs=self.tier_epochs(),
-        )
-
-    @staticmethod
-    def _tokens_by_tier(
-        hit: int,
-        found: dict[int, list[int]],
-        block_tokens: Sequence[int],
-        hash_block_size: int,
-        count: int,
-    ) -> tuple[int, ...]:
-        """Hit tokens per tier (device first): each hash block counts for the slowest tier
-        any group takes its content from; a position a group does not need (null) counts
-        for the tier of the group's next block."""
-        (ids,) = found.values() if len(found) == 1 else ([0],)
-        if block_tokens[next(iter(found))] == hash_block_size and 0 not in ids:
-            # One group whose blocks are hash blocks, all real (full attention).
-            counts = [0] * (count + 1)
-            counts[0] = len(ids) - sum(1 for block in ids if block < 0)
-            for block in ids:
-                if block < 0:
-                    counts[(-block - 1) % count + 1] += 1
-            return tuple(number * hash_block_size for number in counts)
-        slowest = [0] * (hit // hash_block_size)
-        for gid, ids in found.items():
-            stride = block_tokens[gid] // hash_block_size
-            tier = 0
-            for index in range(len(ids) - 1, -1, -1):
-                block = ids[index]
-                if block:
-                    tier = 0 if block > 0 else (-block - 1) % count + 1
-                for fine in range(index * stride, min((index + 1) * stride, len(slowest))):
-                    if tier > slowest[fine]:
-                        slowest[fine] = tier
-        totals = [0] * (count + 1)
-        for tier in slowest:
-            totals[tier] += hash_block_size
-        return tuple(totals)
-
-    def tier_epochs(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(
-            tuple(-1 if slots is None else slots.epoch for slots in row) for row in self.tier_pools
-        )
-
-    def hand_out(self, request: object, prefix: TieredPrefix) -> None:
-        """Remember ``prefix`` as found for ``request`` (the very objects): its admission
-        then skips the per-load check while no tier evicted since (see check_loads)."""
-        if len(self._handed) >= HANDED_OUT_KEPT:
-            self._handed.clear()
-        self._handed[prefix.request_id] = (
-            prefix,
-            request,
-            prefix.loads,
-            prefix.block_ids,
-            prefix.tier_epochs,
-        )
-
-    def check_loads(
-        self,
-        request: object,
-        prefix: TieredPrefix,
-        fine: Sequence[bytes],
-        holding: Sequence[int],
-        hash_strides: Sequence[int],
-    ) -> tuple[int | None, str | None]:
-        """``(stale group, None)`` when a load's slot no longer holds its hash and a tier
-        evicted since the lookup; ``(None, why)`` when a load is not one this allocator
-        could have handed out (the caller refuses the prefix); ``(None, None)`` if fine."""
-        entry = self._handed.pop(prefix.request_id, None)
-        if (
-            entry is not None
-            and entry[0] is prefix
-            and entry[1] is request
-            and entry[2] is prefix.loads
-            and entry[3] is prefix.block_ids
-            and entry[4] is prefix.tier_epochs
-            and prefix.tier_epochs == self.tier_epochs()
-        ):
-            # Handed out for this very request, unchanged, no tier evicted since: every
-            # load's slot still holds its hash (a tier's cached entries change only with
-            # its epoch).
-            return None, None
-        loads = prefix.loads
-        if loads.__class__ is not tuple or len(loads) != len(prefix.block_ids):
-            return None, f"loads must be a tuple of {len(prefix.block_ids)} tuples"
-        moved = prefix.tier_epochs != self.tier_epochs()
-        count = len(self.tiers)
-        for gid, group_loads in enumerate(loads):
-            ids = prefix.block_ids[gid]
-            if group_loads.__class__ is not tuple:
-                return None, f"group {gid}'s loads must be a tuple"
-            seen: set[int] = set()
-            for entry in group_loads:
-                if (
-                    entry.__class__ is not tuple
-                    or len(entry) != 3
-                    or any(value.__class__ is not int for value in entry)
-                ):
-                    return None, f"group {gid}'s loads must be (index, tier, slot) int triples"
-                index, tier, slot = entry
-                if gid not in holding or not 0 <= index < len(ids) or ids[index] or index in seen:
-                    return None, (
-                        f"group {gid} loads position {index}, which is not a null entry of its "
-                        "table (or is loaded twice)"
-                    )
-                seen.add(index)
-                slots = (
-                    self.tier_pools[tier - 1][self.pool_of_group[gid]]
-                    if 1 <= tier <= count
-                    else None
-                )
-                stride = hash_strides[gid]
-                if slots is None or slots.caches[gid].get(fine[(index + 1) * stride - 1]) != slot:
-                    if not moved:
-                        return None, (
-                            f"tier {tier} slot {slot} does not hold group {gid}'s block at "
-                            f"position {index} of this request"
-                        )
-                    return gid, None
-        return None, None
 
     # ----------------------------------------------------------------- admission
     def admit_loads(
@@ -625,7 +150,7 @@ class TierManager:
             refs = device.ref_counts
             table = tables[gid]
             stride = hash_strides[gid]
-            by_tier: dict[int, _Pending] = {}
+            by_tier: dict[int, PendingTransfer] = {}
             for (index, tier, slot), block in zip(group_loads, taken, strict=True):
                 table[index] = block
                 refs[block] += 1  # the transfer's own reference
@@ -703,7 +228,7 @@ class TierManager:
                 self.blocks_moved[key] = self.blocks_moved.get(key, 0) + len(pending.source)
         return failed_loads
 
-    def _finish_store(self, pending: _Pending, cache: bool) -> None:
+    def _finish_store(self, pending: PendingTransfer, cache: bool) -> None:
         index = pending.destination_tier - 1
         slots = self.tier_pools[index][pending.pool]
         assert slots is not None
@@ -720,7 +245,7 @@ class TierManager:
         slots._release_unchecked(pending.destination)
 
     def _finish_load(
-        self, pending: _Pending, cache: bool, ok: bool
+        self, pending: PendingTransfer, cache: bool, ok: bool
     ) -> tuple[str | int, object, int] | None:
         device = self.device_pools[pending.pool]
         slots = self.tier_pools[pending.source_tier - 1][pending.pool]
@@ -801,25 +326,6 @@ class TierManager:
 
     def num_pending(self) -> int:
         return len(self._pending)
-
-
-def _full_scan(device_scan: HitScan) -> HitScan:
-    """Full attention's longest run over a :class:`TieredView`: the run in the device
-    cache, then on in the tiers (the same answer as the rules' scan over the view)."""
-
-    def scan(hashes: Sequence[bytes], view: Mapping[bytes, int], max_blocks: int) -> list[int]:
-        assert isinstance(view, TieredView)
-        found = device_scan(hashes, view.device, max_blocks)
-        if len(found) < max_blocks and view.tiers and (found or max_blocks):
-            get = view.get
-            for digest in hashes[len(found) : max_blocks]:
-                block = get(digest)
-                if block is None:
-                    break
-                found.append(block)
-        return found
-
-    return scan
 
 
 def uncache(pool: BlockPool, gid: int, digest: bytes, block: int) -> None:

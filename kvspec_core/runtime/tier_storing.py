@@ -1,0 +1,197 @@
+"""Recording copies into the offload tiers: the device's evictions (write-back), a tier's
+evictions down to the next tier, and slots reserved for blocks fetched from a remote store.
+Part of :class:`~kvspec_core.runtime.offloading.TierManager` (see ``tier_state.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import compress
+
+from kvspec_core.runtime.tier_state import PendingTransfer, TierState
+from kvspec_core.runtime.tiers import REMOTE_TIER, STORE, Transfer
+
+
+class TierStoring(TierState):
+    """Recording the copies of evicted blocks into the tiers below."""
+
+    # ----------------------------------------------------------------- recording copies
+    def _demoter(
+        self, index: int, pool: int
+    ) -> Callable[[list[int], list[bytes], list[int]], None]:
+        """The eviction hook of tier ``index`` (-1: the device) for ``pool``: store the
+        victims in the next tier down that has slots for the pool."""
+
+        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+            self._store(index + 1, pool, groups, hashes, index + 1, blocks)
+
+        return evicted
+
+    def _deferrer(self, pool: int) -> Callable[[list[int], list[bytes], list[int]], None]:
+        """The device pool's eviction hook: note the victims (stored by :meth:`take`)."""
+        append = self._victims[pool].append
+
+        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+            append((groups, hashes, blocks))
+
+        return evicted
+
+    def _store(
+        self,
+        index: int,
+        pool: int,
+        groups: list[int],
+        hashes: list[bytes],
+        source_tier: int,
+        sources: list[int],
+    ) -> None:
+        """Record the copies of ``sources`` (blocks of tier ``source_tier``, cached under
+        ``hashes`` for ``groups``) into offload tier ``index`` (0-based) or the first one
+        after it with slots for ``pool``. A hash the tier holds already becomes its most
+        recently used entry instead; one in flight there is skipped; when fewer slots are
+        free than copies (every other slot is in flight), the oldest victims are dropped."""
+        count = len(self.tiers)
+        while index < count and self.tier_pools[index][pool] is None:
+            index += 1
+        if index >= count:
+            return  # the last tier: dropped
+        slots = self.tier_pools[index][pool]
+        assert slots is not None
+        caches = slots.caches
+        storing = self._storing[index]
+        refresh: list[int] = []
+        kept: list[tuple[int, bytes, int]] = []
+        if len(caches) == 1:
+            (only,) = caches
+            per_group = {only: (hashes, sources)}
+        else:
+            per_group = {}
+            for gid in caches:
+                mask = [group == gid for group in groups]
+                if any(mask):
+                    per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
+        if len(hashes) <= slots.num_free_blocks and all(
+            not storing[gid]
+            and len(set(group_hashes)) == len(group_hashes)
+            and list(map(caches[gid].get, group_hashes)).count(None) == len(group_hashes)
+            for gid, (group_hashes, _) in per_group.items()
+        ):
+            # None of them held or in flight and room for all (the steady state): in bulk.
+            for gid, (group_hashes, group_sources) in per_group.items():
+                self._store_all(index, pool, gid, group_hashes, source_tier, group_sources)
+            return
+        # A hash evicted twice since the last take (cached again in between) is stored once.
+        seen: set[tuple[int, bytes]] = set()
+        for gid, digest, source in zip(groups, hashes, sources, strict=True):
+            held = caches[gid].get(digest)
+            if held is not None:
+                refresh.append(held)
+            elif digest not in storing[gid] and (gid, digest) not in seen:
+                seen.add((gid, digest))
+                kept.append((gid, digest, source))
+        if refresh:
+            refresh = list(dict.fromkeys(refresh))
+            slots.touch(refresh, known_cached=True)
+            slots._release_unchecked(refresh)
+        room = slots.num_free_blocks
+        if len(kept) > room:
+            kept = kept[len(kept) - room :]
+        if not kept:
+            return
+        taken = slots.take(len(kept))  # may evict: those slots' stores are recorded first
+        pending = None
+        for (gid, digest, source), slot in zip(kept, taken, strict=True):
+            if pending is None or pending.group != gid:
+                pending = self._append(STORE, gid, pool, source_tier, index + 1)
+            pending.source.append(source)
+            pending.destination.append(slot)
+            pending.hashes.append(digest)
+            storing[gid][digest] = pending.transfer_id
+
+    def _store_all(
+        self,
+        index: int,
+        pool: int,
+        gid: int,
+        hashes: list[bytes],
+        source_tier: int,
+        sources: list[int],
+    ) -> None:
+        """:meth:`_store` of blocks of one group none of which tier ``index`` holds or has in
+        flight: as many as there are free slots (the newest victims), in one batch."""
+        slots = self.tier_pools[index][pool]
+        assert slots is not None
+        room = slots.num_free_blocks
+        if len(hashes) > room:
+            hashes = hashes[len(hashes) - room :]
+            sources = sources[len(sources) - room :]
+        if not hashes:
+            return
+        taken = slots.take(len(hashes))  # may evict: those slots' stores are recorded first
+        pending = self._append(STORE, gid, pool, source_tier, index + 1)
+        pending.source.extend(sources)
+        pending.destination.extend(taken)
+        pending.hashes.extend(hashes)
+        self._storing[index][gid].update(dict.fromkeys(hashes, pending.transfer_id))
+
+    def _append(
+        self, kind: str, gid: int, pool: int, source_tier: int, destination_tier: int
+    ) -> PendingTransfer:
+        """The transfer to extend: the last one not handed out if it is the same kind of
+        copy (so an eviction of many blocks is one batch), else a new one."""
+        queue = self._queue
+        if queue:
+            last = queue[-1]
+            if (
+                kind == STORE
+                and last.kind == STORE
+                and last.group == gid
+                and last.source_tier == source_tier
+                and last.destination_tier == destination_tier
+            ):
+                return last
+        pending = PendingTransfer(
+            self._next_id, kind, gid, pool, source_tier, destination_tier, self.generation
+        )
+        self._next_id += 1
+        self._pending[pending.transfer_id] = pending
+        queue.append(pending)
+        return pending
+
+    # ----------------------------------------------------------------- remote blocks
+    def reserve_remote(self, gid: int, hashes: Sequence[bytes]) -> Transfer | None:
+        """Reserve slots for blocks of group ``gid`` fetched from a remote store under
+        ``hashes`` (a chain, in order) in the last tier with slots for the group's pool:
+        that tier's evictions drop, so taking its slots records no copy the engine would
+        have to run before the fetched pages are written. The run stops before the first
+        hash any tier holds or has in flight, and at the free slots. Returns the pending
+        transfer (``source_tier`` :data:`REMOTE_TIER`, already taken: the caller writes
+        the pages into ``destination_blocks`` and completes it, ``ok=False`` if the write
+        failed), or None when nothing is reserved."""
+        pool = self.pool_of_group[gid]
+        index = max(
+            (number for number, row in enumerate(self.tier_pools) if row[pool] is not None),
+            default=None,
+        )
+        if index is None:
+            return None
+        slots = self.tier_pools[index][pool]
+        assert slots is not None and slots._on_evict is None
+        view = self.views[gid]
+        kept: list[bytes] = []
+        for digest in hashes[: slots.num_free_blocks]:
+            if digest in view or any(digest in storing[gid] for storing in self._storing):
+                break
+            kept.append(digest)
+        if not kept:
+            return None
+        pending = PendingTransfer(
+            self._next_id, STORE, gid, pool, REMOTE_TIER, index + 1, self.generation
+        )
+        self._next_id += 1
+        pending.source.extend(range(len(kept)))  # positions in the fetched run
+        pending.destination.extend(slots.take(len(kept)))
+        pending.hashes.extend(kept)
+        pending.taken = True
+        self._pending[pending.transfer_id] = pending
+        self._storing[index][gid].update(dict.fromkeys(kept, pending.transfer_id))
+        return pending.record()
