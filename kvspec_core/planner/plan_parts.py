@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from kvspec_core.errors import PlanError
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
 
@@ -71,6 +72,19 @@ class PlannedGroup:
     spec: KVSpec
     pool: int
     blocks_per_request: int
+
+    def __attrs_post_init__(self) -> None:
+        # A uniform-type spec names its members' layers: a group whose layers disagree
+        # would size its pages from one list and lay out its views from the other.
+        if isinstance(self.spec, UniformTypeSpecs):
+            members = tuple(name for name, _ in self.spec.layer_specs)
+            if members != self.layers:
+                raise PlanError(
+                    f"group {self.id}: field 'layers' {list(self.layers)} does not match its "
+                    f"spec's member layers {list(members)} (spec.layer_specs); a group's "
+                    "layers are its uniform-type spec's members, in order: build groups "
+                    "with plan_kv_cache rather than by hand"
+                )
 
     @property
     def block_size(self) -> int:

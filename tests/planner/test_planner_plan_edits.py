@@ -8,11 +8,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from planner_testkit import HostSpec, full, layers, manager_with_test_kinds, window
 
 from kvspec_core import ConfigError, SizingContext
+from kvspec_core.errors import PlanError
 from kvspec_core.planner import KVCachePlan, plan_from_dict, plan_kv_cache
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.specs.encoder import EncoderOnlyAttentionSpec
@@ -179,3 +181,20 @@ def test_every_single_field_edit_is_refused() -> None:
         with pytest.raises(ConfigError):
             plan_from_dict(data, manager_with_test_kinds())
             pytest.fail(f"an edit of {'.'.join(map(str, path))} was accepted")
+
+
+def test_a_group_whose_layers_disagree_with_its_uniform_spec_is_refused() -> None:
+    # Built by hand, not read back: page sizes would count the spec's three members while
+    # the views laid out two layers (a silent wrong figure before this check).
+    plan = plan_kv_cache(
+        layers([full(), full(head_size=64, num_kv_heads=16), full()]),
+        64 << 20,
+        CTX,
+        manager_with_test_kinds(),
+    )
+    (group,) = plan.groups
+    with pytest.raises(PlanError, match=r"group 0: field 'layers' .*\(spec.layer_specs\)"):
+        attrs.evolve(group, layers=group.layers[:2])
+    with pytest.raises(PlanError, match=r"group 0: field 'layers'"):
+        attrs.evolve(group, layers=tuple(reversed(group.layers)))
+    assert attrs.evolve(group, layers=group.layers) == group
