@@ -32,6 +32,7 @@ from kvspec_core.models.encoder_decoder import (
 )
 from kvspec_core.models.fields import MissingConfigFieldError, optional_int
 from kvspec_core.models.head_fields import HeadFields
+from kvspec_core.models.kv_sharing import kv_sharing_sources
 from kvspec_core.models.layer_typing import (
     ATTENTION_LAYER_TYPES,
     NORMALISED_LAYER_TYPES,
@@ -44,6 +45,7 @@ from kvspec_core.models.model_code_check import check_against_model_code
 from kvspec_core.models.normalized import ModelConfig, normalize_config, with_defaults_hint
 from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS, install_hint
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
+from kvspec_core.specs.kv_sharing import KVSharingSpec
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager
@@ -69,6 +71,9 @@ class ModelLayers:
             Whisper: ``max_target_positions``), or ``None`` when it declares none.
         max_encoder_tokens: encoder tokens cross-attention layers hold (0 without encoder).
         options: the planning options the layers were resolved with.
+        kv_sharing: reader layer name -> the layer whose KV cache it reads (cross-layer KV
+            sharing, :mod:`kvspec_core.models.kv_sharing`); :func:`layer_specs` gives each
+            reader a :class:`~kvspec_core.specs.kv_sharing.KVSharingSpec`.
     """
 
     name: str
@@ -78,6 +83,7 @@ class ModelLayers:
     default_max_model_len: int | None
     max_encoder_tokens: int
     options: PlanOptions
+    kv_sharing: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -175,6 +181,9 @@ def _typed_layers(
             "MLP-only); check 'num_hidden_layers' and the layer pattern fields"
         )
     encoder_decoder = is_encoder_decoder(text)
+    sharing = (
+        {} if encoder_decoder else kv_sharing_sources(text, slots, num_layers(text), name=name)
+    )
     max_len = (
         decoder_max_len(text)
         if encoder_decoder
@@ -194,6 +203,7 @@ def _typed_layers(
         default_max_model_len=max_len,
         max_encoder_tokens=(encoder_max_len(text) or 0) if encoder_decoder else 0,
         options=options,
+        kv_sharing=sharing,
     )
 
 
@@ -236,7 +246,12 @@ def layer_specs(model: ModelLayers, manager: PluginManager) -> dict[str, KVSpec]
         if not claims:
             unclaimed.append(layer)
             continue
-        specs[layer.name] = claims[0][1]
+        spec = claims[0][1]
+        source = model.kv_sharing.get(layer.name)
+        # The family's spec describes the cache the layer reads; it holds none itself.
+        specs[layer.name] = (
+            spec if source is None else KVSharingSpec(target_layer=source, reader_spec=spec)
+        )
     if unclaimed:
         raise _missing_family(unclaimed[0], Counter(layer.layer_type for layer in unclaimed))
     return specs

@@ -21,6 +21,7 @@ import attrs
 from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.encoder_decoder import is_encoder_decoder
 from kvspec_core.models.layer_typing import num_layers
+from kvspec_core.specs.kv_sharing import KVSharingSpec
 
 if TYPE_CHECKING:
     from kvspec_core.models.planning import ModelPlan, PreparedModel
@@ -94,8 +95,11 @@ class PipelinePlan:
 
     @property
     def bottleneck(self) -> StagePlan:
-        """The stage that admits the fewest max-length requests (the first on a tie)."""
-        return min(self.stages, key=lambda stage: stage.result.plan.max_concurrency)
+        """The stage that admits the fewest max-length requests (the first on a tie). A
+        stage whose layers hold no cache (each memoryless, or reading another layer's
+        cache) admits without bound and is never the bottleneck, unless no stage holds one."""
+        holding = [stage for stage in self.stages if stage.result.plan.pools]
+        return min(holding or self.stages, key=lambda stage: stage.result.plan.max_concurrency)
 
     @property
     def max_concurrency(self) -> float:
@@ -118,8 +122,10 @@ def split_stages(
         total = max(layer.index for layer in model.layers) + 1
     else:
         total = num_layers(model.config)
+    ranges = stage_ranges(total, pp_size, partition)
+    check_sharing_within_stages(prepared, ranges, partition is not None)
     stages: list[PreparedStage] = []
-    for stage, (start, end) in enumerate(stage_ranges(total, pp_size, partition)):
+    for stage, (start, end) in enumerate(ranges):
         layers = tuple(layer for layer in model.layers if start <= layer.index < end)
         if not layers:
             continue
@@ -161,3 +167,77 @@ def largest_fitting_max_model_len(
     return min(
         stage.prepared.largest_fitting_max_model_len(budget_bytes, manager) for stage in stages
     )
+
+
+def _stage_of(ranges: Sequence[tuple[int, int]], index: int) -> int:
+    return next(stage for stage, (start, end) in enumerate(ranges) if start <= index < end)
+
+
+def check_sharing_within_stages(
+    prepared: PreparedModel, ranges: Sequence[tuple[int, int]], partitioned: bool
+) -> None:
+    """Refuse stages that split a layer from the layer whose KV cache it reads: a stage
+    cannot view another GPU's memory, and giving the reader a copy would need the engine to
+    send the source's cache between stages every step, which no engine does (vLLM refuses
+    such a target too). The error names the first such pair and a partition that keeps
+    every reader on its source's stage, when one exists."""
+    index_of = {layer.name: layer.index for layer in prepared.model.layers}
+    pairs = [
+        (index_of[spec.target_layer], index_of[name], spec.target_layer, name)
+        for name, spec in prepared.specs.items()
+        if isinstance(spec, KVSharingSpec) and spec.target_layer in index_of and name in index_of
+    ]
+    for source, reader, source_name, reader_name in pairs:
+        source_stage, reader_stage = _stage_of(ranges, source), _stage_of(ranges, reader)
+        if source_stage == reader_stage:
+            continue
+        total = ranges[-1][1]
+        suggestion = suggest_partition(total, len(ranges), [(s, r) for s, r, _, _ in pairs])
+        fix = (
+            f"use --pp-partition {','.join(map(str, suggestion))}, which keeps every reading "
+            "layer on its source's stage"
+            if suggestion is not None
+            else f"no split into {len(ranges)} stages keeps every reading layer on its source's "
+            "stage; use fewer stages (--pp)"
+        )
+        how = "the --pp-partition given" if partitioned else f"--pp {len(ranges)}"
+        raise ConfigError(
+            f"{how} puts layer {reader_name} on pipeline stage {reader_stage} and the layer "
+            f"whose KV cache it reads (cross-layer KV sharing), {source_name}, on stage "
+            f"{source_stage}; a stage cannot read a cache held on another GPU: {fix}"
+        )
+
+
+def suggest_partition(
+    total_layers: int, pp_size: int, pairs: Sequence[tuple[int, int]]
+) -> list[int] | None:
+    """Layers per stage, as near vLLM's even split as a greedy choice of stage starts gets,
+    such that no stage start falls in ``(source, reader]`` of any ``(source, reader)`` pair of
+    layer indices; ``None`` when none is found."""
+    crossing = [0] * (total_layers + 1)
+    for source, reader in pairs:
+        crossing[source + 1] += 1
+        crossing[reader + 1] -= 1
+    allowed, open_pairs = [], 0
+    for start in range(1, total_layers):
+        open_pairs += crossing[start]
+        if not open_pairs:
+            allowed.append(start)
+    counts = stage_layer_counts(total_layers, pp_size) if pp_size <= total_layers else None
+    if counts is None:
+        return None
+    wanted = [sum(counts[:stage]) for stage in range(1, pp_size)]
+    chosen: list[int] = []
+    for position, target in enumerate(wanted):
+        later = len(wanted) - position - 1  # starts still to choose after this one
+        previous = chosen[-1] if chosen else 0
+        candidates = [
+            start
+            for number, start in enumerate(allowed)
+            if start > previous and len(allowed) - number - 1 >= later
+        ]
+        if not candidates:
+            return None
+        chosen.append(min(candidates, key=lambda start: (abs(start - target), start)))
+    bounds = [0, *chosen, total_layers]
+    return [bounds[i + 1] - bounds[i] for i in range(pp_size)]

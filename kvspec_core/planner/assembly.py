@@ -98,6 +98,7 @@ def assemble(
         ),
         max_concurrency=concurrency_of([p.num_blocks for p in pools], demands),
         memoryless_layers=skeleton.memoryless,
+        kv_sharing=skeleton.kv_sharing,
         tiers=size_tiers(pools, tiers or TierRequest()),
     )
 

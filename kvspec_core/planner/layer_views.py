@@ -148,7 +148,8 @@ def _check_kernel_block_sizes(
 def plan_layer_views(
     plan: KVCachePlan, kernel_block_sizes: Mapping[int, int] | None = None
 ) -> list[LayerView]:
-    """Every layer's view geometry, validated against its pool buffer (no allocation)."""
+    """Every layer's view geometry, validated against its pool buffer (no allocation); a
+    layer reading another's cache (``plan.kv_sharing``) gets its source's geometry."""
     kernel_block_sizes = _check_kernel_block_sizes(plan, kernel_block_sizes)
     result = []
     for index, tensor in enumerate(plan.tensors):
@@ -180,7 +181,18 @@ def plan_layer_views(
                     raw=tensor.raw,
                 )
             )
-    return result
+    return result + _reader_views(plan, result)
+
+
+def _reader_views(plan: KVCachePlan, views: list[LayerView]) -> list[LayerView]:
+    """The views of layers that read another layer's cache: their source's geometry, so
+    each is a view of the very bytes its source's view covers."""
+    by_layer = {view.layer: view for view in views}
+    return [
+        attrs.evolve(by_layer[source], layer=reader)
+        for reader, source in plan.kv_sharing
+        if source in by_layer
+    ]
 
 
 def make_view(buffer: torch.Tensor, view: LayerView) -> torch.Tensor:

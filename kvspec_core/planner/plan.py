@@ -59,6 +59,14 @@ def _tuple_of_tiers(items: Iterable[PlannedTier]) -> tuple[PlannedTier, ...]:
     return tuple(items)
 
 
+def _pairs_of_layers(items: Iterable[Iterable[str]]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        reader, source = item
+        pairs.append((str(reader), str(source)))
+    return tuple(pairs)
+
+
 @attrs.frozen(kw_only=True)
 class KVCachePlan:
     """Everything an engine needs to allocate, view and admit; pure data.
@@ -68,7 +76,10 @@ class KVCachePlan:
     over pools of usable blocks over demand; 0.0 when no layer needs KV memory, as nothing
     is admitted against a cache). ``bytes_padding`` is what the budget holds
     beyond real content: page padding, block alignment, and budget left idle. ``tiers``
-    are the offload tiers (host, then disk; empty when none was asked for).
+    are the offload tiers (host, then disk; empty when none was asked for). ``kv_sharing``
+    lists ``(reader, source)`` for every layer that reads another layer's cache (cross-layer
+    KV sharing): the reader is a memoryless layer (no group, no blocks) whose view is its
+    source's.
     """
 
     groups: tuple[PlannedGroup, ...] = attrs.field(converter=_tuple_of_groups)
@@ -87,6 +98,7 @@ class KVCachePlan:
     max_concurrency: float
     memoryless_layers: tuple[str, ...] = attrs.field(default=(), converter=tuple_of_str)
     tiers: tuple[PlannedTier, ...] = attrs.field(default=(), converter=_tuple_of_tiers)
+    kv_sharing: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_pairs_of_layers)
 
     # ----------------------------------------------------------------- totals
     @property
@@ -115,14 +127,34 @@ class KVCachePlan:
         return group.pool, group.layers.index(layer)
 
     def aliased_layers(self, layer: str) -> tuple[str, ...]:
-        """Layers of other groups whose pages overlay ``layer``'s (same pool and slot)."""
-        pool_id, slot = self.slot_of(layer)
-        own = self.group_of(layer).id
-        return tuple(
+        """Layers whose pages overlay ``layer``'s: those of other groups in the same pool and
+        slot, then the layers reading the same cache (cross-layer KV sharing: a reader's
+        source, and every other reader of it)."""
+        source = self.kv_source_of(layer)
+        owner = layer if source is None else source
+        pool_id, slot = self.slot_of(owner)
+        own = self.group_of(owner).id
+        slot_twins = tuple(
             group.layers[slot]
             for group in self.groups
             if group.pool == pool_id and group.id != own and slot < len(group.layers)
         )
+        readers = tuple(reader for reader in self.kv_readers_of(owner) if reader != layer)
+        return slot_twins + ((source,) if source is not None else ()) + readers
+
+    def kv_source_of(self, layer: str) -> str | None:
+        """The layer whose cache ``layer`` reads (cross-layer KV sharing), else ``None``."""
+        return next((source for reader, source in self.kv_sharing if reader == layer), None)
+
+    def kv_readers_of(self, layer: str) -> tuple[str, ...]:
+        """The layers that read ``layer``'s cache, in model order."""
+        return tuple(reader for reader, source in self.kv_sharing if source == layer)
+
+    def cache_group_of(self, layer: str) -> PlannedGroup:
+        """The group whose blocks ``layer`` reads: its own, or its source's for a layer that
+        reads another's cache (its block table and slot mapping are that group's)."""
+        source = self.kv_source_of(layer)
+        return self.group_of(layer if source is None else source)
 
     @property
     def aliases(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
@@ -221,6 +253,9 @@ class KVCachePlan:
             "pools": [pool_to_dict(pool) for pool in self.pools],
             "tensors": [tensor_to_dict(tensor) for tensor in self.tensors],
             "tiers": [tier_to_dict(tier) for tier in self.tiers],
+            "kv_sharing": [
+                {"layer": reader, "source": source} for reader, source in self.kv_sharing
+            ],
         }
         data["input_checksums"] = input_checksums(data)
         return data

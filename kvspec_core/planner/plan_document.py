@@ -257,10 +257,11 @@ _PLAN = _record(
         "pools": _list_of(_POOL),
         "tensors": _list_of(_TENSOR),
         "tiers": _list_of(_TIER),
+        "kv_sharing": _list_of(_record({"layer": _str, "source": _str})),
         "input_checksums": _mapping_of(_str),
     },
-    # Plans written before offload tiers existed have none.
-    optional=frozenset({"tiers"}),
+    # Plans written before offload tiers (or cross-layer KV sharing) existed have none.
+    optional=frozenset({"tiers", "kv_sharing"}),
 )
 
 

@@ -65,6 +65,9 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
     if "tiers" not in data:
         # A plan written before offload tiers existed: it has none.
         data = {**data, "tiers": []}
+    if "kv_sharing" not in data:
+        # A plan written before cross-layer KV sharing existed: no layer reads another's.
+        data = {**data, "kv_sharing": []}
     groups = tuple(
         PlannedGroup(
             id=item["id"],
@@ -130,6 +133,7 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
             )
             for item in data["tiers"]
         ),
+        kv_sharing=[(item["layer"], item["source"]) for item in data["kv_sharing"]],
     )
     _check_tier_request(plan)
     _check_inputs_unedited(data)

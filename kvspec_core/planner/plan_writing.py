@@ -23,7 +23,7 @@ PLAN_FORMAT_VERSION = 2
 #: ``input_checksums`` (``num_blocks`` stands for the pools' block counts); each group's
 #: ``layers`` and ``spec`` are inputs too (``groups[0].spec``...), and so are the offload
 #: ``tiers`` when a plan has some (a plan without any, or written before tiers existed,
-#: has no checksum for them).
+#: has no checksum for them), and so is ``kv_sharing`` likewise.
 CHECKSUMMED_INPUTS = (
     "layout",
     "context",
@@ -47,6 +47,8 @@ def input_checksums(data: Mapping[str, Any]) -> dict[str, str]:
         values[f"groups[{index}].spec"] = group["spec"]
     if data.get("tiers"):
         values["tiers"] = data["tiers"]
+    if data.get("kv_sharing"):
+        values["kv_sharing"] = data["kv_sharing"]
     return {
         name: hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()[
             :16

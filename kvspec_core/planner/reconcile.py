@@ -31,6 +31,7 @@ def plan_signature(plan: KVCachePlan) -> dict[str, Any]:
             for slot, (layer, spec) in enumerate(zip(group.layers, group.layer_specs, strict=True))
         ],
         "memoryless_layers": list(plan.memoryless_layers),
+        "kv_sharing": [list(pair) for pair in plan.kv_sharing],
         "block_bytes": [pool.block_bytes for pool in plan.pools],
     }
 
@@ -59,6 +60,10 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     if a["memoryless_layers"] != b["memoryless_layers"]:
         return (
             f"layers without memory differ ({a['memoryless_layers']} vs {b['memoryless_layers']})"
+        )
+    if a["kv_sharing"] != b["kv_sharing"]:
+        return (
+            f"layers reading another layer's cache differ ({a['kv_sharing']} vs {b['kv_sharing']})"
         )
     if a["block_bytes"] != b["block_bytes"]:
         return f"pool block bytes differ ({a['block_bytes']} vs {b['block_bytes']})"

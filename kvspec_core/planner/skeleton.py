@@ -13,6 +13,7 @@ from kvspec_core.context import SizingContext
 from kvspec_core.errors import PlanError
 from kvspec_core.planner.geometry import Segment, lcm_alignment, place_segments, segments_of
 from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slot_runs
+from kvspec_core.planner.kv_sharing import check_plan_sharing, resolve_kv_sharing
 from kvspec_core.planner.layouts import DIM_L, KVCacheLayout, get_layout
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.spec_answers import checked_blocks_per_request
@@ -41,6 +42,8 @@ class Skeleton:
     pools: tuple[PoolDraft, ...]
     pool_of_group: tuple[int, ...]
     layout: KVCacheLayout
+    #: ``(reader, source)``: memoryless layers that read another layer's cache.
+    kv_sharing: tuple[tuple[str, str], ...] = ()
 
 
 def build_pools(
@@ -95,8 +98,11 @@ def skeleton_of_specs(
 ) -> Skeleton:
     """The groups and pools of ``layer_specs``."""
     drafts, memoryless = group_layers(layer_specs, manager, ctx, layout)
+    kv_sharing = resolve_kv_sharing(layer_specs, memoryless, manager)
     pools, pool_of_group = build_pools(drafts, layout)
-    return Skeleton(tuple(drafts), tuple(memoryless), pools, pool_of_group, layout)
+    return Skeleton(
+        tuple(drafts), tuple(memoryless), pools, pool_of_group, layout, kv_sharing=kv_sharing
+    )
 
 
 def blocks_per_request(skeleton: Skeleton, ctx: SizingContext) -> tuple[list[int], list[int]]:
@@ -122,4 +128,16 @@ def skeleton_of_plan(plan: KVCachePlan) -> Skeleton:
             "the plan's pool assignment does not follow from its groups; it was "
             "not written by this planner"
         )
-    return Skeleton(tuple(drafts), plan.memoryless_layers, pools, pool_of_group, layout)
+    check_plan_sharing(
+        plan.kv_sharing,
+        plan.memoryless_layers,
+        {layer for group in plan.groups for layer in group.layers},
+    )
+    return Skeleton(
+        tuple(drafts),
+        plan.memoryless_layers,
+        pools,
+        pool_of_group,
+        layout,
+        kv_sharing=plan.kv_sharing,
+    )

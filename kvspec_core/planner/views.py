@@ -71,6 +71,7 @@ class KVCacheBuffers:
                 "kernel_block_size": view.kernel_block_size,
                 "raw": view.raw,
                 "aliases": list(self.plan.aliased_layers(name)),
+                "kv_source": self.plan.kv_source_of(name),
             }
         return {
             "layout": self.plan.layout,

@@ -12,6 +12,7 @@ from kvspec_core.specs import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    KVSharingSpec,
     KVSpec,
     SinkFullAttentionSpec,
     UniformTypeSpecs,
@@ -27,6 +28,7 @@ def kvspec_register_spec_kinds(register: RegisterSpecKind) -> None:
     register(CrossAttentionSpec)
     register(EncoderOnlyAttentionSpec)
     register(UniformTypeSpecs)
+    register(KVSharingSpec)
 
 
 @hookimpl

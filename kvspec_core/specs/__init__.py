@@ -4,6 +4,7 @@ from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.encoder import CrossAttentionSpec, EncoderOnlyAttentionSpec
 from kvspec_core.specs.full_attention import FullAttentionSpec, SinkFullAttentionSpec
+from kvspec_core.specs.kv_sharing import KVSharingSpec
 from kvspec_core.specs.serialization import spec_from_dict, spec_to_dict
 from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
 
@@ -12,6 +13,7 @@ __all__ = [
     "CrossAttentionSpec",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
+    "KVSharingSpec",
     "KVSpec",
     "SinkFullAttentionSpec",
     "UniformTypeSpecs",
