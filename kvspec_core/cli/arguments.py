@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
@@ -144,10 +145,15 @@ def offload_tier_error(error: OffloadTierError) -> ConfigError:
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, *, kv_dtype_help: str, repeatable_kv_dtype: bool = False
+    parser: argparse.ArgumentParser,
+    *,
+    kv_dtype_help: str,
+    repeatable_kv_dtype: bool = False,
+    memory_required: bool = True,
 ) -> None:
     """MODEL, ``--memory`` and the planning options (block size, KV dtype, TP, DCP, lengths),
-    plus ``--json``."""
+    plus ``--json``. ``memory_required=False``: the command checks ``--memory`` itself (plan
+    takes ``--gpu`` instead)."""
     parser.add_argument(
         "model",
         metavar="MODEL",
@@ -157,7 +163,7 @@ def add_model_arguments(
     )
     parser.add_argument(
         "--memory",
-        required=True,
+        required=memory_required,
         metavar="SIZE",
         help="KV-cache budget: 40GiB, 512MiB, 80GB, or a number of bytes",
     )
@@ -198,6 +204,47 @@ def add_model_arguments(
         help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def utilization(text: str) -> float:
+    """argparse type: a share of GPU memory in (0, 1], as vLLM's --gpu-memory-utilization."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a share of GPU memory; give a number in (0, 1] such as 0.9"
+        )
+    return value
+
+
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpu`` and the options that derive the KV budget from a GPU (``kvspec plan``)."""
+    parser.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="plan on this GPU instead of a --memory budget: the KV budget is its memory x "
+        "--gpu-memory-utilization less the weights one GPU holds and vLLM's overheads "
+        "(h100-80gb, h200, b200, a100-80gb, a100-40gb, l40s, l4)",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="the GPU's total memory (81559MiB...), overriding the catalog's, or for a GPU "
+        "it does not list",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=utilization,
+        metavar="F",
+        help="share of the GPU's memory the engine may use (default 0.9, as vLLM's)",
+    )
+    parser.add_argument(
+        "--overhead",
+        metavar="SIZE",
+        help="activation + non-torch memory per GPU, replacing the calibrated table's figure",
+    )
 
 
 def plan_options(args: argparse.Namespace, kv_cache_dtype: str) -> PlanOptions:

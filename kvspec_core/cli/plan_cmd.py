@@ -1,5 +1,9 @@
 """``kvspec plan MODEL --memory SIZE``: plan a model's KV cache within a byte budget.
 
+``--gpu NAME`` (or ``--gpu-memory SIZE``) replaces ``--memory``: the KV budget is what the
+GPU has left after the weights and overheads (:mod:`kvspec_core.cli.gpu_plan`, which lists
+the extra ``--json`` keys), and ``--plot`` draws one curve per TP that fits.
+
 ``--kv-cache-dtype`` may be repeated: the plan (table or JSON) uses the first one, and
 ``--plot FILE`` draws one concurrency-vs-context-length curve per dtype given (``auto``
 alone when none is given). ``--pp N`` splits the layers over N pipeline stages, each planned
@@ -19,6 +23,7 @@ from typing import Any
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import (
     DEFAULT_KV_CACHE_DTYPE,
+    add_gpu_arguments,
     add_model_arguments,
     add_pipeline_arguments,
     add_tier_arguments,
@@ -27,10 +32,17 @@ from kvspec_core.cli.arguments import (
     plan_options,
     plot_file,
 )
+from kvspec_core.cli.gpu_plan import (
+    check_budget_options,
+    gpu_lines,
+    gpu_plot_curves,
+    gpu_requested,
+    plan_on_gpu,
+)
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.errors import CapacityError, ConfigError
-from kvspec_core.models.catalog import resolve_model
+from kvspec_core.models.catalog import ResolvedModel, resolve_model
 from kvspec_core.models.normalized import ModelConfig, normalize_config
 from kvspec_core.models.pipeline import (
     PipelinePlan,
@@ -52,24 +64,27 @@ from kvspec_core.plugins.manager import PluginManager
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="plan a model's KV cache within a memory budget",
-        description="Plan the KV cache of MODEL within --memory bytes: groups, pools, blocks, "
-        "padding and how many max-length requests fit at once.",
+        help="plan a model's KV cache within a memory budget or on a GPU",
+        description="Plan the KV cache of MODEL within --memory bytes, or within what a --gpu "
+        "has left after the weights: groups, pools, blocks, padding and how many max-length "
+        "requests fit at once.",
     )
     add_model_arguments(
         parser,
+        memory_required=False,
         repeatable_kv_dtype=True,
         kv_dtype_help="KV-cache dtype (default auto: the model's dtype); repeat to plot "
         "several, the plan uses the first",
     )
     add_pipeline_arguments(parser)
     add_tier_arguments(parser)
+    add_gpu_arguments(parser)
     parser.add_argument(
         "--plot",
         type=plot_file,
         metavar="FILE",
         help="write a PNG of max concurrency against context length, one "
-        "curve per --kv-cache-dtype (needs kvspec-core[plot])",
+        "curve per --kv-cache-dtype (with --gpu: per TP that fits) (needs kvspec-core[plot])",
     )
     parser.set_defaults(handler=run)
 
@@ -386,7 +401,7 @@ def _stage_lines(report: dict[str, Any]) -> list[str]:
 
 def _write_plot(
     args: argparse.Namespace,
-    name: str,
+    resolved: ResolvedModel,
     config: ModelConfig,
     budget: int,
     result: ModelPlan,
@@ -395,7 +410,15 @@ def _write_plot(
 ) -> None:
     from kvspec_core.cli.plot import plot_concurrency
 
+    name = resolved.name
     lengths = context_lengths(result.context.max_model_len, args.block_size)
+    if gpu_requested(args):
+        curves = gpu_plot_curves(args, resolved, config, dtypes, lengths, manager)
+        title = (
+            f"{name} on {args.gpu or format_size(parse_size(args.gpu_memory))}: one curve per TP"
+        )
+        plot_concurrency(curves, args.plot, title=title, max_model_len=result.context.max_model_len)
+        return
     curves = {
         dtype: concurrency_curve(
             config,
@@ -416,7 +439,8 @@ def _write_plot(
 
 
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
-    budget = parse_size(args.memory)
+    check_budget_options(args)
+    budget = 0 if args.memory is None else parse_size(args.memory)
     dtypes = list(dict.fromkeys(args.kv_cache_dtype or [DEFAULT_KV_CACHE_DTYPE]))
     if args.plot is not None:
         if args.pp > 1 or args.pp_partition is not None:
@@ -439,11 +463,17 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         **tier_options,
     )
     stages = split_stages(prepared, args.pp, args.pp_partition)
+    gpu_report: dict[str, Any] = {}
     try:
-        pipeline = plan_stages(stages, budget, manager)
+        if gpu_requested(args):
+            pipeline, gpu_report = plan_on_gpu(args, resolved, config, stages, manager)
+        else:
+            pipeline = plan_stages(stages, budget, manager)
     except OffloadTierError as error:
         raise offload_tier_error(error) from None
     except CapacityError as error:
+        if gpu_report or gpu_requested(args):
+            raise
         largest = largest_fitting_max_model_len(stages, budget, manager)
         if largest:
             raise CapacityError(f"{error} (pass --max-model-len {largest})") from None
@@ -451,13 +481,16 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     result = pipeline.bottleneck.result
     report = plan_report(result, source=resolved.source)
     report.update(pipeline_report(pipeline, args.pp))
+    report.update(gpu_report)
     if args.plot is not None:
-        _write_plot(args, resolved.name, config, budget, result, dtypes, manager)
+        _write_plot(args, resolved, config, budget, result, dtypes, manager)
         report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(_human(report))
+        if gpu_report:
+            print("\n" + "\n".join(gpu_lines(report)))
         if args.plot is not None:
             print(f"plot             {args.plot}")
     return 0

@@ -1,0 +1,287 @@
+"""``kvspec plan MODEL --gpu NAME``: the KV budget is what one GPU has left after the weights
+it holds and vLLM's overheads (:mod:`kvspec_core.deployment`), then the usual plan.
+
+Extra ``--json`` keys (the plan's keys stay; ``kv_budget_bytes`` is then the bottleneck
+stage's budget):
+
+* ``gpu``: ``name`` (catalog name, or ``custom`` with ``--gpu-memory`` alone),
+  ``description``, ``memory_bytes``, ``memory_source``, ``utilization``, ``usable_bytes``
+  (``floor(memory_bytes x utilization)``);
+* ``weights``: ``source`` (``safetensors index``, ``safetensors header`` or ``parameter
+  count``), ``checkpoint_bytes`` (the whole model as stored), ``parameters`` (transformers'
+  count, or null), ``quant_method`` (or null), ``path`` (the metadata file read, or null);
+* ``overheads``: ``activation_bytes``, ``non_torch_bytes`` (per GPU), ``basis``, ``source``;
+* ``memory_per_gpu``: per pipeline stage, ``stage``, ``weights_bytes``, ``activation_bytes``,
+  ``non_torch_bytes``, ``kv_budget_bytes``, ``kv_bytes_allocated``, ``free_bytes`` (usable
+  bytes the plan leaves: padding below one block) and ``reserved_bytes`` (the share
+  ``--gpu-memory-utilization`` keeps back);
+* ``max_tokens``: ``max_concurrency x max_model_len``, the tokens the tightest stage holds
+  for requests of that length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from kvspec_core.byte_sizes import format_size
+from kvspec_core.cli.arguments import plan_options
+from kvspec_core.cli.sizes import parse_size
+from kvspec_core.cli.table import render_table
+from kvspec_core.deployment.checkpoint import CheckpointSize, folder_checkpoint, hub_checkpoint
+from kvspec_core.deployment.gpu_budget import (
+    DEFAULT_UTILIZATION,
+    GpuBudget,
+    WeightsSource,
+    gpu_budget,
+    smallest_fitting_tp,
+    tp_candidates,
+    weights_do_not_fit,
+    weights_source,
+)
+from kvspec_core.deployment.gpus import find_gpu
+from kvspec_core.errors import CapacityError, ConfigError
+from kvspec_core.models.catalog import ResolvedModel
+from kvspec_core.models.hub import hub_cache_dir, parse_hub_id
+from kvspec_core.models.layer_typing import num_layers
+from kvspec_core.models.normalized import ModelConfig
+from kvspec_core.models.pipeline import PipelinePlan, PreparedStage, StagePlan
+from kvspec_core.plugins.manager import PluginManager
+
+#: Largest TP ``--plot`` draws with ``--gpu``: one node of eight GPUs.
+MAX_PLOTTED_TP = 8
+
+
+def gpu_requested(args: argparse.Namespace) -> bool:
+    """Whether the KV budget comes from a GPU (``--gpu`` or ``--gpu-memory``)."""
+    return args.gpu is not None or args.gpu_memory is not None
+
+
+def check_budget_options(args: argparse.Namespace) -> None:
+    """Exactly one of ``--memory`` (the KV budget) and ``--gpu`` / ``--gpu-memory`` (the GPU
+    it is derived from); the GPU-only options only with a GPU."""
+    if args.memory is not None and gpu_requested(args):
+        raise ConfigError(
+            "--memory is the KV budget itself and --gpu / --gpu-memory derive it from the GPU; "
+            "give one of them"
+        )
+    if args.memory is None and not gpu_requested(args):
+        raise ConfigError(
+            "kvspec plan needs --memory SIZE (the KV-cache budget, e.g. 40GiB) or --gpu NAME "
+            "(the budget a GPU has left after the weights, e.g. --gpu h100-80gb)"
+        )
+    if not gpu_requested(args):
+        for option, value in (
+            ("--gpu-memory-utilization", args.gpu_memory_utilization),
+            ("--overhead", args.overhead),
+        ):
+            if value is not None:
+                raise ConfigError(f"{option} applies to --gpu / --gpu-memory; add --gpu NAME")
+
+
+def _checkpoint(resolved: ResolvedModel) -> CheckpointSize | None:
+    if resolved.path is None:
+        return None  # a preset: configs only; its weights are counted from parameters
+    if resolved.source == "hub cache":
+        hub_id = parse_hub_id(resolved.name)
+        if hub_id is not None:
+            return hub_checkpoint(hub_id[0], hub_id[1], hub_cache_dir())
+    folder = resolved.path if resolved.path.is_dir() else resolved.path.parent
+    return folder_checkpoint(folder)
+
+
+def _memory(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    if args.gpu_memory is not None:
+        memory = parse_size(args.gpu_memory, what="--gpu-memory")
+        gpu = find_gpu(args.gpu) if args.gpu is not None else None
+        return memory, {
+            "name": gpu.name if gpu else "custom",
+            "description": gpu.description if gpu else "a GPU of --gpu-memory",
+            "memory_bytes": memory,
+            "memory_source": "--gpu-memory",
+        }
+    gpu = find_gpu(args.gpu)
+    return gpu.memory_bytes, {
+        "name": gpu.name,
+        "description": gpu.description,
+        "memory_bytes": gpu.memory_bytes,
+        "memory_source": gpu.source,
+    }
+
+
+def _budget_options(args: argparse.Namespace, memory: int) -> dict[str, Any]:
+    return {
+        "memory_bytes": memory,
+        "utilization": DEFAULT_UTILIZATION
+        if args.gpu_memory_utilization is None
+        else args.gpu_memory_utilization,
+        "pp": args.pp,
+        "partition": args.pp_partition,
+        "overhead_bytes": None
+        if args.overhead is None
+        else parse_size(args.overhead, what="--overhead"),
+    }
+
+
+def model_weights_source(resolved: ResolvedModel, config: ModelConfig) -> WeightsSource:
+    """Where the model's weights are counted from (its checkpoint metadata, else its
+    parameters)."""
+    return weights_source(
+        resolved.config, num_layers(config.fields), config.dtype.itemsize, _checkpoint(resolved)
+    )
+
+
+def _plan_stages(
+    stages: list[PreparedStage], budget: GpuBudget, manager: PluginManager
+) -> PipelinePlan:
+    plans = []
+    for stage in stages:
+        kv_budget = budget.kv_budget_bytes[stage.stage]
+        try:
+            result = stage.prepared.plan(kv_budget, manager)
+        except CapacityError as error:
+            largest = stage.prepared.largest_fitting_max_model_len(kv_budget, manager)
+            where = f"pipeline stage {stage.stage}: " if len(budget.kv_budget_bytes) > 1 else ""
+            hint = f" (pass --max-model-len {largest})" if largest else ""
+            raise CapacityError(f"{where}{error}{hint}") from None
+        plans.append(StagePlan(stage=stage.stage, layer_range=stage.layer_range, result=result))
+    return PipelinePlan(stages=tuple(plans))
+
+
+def plan_on_gpu(
+    args: argparse.Namespace,
+    resolved: ResolvedModel,
+    config: ModelConfig,
+    stages: list[PreparedStage],
+    manager: PluginManager,
+) -> tuple[PipelinePlan, dict[str, Any]]:
+    """Every stage planned within what its GPU has left, and the ``--json`` keys above."""
+    memory, gpu = _memory(args)
+    options = _budget_options(args, memory)
+    source = model_weights_source(resolved, config)
+    budget = gpu_budget(source, resolved.config, tp=args.tp, **options)
+    if not budget.fits:
+        raise weights_do_not_fit(
+            budget, smallest_fitting_tp(source, resolved.config, **options), args.pp
+        )
+    pipeline = _plan_stages(stages, budget, manager)
+    allocated = {stage.stage: stage.result.plan.bytes_allocated for stage in pipeline.stages}
+    overheads = budget.overheads
+    result = pipeline.bottleneck.result
+    report = {
+        "kv_budget_bytes": budget.kv_budget_bytes[pipeline.bottleneck.stage],
+        "gpu": {**gpu, "utilization": budget.utilization, "usable_bytes": budget.usable_bytes},
+        "weights": {
+            "source": source.kind,
+            "checkpoint_bytes": source.checkpoint_bytes,
+            "parameters": source.parameters,
+            "quant_method": source.quant_method,
+            "path": source.path,
+        },
+        "overheads": {
+            "activation_bytes": overheads.activation_bytes,
+            "non_torch_bytes": overheads.non_torch_bytes,
+            "basis": overheads.basis,
+            "source": overheads.source,
+        },
+        "memory_per_gpu": [
+            {
+                "stage": stage,
+                "weights_bytes": weights,
+                "activation_bytes": overheads.activation_bytes,
+                "non_torch_bytes": overheads.non_torch_bytes,
+                "kv_budget_bytes": kv_budget,
+                "kv_bytes_allocated": allocated.get(stage, 0),
+                "free_bytes": kv_budget - allocated.get(stage, 0),
+                "reserved_bytes": budget.memory_bytes - budget.usable_bytes,
+            }
+            for stage, (weights, kv_budget) in enumerate(
+                zip(budget.weights_bytes, budget.kv_budget_bytes, strict=True)
+            )
+        ],
+        "max_tokens": math.floor(result.plan.max_concurrency * result.context.max_model_len),
+    }
+    return pipeline, report
+
+
+def gpu_lines(report: dict[str, Any]) -> list[str]:
+    """The memory breakdown per GPU and the answer (human output)."""
+    gpu, weights = report["gpu"], report["weights"]
+    stages = report["memory_per_gpu"]
+    rows = [
+        ("weights", "weights_bytes"),
+        ("activation peak", "activation_bytes"),
+        ("non-torch", "non_torch_bytes"),
+        ("KV cache", "kv_bytes_allocated"),
+        ("free (under one block)", "free_bytes"),
+        (f"held back (1 - {gpu['utilization']:g})", "reserved_bytes"),
+    ]
+    headers = ["memory per GPU"] + (
+        [f"stage {s['stage']}" for s in stages] if len(stages) > 1 else ["bytes", "share"]
+    )
+    table_rows = []
+    for label, key in rows:
+        if len(stages) > 1:
+            table_rows.append([label, *(format_size(s[key]) for s in stages)])
+        else:
+            value = stages[0][key]
+            table_rows.append([label, format_size(value), f"{value / gpu['memory_bytes']:.1%}"])
+    count = (
+        f"{weights['parameters']:,} parameters"
+        if weights["parameters"] is not None
+        else "parameters not counted"
+    )
+    stored = f"; {weights['quant_method']} as stored" if weights["quant_method"] else ""
+    tp = report["tensor_parallel_size"]
+    pp = report["pipeline_parallel_size"]
+    return [
+        f"GPU              {gpu['name']} ({gpu['description']}): "
+        f"{format_size(gpu['memory_bytes'])} x {gpu['utilization']:g} = "
+        f"{format_size(gpu['usable_bytes'])} per GPU; TP {tp}"
+        + (f" x PP {pp}" if pp > 1 else "")
+        + f" = {tp * pp} GPU{'s' if tp * pp > 1 else ''}",
+        f"weights          {format_size(weights['checkpoint_bytes'])} in all, from the "
+        f"{weights['source']} ({count}{stored})",
+        f"overheads        {report['overheads']['basis']} ({report['overheads']['source']})",
+        "",
+        render_table(headers, table_rows, align_right=tuple(range(1, len(headers)))),
+        "",
+        f"answer           {report['max_concurrency']:.2f} requests of "
+        f"{report['max_model_len']:,} tokens at once ({report['max_tokens']:,} tokens)",
+    ]
+
+
+def gpu_plot_curves(
+    args: argparse.Namespace,
+    resolved: ResolvedModel,
+    config: ModelConfig,
+    dtypes: list[str],
+    lengths: list[int],
+    manager: PluginManager,
+) -> dict[str, list[tuple[int, float | None]]]:
+    """Concurrency against context length for each TP up to :data:`MAX_PLOTTED_TP` whose
+    weights fit the GPU (one stage), one curve per TP (and per KV dtype when several are given)."""
+    from kvspec_core.models.planning import concurrency_curve
+
+    memory, _ = _memory(args)
+    options = _budget_options(args, memory)
+    source = model_weights_source(resolved, config)
+    curves = {}
+    for tp in [tp for tp in tp_candidates(resolved.config) if tp <= MAX_PLOTTED_TP]:
+        budget = gpu_budget(source, resolved.config, tp=tp, **options)
+        if not budget.fits:
+            continue
+        tp_args = argparse.Namespace(**{**vars(args), "tp": tp})
+        for dtype in dtypes:
+            label = f"TP {tp}" if len(dtypes) == 1 else f"TP {tp}, {dtype}"
+            curves[label] = concurrency_curve(
+                config,
+                budget.kv_budget_bytes[0],
+                plan_options(tp_args, dtype),
+                manager,
+                lengths,
+                name=resolved.name,
+                max_in_flight_tokens=args.max_in_flight_tokens,
+            )
+    return curves

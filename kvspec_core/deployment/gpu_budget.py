@@ -1,0 +1,218 @@
+"""The KV budget of one GPU: its memory times the utilisation vLLM may take, less the weights
+that GPU holds and vLLM's overheads, per pipeline stage.
+
+``--gpu NAME`` (or ``--gpu-memory SIZE``) x ``--gpu-memory-utilization`` (0.9 by default, as
+vLLM's) is what one worker may use; the weights come from the checkpoint (the
+safetensors index's ``total_size`` or a single file's header) split over the ranks in the
+proportions of the model's own tensors, or, without a checkpoint, from the parameters
+transformers builds on the meta device, as stored (see :mod:`stored_bytes`); the overheads
+from :mod:`overheads` or ``--overhead``. What is left is the KV budget the planner fills.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import attrs
+
+from kvspec_core.deployment.checkpoint import CheckpointSize
+from kvspec_core.deployment.overheads import Overheads, estimate_overheads, overridden_overheads
+from kvspec_core.deployment.parameters import ModelWeights, model_weights
+from kvspec_core.deployment.sharding import stage_weight_bytes
+from kvspec_core.deployment.stored_bytes import (
+    QUANT_METHODS,
+    check_quantization,
+    quantization,
+    stored_bytes,
+)
+from kvspec_core.errors import CapacityError, ConfigError
+from kvspec_core.models.pipeline import stage_ranges
+
+#: vLLM's default --gpu-memory-utilization.
+DEFAULT_UTILIZATION = 0.9
+#: TP sizes tried when looking for the smallest that fits.
+_TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@attrs.frozen(kw_only=True)
+class WeightsSource:
+    """Where the weights' size comes from.
+
+    Attributes:
+        kind: ``safetensors index``, ``safetensors header`` or ``parameter count``.
+        checkpoint_bytes: the whole model's stored bytes (unsharded, unpadded).
+        parameters: the parameter count transformers builds (``None`` when it cannot).
+        quant_method: the config's ``quantization_config.quant_method``, if any.
+        path: the metadata file read, or ``None``.
+        model: the model's tensors (``None`` when transformers cannot build it).
+        stored: each tensor's stored bytes, by name.
+    """
+
+    kind: str
+    checkpoint_bytes: int
+    parameters: int | None
+    quant_method: str | None
+    path: str | None
+    model: ModelWeights | None = attrs.field(repr=False)
+    stored: Mapping[str, Fraction] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class GpuBudget:
+    """One GPU's memory, per pipeline stage.
+
+    Attributes:
+        memory_bytes: the GPU's total memory.
+        utilization: the share vLLM may take.
+        usable_bytes: ``floor(memory_bytes x utilization)``.
+        weights_bytes: per stage, the weights one GPU of it holds.
+        overheads: activation and non-torch memory per GPU.
+        kv_budget_bytes: per stage, what is left for the KV cache (may be negative).
+    """
+
+    memory_bytes: int
+    utilization: float
+    usable_bytes: int
+    weights_bytes: tuple[int, ...]
+    overheads: Overheads
+    tp: int
+
+    @property
+    def kv_budget_bytes(self) -> tuple[int, ...]:
+        return tuple(
+            self.usable_bytes - weights - self.overheads.total_bytes
+            for weights in self.weights_bytes
+        )
+
+    @property
+    def fits(self) -> bool:
+        return all(budget > 0 for budget in self.kv_budget_bytes)
+
+
+def weights_source(
+    raw: Mapping[str, Any],
+    num_layers: int,
+    model_dtype_bytes: int,
+    checkpoint: CheckpointSize | None,
+) -> WeightsSource:
+    """The weights of the model ``raw`` describes: the checkpoint's stored size when there is
+    one, and the model's tensors (to split them) when transformers can build it."""
+    quant = quantization(raw)
+    method = quant.get("quant_method") if quant else None
+    try:
+        model = model_weights(raw, num_layers)
+    except ConfigError:
+        if checkpoint is None:
+            raise
+        model = None
+    stored: dict[str, Fraction] = {}
+    if model is not None and (checkpoint is None or quant is None or method in QUANT_METHODS):
+        if checkpoint is None:
+            check_quantization(quant)
+        stored = {t.name: stored_bytes(t, model_dtype_bytes, quant) for t in model.tensors}
+    if checkpoint is not None:
+        total, kind, path = checkpoint.total_bytes, checkpoint.kind, str(checkpoint.path)
+    else:
+        total, kind, path = math.ceil(sum(stored.values())), "parameter count", None
+    return WeightsSource(
+        kind=kind,
+        checkpoint_bytes=total,
+        parameters=None if model is None else model.parameters,
+        quant_method=method if isinstance(method, str) else None,
+        path=path,
+        model=model,
+        stored=stored,
+    )
+
+
+def per_stage_weights(
+    source: WeightsSource, tp: int, ranges: Sequence[tuple[int, int]]
+) -> tuple[int, ...]:
+    """Bytes of weights one GPU of each stage holds at ``tp``: the split of the model's
+    tensors, scaled to the checkpoint's stored size when one was read."""
+    if source.model is None or not source.stored:
+        if tp == 1 and len(ranges) == 1:
+            return (source.checkpoint_bytes,)
+        raise ConfigError(
+            "splitting the weights over --tp / --pp needs the model's tensors, which "
+            "transformers cannot build for this config; plan with --tp 1 --pp 1, or give "
+            "--gpu-memory and --overhead for one GPU"
+        )
+    shares = stage_weight_bytes(source.model, source.stored, tp, ranges)
+    scale = Fraction(source.checkpoint_bytes) / sum(source.stored.values())
+    return tuple(math.ceil(share * scale) for share in shares)
+
+
+def gpu_budget(
+    source: WeightsSource,
+    raw: Mapping[str, Any],
+    *,
+    memory_bytes: int,
+    utilization: float,
+    tp: int,
+    pp: int,
+    partition: Sequence[int] | None,
+    overhead_bytes: int | None,
+) -> GpuBudget:
+    """One GPU's budget per stage at ``tp`` x ``pp``."""
+    num_layers = source.model.num_layers if source.model is not None else None
+    ranges = stage_ranges(num_layers, pp, partition) if num_layers is not None else [(0, 1)] * pp
+    overheads = (
+        estimate_overheads(raw, tp, pp)
+        if overhead_bytes is None
+        else overridden_overheads(overhead_bytes)
+    )
+    return GpuBudget(
+        memory_bytes=memory_bytes,
+        utilization=utilization,
+        usable_bytes=math.floor(memory_bytes * utilization),
+        weights_bytes=per_stage_weights(source, tp, ranges),
+        overheads=overheads,
+        tp=tp,
+    )
+
+
+def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
+    """TP sizes vLLM accepts for the model: those dividing its attention heads."""
+    text = raw.get("text_config")
+    fields = text if isinstance(text, Mapping) else raw
+    heads = fields.get("num_attention_heads")
+    if type(heads) is not int or heads <= 0:
+        return list(_TP_CANDIDATES)
+    return [tp for tp in _TP_CANDIDATES if heads % tp == 0]
+
+
+def smallest_fitting_tp(
+    source: WeightsSource, raw: Mapping[str, Any], **options: Any
+) -> int | None:
+    """The smallest TP at which every stage keeps a positive KV budget, else ``None``."""
+    for tp in tp_candidates(raw):
+        try:
+            if gpu_budget(source, raw, tp=tp, **options).fits:
+                return tp
+        except ConfigError:
+            return None
+    return None
+
+
+def weights_do_not_fit(budget: GpuBudget, smallest: int | None, pp: int) -> CapacityError:
+    """The error when the weights and overheads leave no KV budget on some stage."""
+    from kvspec_core.byte_sizes import format_size
+
+    stage = min(range(len(budget.kv_budget_bytes)), key=budget.kv_budget_bytes.__getitem__)
+    where = f" on pipeline stage {stage}" if pp > 1 else ""
+    fix = (
+        f"the smallest TP that fits is {smallest}: pass --tp {smallest}"
+        if smallest is not None
+        else "no TP up to 64 fits: add pipeline stages (--pp), or take a larger GPU"
+    )
+    return CapacityError(
+        f"the weights do not fit{where} at TP {budget.tp}: one GPU holds "
+        f"{format_size(budget.weights_bytes[stage])} of weights plus "
+        f"{format_size(budget.overheads.total_bytes)} of overheads, but may use "
+        f"{format_size(budget.usable_bytes)} ({budget.utilization:g} of "
+        f"{format_size(budget.memory_bytes)}); {fix}"
+    )

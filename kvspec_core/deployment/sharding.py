@@ -1,0 +1,80 @@
+"""The weights one GPU holds under tensor and pipeline parallelism, split as vLLM shards them.
+
+Tensor parallelism (every rank holds the same bytes):
+
+* the vocabulary embedding and the LM head are vocab-parallel: vLLM pads the vocabulary to a
+  multiple of 64 rows and gives each rank 1/TP of the padded rows (so a rank may hold a few
+  rows more than the checkpoint);
+* norms, other embedding tables (positions), MoE routers, MLA's down-projections
+  (``kv_a_proj_with_mqa``, ``q_a_proj``) and the biases of row-parallel linears (``o_proj``,
+  ``down_proj``, ``out_proj``, ``fc2``) are replicated: every rank holds all of them;
+* K and V projections split by KV head; at TP above the KV head count vLLM replicates
+  heads, so each rank holds one head's rows;
+* every other tensor (the attention and MLP linears, the experts, Mamba's projections,
+  convolution and per-head parameters, a vision tower's linears) is split 1/TP.
+
+Pipeline parallelism: decoder layer ``i`` lives on the stage :func:`stage_ranges` gives it
+(vLLM's split); the tensors before the decoder layers (the embedding, a vision tower) on
+stage 0; those after (the final norm, the LM head) on the last stage, which holds its own
+copy of a tied embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+
+from kvspec_core.deployment.parameters import (
+    EMBEDDING,
+    KV_PROJECTION,
+    NORM,
+    REPLICATED_LINEAR,
+    ROUTER,
+    ROW_BIAS,
+    VOCAB,
+    ModelWeights,
+    WeightTensor,
+)
+
+#: vLLM pads the vocabulary to a multiple of this before splitting it (DEFAULT_VOCAB_PADDING_SIZE
+#: in vllm/model_executor/layers/vocab_parallel_embedding.py).
+VOCAB_PADDING = 64
+_REPLICATED = frozenset({EMBEDDING, NORM, ROUTER, REPLICATED_LINEAR, ROW_BIAS})
+
+
+def tp_share(tensor: WeightTensor, tp: int) -> Fraction:
+    """The fraction of ``tensor``'s stored bytes one of ``tp`` ranks holds."""
+    if tensor.role in _REPLICATED or (tp == 1 and tensor.role != VOCAB):
+        return Fraction(1)
+    if tensor.role == VOCAB:
+        rows = tensor.shape[0]
+        padded = math.ceil(rows / VOCAB_PADDING) * VOCAB_PADDING
+        return Fraction(math.ceil(padded / tp), rows)
+    if tensor.role == KV_PROJECTION and tensor.kv_heads and tensor.shape[0] % tensor.kv_heads == 0:
+        return Fraction(max(1, tensor.kv_heads // tp), tensor.kv_heads)
+    return Fraction(1, tp)
+
+
+def _stage(tensor: WeightTensor, weights: ModelWeights, ranges: Sequence[tuple[int, int]]) -> int:
+    if tensor.layer is not None:
+        return next(i for i, (start, end) in enumerate(ranges) if start <= tensor.layer < end)
+    return 0 if tensor.name in weights.before_layers else len(ranges) - 1
+
+
+def stage_weight_bytes(
+    weights: ModelWeights,
+    stored: Mapping[str, Fraction],
+    tp: int,
+    ranges: Sequence[tuple[int, int]],
+) -> list[Fraction]:
+    """Bytes of weights one GPU of each pipeline stage holds at ``tp`` (``stored``: each
+    tensor's checkpoint bytes by name)."""
+    totals = [Fraction(0)] * len(ranges)
+    for tensor in weights.tensors:
+        share = stored[tensor.name] * tp_share(tensor, tp)
+        stage = _stage(tensor, weights, ranges)
+        totals[stage] += share
+        if tensor.role == VOCAB and weights.tied_embeddings and len(ranges) > 1:
+            totals[-1] += share  # the last stage's LM head is its own copy
+    return totals
