@@ -12,6 +12,7 @@ its source's, is the cache it means to read. The plan records ``(reader, source)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping
 from typing import cast
 
@@ -27,13 +28,11 @@ TARGET_FIELD = "target_layer"
 
 def _follow(reader: str, layer_specs: Mapping[str, KVSpec]) -> str:
     """The layer whose cache ``reader`` ends up reading (its chain followed), refusing a
-    target that is not planned, a later one, and a cycle."""
-    order = {name: index for index, name in enumerate(layer_specs)}
+    cycle, a target that is not planned, and a target later in model order."""
     chain = [reader]
-    current = reader
     while True:
-        # Only reading layers are followed (see the last test of the loop).
-        target = cast(KVSharingSpec, layer_specs[current]).target_layer
+        # Only reading layers are appended to the chain (see the end of the loop).
+        target = cast(KVSharingSpec, layer_specs[chain[-1]]).target_layer
         if target in chain:
             cycle = " -> ".join([*chain[chain.index(target) :], target])
             raise PlanError(
@@ -43,11 +42,16 @@ def _follow(reader: str, layer_specs: Mapping[str, KVSpec]) -> str:
             )
         if target not in layer_specs:
             raise PlanError(
-                f"layer {current} reads the KV cache of layer {target!r} (field "
+                f"layer {chain[-1]} reads the KV cache of layer {target!r} (field "
                 f"{TARGET_FIELD!r}), which is not among the planned layers; name an earlier "
                 "layer of this model that holds a cache (with pipeline parallelism, one on "
                 "the same stage)"
             )
+        chain.append(target)
+        if not isinstance(layer_specs[target], KVSharingSpec):
+            break
+    order = {name: index for index, name in enumerate(layer_specs)}
+    for current, target in itertools.pairwise(chain):  # each hop of the chain
         if order[target] >= order[current]:
             raise PlanError(
                 f"layer {current} reads the KV cache of layer {target} (field "
@@ -55,10 +59,7 @@ def _follow(reader: str, layer_specs: Mapping[str, KVSpec]) -> str:
                 "read a cache an earlier layer has written in the same step: name an "
                 "earlier layer"
             )
-        if not isinstance(layer_specs[target], KVSharingSpec):
-            return target
-        chain.append(target)
-        current = target
+    return chain[-1]
 
 
 def _check_same_cache(

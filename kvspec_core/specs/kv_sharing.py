@@ -70,7 +70,11 @@ class KVSharingSpec(KVSpec):
     target_layer: str = attrs.field(validator=_target_name)
     reader_spec: KVSpec = attrs.field(validator=_reader_spec)
     block_size: int = attrs.field(
-        default=attrs.Factory(lambda self: self.reader_spec.block_size, takes_self=True),
+        # Defaults run before validators: a reader_spec that is no spec is refused by its own.
+        default=attrs.Factory(
+            lambda self: self.reader_spec.block_size if isinstance(self.reader_spec, KVSpec) else 1,
+            takes_self=True,
+        ),
         validator=positive_int,
     )
 
@@ -108,6 +112,10 @@ class KVSharingSpec(KVSpec):
     @property
     def page_size_padded(self) -> int | None:
         return self.reader_spec.page_size_padded
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.reader_spec.page_size_bytes
 
     @property
     def view_dtype(self) -> torch.dtype | None:
