@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
-from kvspec_core.cli.arguments import plan_options
+from kvspec_core.cli.arguments import DEFAULT_KV_CACHE_DTYPE, plan_options
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.deployment.checkpoint import CheckpointSize, folder_checkpoint, hub_checkpoint
@@ -35,7 +35,6 @@ from kvspec_core.deployment.gpu_budget import (
     GpuBudget,
     WeightsSource,
     gpu_budget,
-    smallest_fitting_tp,
     tp_candidates,
     weights_do_not_fit,
     weights_source,
@@ -46,7 +45,8 @@ from kvspec_core.models.catalog import ResolvedModel
 from kvspec_core.models.hub import hub_cache_dir, parse_hub_id
 from kvspec_core.models.layer_typing import num_layers
 from kvspec_core.models.normalized import ModelConfig
-from kvspec_core.models.pipeline import PipelinePlan, PreparedStage, StagePlan
+from kvspec_core.models.pipeline import PipelinePlan, PreparedStage, StagePlan, split_stages
+from kvspec_core.models.planning import prepare_model
 from kvspec_core.plugins.manager import PluginManager
 
 #: Largest TP ``--plot`` draws with ``--gpu``: one node of eight GPUs.
@@ -149,6 +149,56 @@ def _plan_stages(
     return PipelinePlan(stages=tuple(plans))
 
 
+def _plans_at(
+    args: argparse.Namespace,
+    resolved: ResolvedModel,
+    config: ModelConfig,
+    source: WeightsSource,
+    options: dict[str, Any],
+    manager: PluginManager,
+    tp: int,
+) -> bool:
+    """Whether at ``tp`` the weights fit and every stage holds one max-length request."""
+    budget = gpu_budget(source, resolved.config, tp=tp, **options)
+    if not budget.fits:
+        return False
+    prepared = prepare_model(
+        config,
+        plan_options(argparse.Namespace(**{**vars(args), "tp": tp}), _first_dtype(args)),
+        manager,
+        name=resolved.name,
+        max_model_len=args.max_model_len,
+        max_in_flight_tokens=args.max_in_flight_tokens,
+    )
+    try:
+        _plan_stages(split_stages(prepared, args.pp, args.pp_partition), budget, manager)
+    except (CapacityError, ConfigError):
+        return False
+    return True
+
+
+def _first_dtype(args: argparse.Namespace) -> str:
+    dtypes = args.kv_cache_dtype
+    if isinstance(dtypes, list):
+        return str(dtypes[0]) if dtypes else DEFAULT_KV_CACHE_DTYPE
+    return str(dtypes or DEFAULT_KV_CACHE_DTYPE)
+
+
+def _smallest_tp_for_a_request(
+    args: argparse.Namespace,
+    resolved: ResolvedModel,
+    config: ModelConfig,
+    source: WeightsSource,
+    options: dict[str, Any],
+    manager: PluginManager,
+) -> int | None:
+    """The smallest TP (above ``--tp``) at which one max-length request fits, else ``None``."""
+    for tp in tp_candidates(resolved.config):
+        if tp > args.tp and _plans_at(args, resolved, config, source, options, manager, tp):
+            return tp
+    return None
+
+
 def plan_on_gpu(
     args: argparse.Namespace,
     resolved: ResolvedModel,
@@ -162,10 +212,18 @@ def plan_on_gpu(
     source = model_weights_source(resolved, config)
     budget = gpu_budget(source, resolved.config, tp=args.tp, **options)
     if not budget.fits:
-        raise weights_do_not_fit(
-            budget, smallest_fitting_tp(source, resolved.config, **options), args.pp
-        )
-    pipeline = _plan_stages(stages, budget, manager)
+        smallest = _smallest_tp_for_a_request(args, resolved, config, source, options, manager)
+        raise weights_do_not_fit(budget, smallest, args.pp)
+    try:
+        pipeline = _plan_stages(stages, budget, manager)
+    except CapacityError as error:
+        smallest = _smallest_tp_for_a_request(args, resolved, config, source, options, manager)
+        if smallest is None:
+            raise
+        raise CapacityError(
+            f"{error}; or pass --tp {smallest}, the smallest TP at which one request of "
+            f"max_model_len tokens fits next to the weights"
+        ) from None
     allocated = {stage.stage: stage.result.plan.bytes_allocated for stage in pipeline.stages}
     overheads = budget.overheads
     result = pipeline.bottleneck.result

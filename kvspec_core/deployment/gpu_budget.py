@@ -185,29 +185,19 @@ def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
     return [tp for tp in _TP_CANDIDATES if heads % tp == 0]
 
 
-def smallest_fitting_tp(
-    source: WeightsSource, raw: Mapping[str, Any], **options: Any
-) -> int | None:
-    """The smallest TP at which every stage keeps a positive KV budget, else ``None``."""
-    for tp in tp_candidates(raw):
-        try:
-            if gpu_budget(source, raw, tp=tp, **options).fits:
-                return tp
-        except ConfigError:
-            return None
-    return None
-
-
 def weights_do_not_fit(budget: GpuBudget, smallest: int | None, pp: int) -> CapacityError:
-    """The error when the weights and overheads leave no KV budget on some stage."""
+    """The error when the weights and overheads leave no KV budget on some stage;
+    ``smallest``: the smallest TP at which the weights and one max-length request fit."""
     from kvspec_core.byte_sizes import format_size
 
     stage = min(range(len(budget.kv_budget_bytes)), key=budget.kv_budget_bytes.__getitem__)
     where = f" on pipeline stage {stage}" if pp > 1 else ""
     fix = (
-        f"the smallest TP that fits is {smallest}: pass --tp {smallest}"
+        f"the smallest TP that holds them and one request of max_model_len tokens is "
+        f"{smallest}: pass --tp {smallest}"
         if smallest is not None
-        else "no TP up to 64 fits: add pipeline stages (--pp), or take a larger GPU"
+        else "no TP up to 64 holds them and one request of max_model_len tokens: add "
+        "pipeline stages (--pp), lower --max-model-len, or take a larger GPU"
     )
     return CapacityError(
         f"the weights do not fit{where} at TP {budget.tp}: one GPU holds "

@@ -1,0 +1,195 @@
+"""Weights from checkpoint metadata (a safetensors index in a hub cache built here, a single
+safetensors file) or from transformers' meta-device model; quantised checkpoints as stored;
+the TP/PP split as vLLM shards."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from plan_cli_testkit import plan_json
+
+from kvspec_core.deployment.parameters import EXPERTS, SHARDED, WeightTensor, model_weights
+from kvspec_core.deployment.sharding import stage_weight_bytes
+from kvspec_core.deployment.stored_bytes import stored_bytes
+from kvspec_core.models.catalog import load_preset
+from kvspec_core.models.pipeline import stage_ranges
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+#: A small Llama: 2 layers, hidden 64, 4 heads (2 KV heads of 16), MLP 128, vocab 1,000.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+
+
+def cache_checkpoint(cache: Path, repo_id: str, config: dict, index: dict | None) -> Path:
+    """Lay a model out as huggingface_hub caches it (config and, if given, the index)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    if index is not None:
+        (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def test_weights_come_from_the_safetensors_index_in_the_hub_cache(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    total = 17_000_000_000  # not the parameter count's 16,060,522,496: the index wins
+    cache_checkpoint(
+        hub_cache,
+        "meta-llama/Llama-3.1-8B-Instruct",
+        load_preset("llama-3.1-8b"),
+        {"metadata": {"total_size": total}, "weight_map": {}},
+    )
+    report = plan_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "h100-80gb")
+    assert report["weights"]["source"] == "safetensors index"
+    assert report["weights"]["checkpoint_bytes"] == total
+    assert report["weights"]["path"].endswith("model.safetensors.index.json")
+    assert report["memory_per_gpu"][0]["weights_bytes"] == total
+    # At TP 2 the split keeps the model's proportions, scaled to the index's total.
+    tp2 = plan_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "h100-80gb", "--tp", "2")
+    preset = plan_json(capsys, "llama-3.1-8b", "--gpu", "h100-80gb", "--tp", "2")
+    expected = preset["memory_per_gpu"][0]["weights_bytes"] * Fraction(total, 16_060_522_496)
+    assert abs(tp2["memory_per_gpu"][0]["weights_bytes"] - expected) <= 1
+
+
+def test_without_an_index_the_hub_model_is_counted_from_its_parameters(
+    hub_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache_checkpoint(
+        hub_cache, "meta-llama/Llama-3.1-8B-Instruct", load_preset("llama-3.1-8b"), None
+    )
+    report = plan_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "h100-80gb")
+    assert report["weights"]["source"] == "parameter count"
+    assert report["weights"]["parameters"] == 8_030_261_248
+    assert report["weights"]["checkpoint_bytes"] == 2 * 8_030_261_248
+
+
+def test_a_single_safetensors_file_is_read_from_its_header(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {
+        "a": torch.zeros(100, 64, dtype=torch.bfloat16),
+        "b": torch.zeros(7, dtype=torch.float32),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    report = plan_json(capsys, str(tmp_path), "--gpu", "l4", "--max-model-len", "4096")
+    assert report["weights"]["source"] == "safetensors header"
+    assert report["weights"]["checkpoint_bytes"] == 100 * 64 * 2 + 7 * 4
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "head_dim": 16,
+        },
+    ],
+    ids=["llama", "tied", "qwen3-moe"],
+)
+def test_the_meta_device_count_equals_transformers_own_count(overrides: dict) -> None:
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    raw = {**TINY_LLAMA, **overrides}
+    config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+    built = getattr(transformers, raw["architectures"][0])(config)  # real weights, tiny
+    assert model_weights(raw, 2).parameters == built.num_parameters()
+    assert model_weights(raw, 2).tied_embeddings == bool(overrides.get("tie_word_embeddings"))
+
+
+def _tp_pp_bytes(raw: dict, tp: int, pp: int) -> list[Fraction]:
+    weights = model_weights(raw, 2)
+    stored = {t.name: stored_bytes(t, 2, None) for t in weights.tensors}
+    return stage_weight_bytes(weights, stored, tp, stage_ranges(2, pp))
+
+
+def test_the_tp_split_shards_linears_replicates_norms_and_pads_the_vocabulary() -> None:
+    hidden, mlp, vocab_padded = 64, 128, 1024
+    attention = 64 * 64 * 2 + 32 * 64 * 2  # q, o; k, v (2 KV heads of 16)
+    layer_linears = attention + 3 * mlp * hidden
+    norms = 2 * hidden
+    # TP 2: linears and KV heads halve, norms stay whole, each vocab table 1024/2 rows.
+    expected = 2 * (2 * (layer_linears // 2 + norms) + hidden + 2 * (vocab_padded // 2) * hidden)
+    assert _tp_pp_bytes(TINY_LLAMA, 2, 1) == [expected]
+    # TP 4 > 2 KV heads: each rank keeps one whole KV head (half of k and v), as vLLM does.
+    kv = 32 * 64 * 2
+    per_layer = (layer_linears - kv) / 4 + kv / 2 + norms
+    expected4 = 2 * (2 * per_layer + hidden + 2 * (vocab_padded // 4) * hidden)
+    assert _tp_pp_bytes(TINY_LLAMA, 4, 1) == [expected4]
+
+
+def test_the_pp_split_puts_the_embedding_first_and_the_head_last() -> None:
+    hidden, layer = 64, 64 * 64 * 2 + 32 * 64 * 2 + 3 * 128 * 64 + 2 * 64
+    first, last = _tp_pp_bytes(TINY_LLAMA, 1, 2)
+    assert first == 2 * (1024 * hidden + layer)  # vocab padded to 1,024 rows
+    assert last == 2 * (layer + hidden + 1024 * hidden)
+    # A tied embedding: the last stage holds its own copy as the LM head.
+    tied_first, tied_last = _tp_pp_bytes({**TINY_LLAMA, "tie_word_embeddings": True}, 1, 2)
+    assert tied_first == first and tied_last == last
+
+
+def _tensor(shape: tuple[int, ...], role: str = SHARDED) -> WeightTensor:
+    return WeightTensor(name="model.layers.0.mlp.up_proj.weight", shape=shape, role=role, layer=0)
+
+
+def test_quantised_tensors_count_as_stored() -> None:
+    up = _tensor((256, 512))  # out x in
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert stored_bytes(up, 2, fp8) == 256 * 512 + 2 * 4 * 4  # 1 B each + fp32 block scales
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    # packed int4 + packed zeros + fp16 scales, per group of 128 inputs (4 groups)
+    assert stored_bytes(up, 2, awq) == 256 * 512 // 2 + 4 * 256 // 2 + 4 * 256 * 2
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert stored_bytes(up, 2, gptq) == stored_bytes(up, 2, awq) + 512 * 4  # + g_idx
+    experts = _tensor((8, 64, 128), EXPERTS)
+    assert stored_bytes(experts, 2, {"quant_method": "mxfp4"}) == Fraction(8 * 64 * 128 * 17, 32)
+    # mxfp4 keeps every tensor but the experts in the model's dtype
+    assert stored_bytes(up, 2, {"quant_method": "mxfp4"}) == 256 * 512 * 2
+
+
+def test_gpt_oss_counts_its_mxfp4_experts_as_stored() -> None:
+    raw = load_preset("gpt-oss-20b")
+    weights = model_weights(raw, 24)
+    stored = sum(stored_bytes(t, 2, raw["quantization_config"]) for t in weights.tensors)
+    experts = sum(t.numel for t in weights.tensors if t.role == EXPERTS and t.layer is not None)
+    others = weights.parameters - experts
+    assert experts > 0.8 * weights.parameters
+    assert stored == others * 2 + Fraction(experts * 17, 32)
