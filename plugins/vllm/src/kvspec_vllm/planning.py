@@ -1,0 +1,218 @@
+"""kvspec's plan as vLLM's ``KVCacheConfig``: the replacement of ``get_kv_cache_configs``.
+
+vLLM's own function runs first: it merges the workers' layer specs, tags sliding windows
+with the tokens speculative decoding retains, groups layers (or promotes them to full
+attention when the hybrid manager is off), fits ``max_model_len`` when asked to and checks
+that one request fits. Its per-layer specs are then planned by kvspec's planner
+(:func:`kvspec_core.planner.plan_kv_cache`) on the memory vLLM measured, with vLLM's layout,
+and the plan's groups, block count and tensor placement become the ``KVCacheConfig`` every
+worker allocates and the scheduler manages. Where the plan has no vLLM representation
+(several pools: Mamba hybrids; spec classes kvspec-vllm does not translate; workers holding
+different layers), a warning says why, once per reason, and vLLM's own configs are returned
+unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvspec_core.context import SizingContext
+from kvspec_core.planner import KVCachePlan, plan_kv_cache
+from kvspec_core.planner.planner import rebuild_with_blocks
+from kvspec_core.plugins.manager import load_plugins
+from kvspec_core.specs.base import KVSpec
+from kvspec_vllm.errors import NotRepresentable
+from kvspec_vllm.specs import kvspec_spec_of, vllm_group_spec, vllm_module
+
+#: A child of vLLM's logger, so the plugin's lines appear with vLLM's.
+logger = logging.getLogger("vllm.kvspec")
+
+GetKVCacheConfigs = Callable[[Any, list[dict[str, Any]], list[int]], list[Any]]
+
+
+@attrs.frozen
+class Outcome:
+    """What the last call did: ``plan`` is kvspec's plan when vLLM runs on it, ``None``
+    when vLLM kept its own config, then ``reason`` says why."""
+
+    plan: KVCachePlan | None
+    reason: str | None
+    vllm_num_blocks: int
+
+
+_last: list[Outcome] = []
+_warned: set[str] = set()
+
+
+def last_outcome() -> Outcome | None:
+    """What the KV-cache planning of this process did last (``None`` before any)."""
+    return _last[-1] if _last else None
+
+
+def planned_by_kvspec(original: GetKVCacheConfigs) -> GetKVCacheConfigs:
+    """``get_kv_cache_configs`` planned by kvspec, falling back to ``original``."""
+
+    def get_kv_cache_configs(
+        vllm_config: Any, kv_cache_specs: list[dict[str, Any]], available_memory: list[int]
+    ) -> list[Any]:
+        own = original(vllm_config, kv_cache_specs, available_memory)
+        vllm_blocks = min(config.num_blocks for config in own) if own else 0
+        try:
+            plan, configs = kvspec_configs(vllm_config, kv_cache_specs, available_memory, own)
+        except NotRepresentable as refusal:
+            _record(Outcome(None, refusal.reason, vllm_blocks))
+            if refusal.reason not in _warned:
+                _warned.add(refusal.reason)
+                logger.warning(
+                    "kvspec-vllm: vLLM keeps its own KV-cache plan (%d blocks): %s",
+                    vllm_blocks,
+                    refusal.reason,
+                )
+            return own
+        _record(Outcome(plan, None, vllm_blocks))
+        logger.info(
+            "kvspec-vllm: KV cache planned by kvspec: %d blocks in %d groups (vLLM's own "
+            "plan: %d blocks), max concurrency %.2f at max_model_len %d",
+            plan.num_blocks,
+            len(plan.groups),
+            vllm_blocks,
+            plan.max_concurrency,
+            plan.context.max_model_len,
+        )
+        return configs
+
+    get_kv_cache_configs.__wrapped__ = original  # type: ignore[attr-defined]
+    get_kv_cache_configs.kvspec_vllm = True  # type: ignore[attr-defined]
+    return get_kv_cache_configs
+
+
+def _record(outcome: Outcome) -> None:
+    _last[:] = [outcome]
+
+
+def kvspec_configs(
+    vllm_config: Any,
+    kv_cache_specs: list[dict[str, Any]],
+    available_memory: list[int],
+    own: Sequence[Any],
+) -> tuple[KVCachePlan, list[Any]]:
+    """kvspec's plan and the per-worker ``KVCacheConfig`` built from it; raises
+    :class:`NotRepresentable` where vLLM cannot run that plan."""
+    if not own or not any(kv_cache_specs):
+        raise NotRepresentable("the model has no KV cache (attention-free)")
+    layer_sets = {frozenset(specs) for specs in kv_cache_specs}
+    if len(layer_sets) != 1:
+        raise NotRepresentable(
+            "workers hold different layers (pipeline parallelism); kvspec-vllm plans workers "
+            "that all hold the same layers"
+        )
+    if vllm_config.speculative_config is not None:
+        raise NotRepresentable("speculative decoding (draft and eagle groups) is not planned")
+    if vllm_config.attention_config.hisparse_config is not None:
+        raise NotRepresentable("HiSparse host pools are not planned")
+    grouped = _per_layer_specs(own[0])
+    if set(grouped) != set(kv_cache_specs[0]):
+        raise NotRepresentable("vLLM's groups and the workers' layers disagree")
+    vllm_specs = {
+        layer: _spec_to_plan(spec, grouped[layer]) for layer, spec in kv_cache_specs[0].items()
+    }
+    layers = list(vllm_specs)
+    specs: dict[str, KVSpec] = {layer: kvspec_spec_of(layer, vllm_specs[layer]) for layer in layers}
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    plan = _plan(specs, min(available_memory), _sizing_context(vllm_config), layout)
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    if override is not None and override != plan.num_blocks:
+        block_bytes = plan.pools[0].block_bytes
+        plan = rebuild_with_blocks(
+            plan, [override], budget_bytes=max(plan.budget_bytes, override * block_bytes)
+        )
+    config = _vllm_config_of(plan, vllm_specs, vllm_config)
+    return plan, [copy.deepcopy(config) for _ in kv_cache_specs]
+
+
+def _per_layer_specs(config: Any) -> dict[str, Any]:
+    """Each layer's spec in vLLM's config (a uniform-type group's member specs)."""
+    interface = vllm_module("vllm.v1.kv_cache_interface")
+    specs: dict[str, Any] = {}
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for layer in group.layer_names:
+            if isinstance(spec, interface.UniformTypeKVCacheSpecs):
+                specs[layer] = spec.kv_cache_specs[layer]
+            else:
+                specs[layer] = spec
+    return specs
+
+
+def _spec_to_plan(declared: Any, grouped: Any) -> Any:
+    """The spec kvspec plans for a layer: vLLM's grouped one (sliding windows tagged with
+    the tokens speculative decoding retains; local layers promoted to full attention when
+    the hybrid manager is off), unless grouping changed its page (a block size inflated or
+    a page padded to another group's): kvspec plans the layer as the model declared it."""
+    if grouped.block_size != declared.block_size or grouped.page_size_bytes != (
+        declared.page_size_bytes
+    ):
+        return declared
+    return grouped
+
+
+def _sizing_context(vllm_config: Any) -> SizingContext:
+    cache = vllm_config.cache_config
+    return SizingContext(
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+        dcp_size=vllm_config.parallel_config.decode_context_parallel_size,
+        mamba_cache_mode=str(cache.mamba_cache_mode),
+        prefix_caching=bool(cache.enable_prefix_caching),
+    )
+
+
+def _plan(specs: dict[str, KVSpec], budget: int, ctx: SizingContext, layout: str) -> KVCachePlan:
+    plan = plan_kv_cache(specs, budget, ctx, load_plugins(), layout=layout)
+    device_pools = plan.device_pools
+    if len(device_pools) != 1 or len(plan.pools) != 1:
+        raise NotRepresentable(
+            f"kvspec plans {len(plan.pools)} block pools (page sizes "
+            f"{sorted({pool.block_bytes for pool in plan.pools})} bytes per block); vLLM 0.32 "
+            "has one block pool, so it cannot run a multi-pool plan without inflating block "
+            "sizes, which kvspec does not do"
+        )
+    return plan
+
+
+def _vllm_config_of(plan: KVCachePlan, vllm_specs: dict[str, Any], vllm_config: Any) -> Any:
+    interface = vllm_module("vllm.v1.kv_cache_interface")
+    utils = vllm_module("vllm.v1.core.kv_cache_utils")
+    groups = [
+        interface.KVCacheGroupSpec(
+            list(group.layers), vllm_group_spec(group.spec, group.layers, vllm_specs)
+        )
+        for group in plan.groups
+    ]
+    tensors = [
+        interface.KVCacheTensor(
+            size=tensor.size,
+            layers=list(tensor.layers),
+            layer_stride=tensor.layer_stride,
+            block_stride=tensor.block_stride,
+            offset=tensor.offset,
+        )
+        for tensor in plan.tensors
+    ]
+    config = interface.KVCacheConfig(
+        num_blocks=plan.pools[0].num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=vllm_config.cache_config.prefix_cache_retention_interval,
+    )
+    config.kv_tp_replicas = utils.kv_cache_groups_tp_replicas(
+        groups,
+        vllm_config.parallel_config.tensor_parallel_size,
+        vllm_config.parallel_config.decode_context_parallel_size,
+    )
+    return config
