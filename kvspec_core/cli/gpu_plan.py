@@ -39,7 +39,7 @@ from kvspec_core.deployment.gpu_budget import (
     weights_do_not_fit,
     weights_source,
 )
-from kvspec_core.deployment.gpus import find_gpu
+from kvspec_core.deployment.gpus import MIB, find_gpu
 from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.catalog import ResolvedModel
 from kvspec_core.models.hub import hub_cache_dir, parse_hub_id
@@ -295,13 +295,14 @@ def gpu_lines(report: dict[str, Any]) -> list[str]:
     pp = report["pipeline_parallel_size"]
     return [
         f"GPU              {gpu['name']} ({gpu['description']}): "
-        f"{format_size(gpu['memory_bytes'])} x {gpu['utilization']:g} = "
+        f"{format_size(gpu['memory_bytes'])} ({gpu['memory_bytes'] / MIB:,.0f} MiB) x "
+        f"{gpu['utilization']:g} = "
         f"{format_size(gpu['usable_bytes'])} per GPU; TP {tp}"
         + (f" x PP {pp}" if pp > 1 else "")
         + f" = {tp * pp} GPU{'s' if tp * pp > 1 else ''}",
         f"weights          {format_size(weights['checkpoint_bytes'])} in all, from the "
         f"{weights['source']} ({count}{stored})",
-        f"overheads        {report['overheads']['basis']} ({report['overheads']['source']})",
+        f"overheads        {report['overheads']['basis']}; {report['overheads']['source']}",
         "",
         render_table(headers, table_rows, align_right=tuple(range(1, len(headers)))),
         "",

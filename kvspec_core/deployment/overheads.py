@@ -92,7 +92,7 @@ def estimate_overheads(raw: Mapping[str, Any], tp: int, pp: int) -> Overheads:
     else:
         kind = _kind(raw, architecture)
         activation = table["activation_base_gib"][kind]
-        basis = f"{kind} base ({architecture or 'no architecture'} not calibrated)"
+        basis = f"{kind} base figure ({architecture or 'no architecture'} not calibrated)"
     non_torch_key = "tpN" if tp > 1 else "tp1_ppN" if pp > 1 else "tp1_pp1"
     return Overheads(
         activation_bytes=_gib(activation),
