@@ -17,6 +17,10 @@ step (or two, see ``checkpoint_at`` below).
 Offload tiers: ``--host-blocks N`` adds a host tier of N blocks below the device pool,
 ``--disk-blocks M`` a disk tier below that (each with the ``--eviction`` order). Evicted
 cached blocks go down the tiers instead of being lost, and prefixes are found across them.
+``--write-through``: the host tier's ``write_policy`` is ``write_through`` (a block is
+copied to it once cached, so its eviction copies nothing) instead of ``write_back``.
+``--family-keep``: the host tier's ``keep`` is ``family_rules`` (the sliding-window group
+of ``--hybrid`` stores only a freed request's last window below the device).
 No data moves here: after each admission and each block-taking decode the replay takes the
 recorded transfers and confirms them all at once, as an engine would after running them
 before its forward. Per-event CPU time includes that bookkeeping.
@@ -45,14 +49,16 @@ at most prompt length - 1, floored to whole blocks.
 
     python benchmarks/replay_trace.py [--trace shared|chat|mooncake[:FILE]]
                                       [--hybrid | --mamba] [--blocks 32768] [--requests N]
-                                      [--host-blocks N [--disk-blocks N]]
+                                      [--host-blocks N [--disk-blocks N] [--write-through]
+                                       [--family-keep]]
                                       [--seed 0] [--eviction POLICY] [--batched] [--json]
                                       [--profile]
 
 ``--json`` prints one object: ``trace`` (``shared``, ``chat`` or ``mooncake``),
 ``trace_file`` (the Mooncake file, else null), ``mode`` (``full_attention``, ``hybrid``,
 ``mamba_hybrid``), ``blocks``, ``host_blocks`` and ``disk_blocks`` (0: no such tier),
-``prefill_chunk`` (null: one step), ``eviction``, ``max_model_len``, ``requests``, ``events``,
+``prefill_chunk`` (null: one step), ``eviction``, ``write_policy`` and ``keep`` (the host
+tier's; null without one), ``max_model_len``, ``requests``, ``events``,
 ``seconds`` and ``cpu_seconds`` (the timed replay), ``events_per_s``, ``events_per_cpu_s``,
 ``prompt_tokens`` (admitted, re-admissions included), ``prompt_tokens_hashed_per_s``,
 ``hit_tokens`` (prefix-cache hits over all admissions), ``hit_tokens_by_tier`` (``device``,
@@ -83,7 +89,14 @@ from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, NotNow, Request, chat_trace, trace
 from kvspec_core.runtime.mooncake_trace import TraceFormatError, read_mooncake_trace, trace_events
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
-from kvspec_core.runtime.tiers import OffloadTier, TieredPrefix
+from kvspec_core.runtime.tiers import (
+    KEEP_EVERYTHING,
+    KEEP_FAMILY_RULES,
+    WRITE_BACK,
+    WRITE_THROUGH,
+    OffloadTier,
+    TieredPrefix,
+)
 
 BLOCK_SIZE = 16
 #: Longer than any trace request (shared: prompt <= 6144 + 256 output tokens; chat: prompt +
@@ -110,10 +123,14 @@ def build_allocator(
     max_model_len: int = MAX_MODEL_LEN,
     host_blocks: int = 0,
     disk_blocks: int = 0,
+    write_policy: str = WRITE_BACK,
+    keep: str = KEEP_EVERYTHING,
 ) -> KVCacheAllocator:
     """The allocator of one of :data:`MODELS` (``True`` / ``False``: hybrid or not), with a
-    host offload tier of ``host_blocks`` and a disk tier of ``disk_blocks`` below it (0: no
-    such tier; each tier's own eviction order is ``eviction`` too)."""
+    host offload tier of ``host_blocks`` (its ``write_policy`` and ``keep`` as given) and a
+    disk tier of
+    ``disk_blocks`` below it (0: no such tier; each tier's own eviction order is
+    ``eviction`` too)."""
     if isinstance(model, bool):
         model = "hybrid" if model else "full_attention"
     attention = dict(num_kv_heads=8, head_size=256, dtype=torch.bfloat16, block_size=BLOCK_SIZE)
@@ -151,18 +168,24 @@ def build_allocator(
         manager=manager,
         hash_salt=b"replay",
         eviction=eviction,
-        offload_tiers=offload_tiers(host_blocks, disk_blocks, eviction),
+        offload_tiers=offload_tiers(host_blocks, disk_blocks, eviction, write_policy, keep),
     )
 
 
-def offload_tiers(host_blocks: int, disk_blocks: int, eviction: str) -> tuple[OffloadTier, ...]:
+def offload_tiers(
+    host_blocks: int,
+    disk_blocks: int,
+    eviction: str,
+    write_policy: str = WRITE_BACK,
+    keep: str = KEEP_EVERYTHING,
+) -> tuple[OffloadTier, ...]:
     """The tiers ``--host-blocks`` / ``--disk-blocks`` ask for (a disk tier sits below the
-    host tier, so it needs one)."""
+    host tier, so it needs one; ``write_policy`` and ``keep`` are the host tier's)."""
     if disk_blocks and not host_blocks:
         raise ValueError("a disk tier needs a host tier above it: give host_blocks too")
     tiers = []
     if host_blocks:
-        tiers.append(OffloadTier("host", host_blocks, eviction))
+        tiers.append(OffloadTier("host", host_blocks, eviction, write_policy, keep))
     if disk_blocks:
         tiers.append(OffloadTier("disk", disk_blocks, eviction))
     return tuple(tiers)
@@ -412,6 +435,19 @@ def main() -> None:
         help="a disk offload tier of N blocks below the host tier (needs --host-blocks)",
     )
     parser.add_argument(
+        "--write-through",
+        action="store_true",
+        help="copy a block to the host tier once it is cached (write-through) instead of "
+        "when the device evicts it (write-back, the default); needs --host-blocks",
+    )
+    parser.add_argument(
+        "--family-keep",
+        action="store_true",
+        help="store below the device only what each group's family rules name (a sliding "
+        "window: a freed request's last window) instead of every evicted block; needs "
+        "--host-blocks",
+    )
+    parser.add_argument(
         "--requests",
         type=int,
         default=None,
@@ -457,9 +493,22 @@ def main() -> None:
         parser.error("--disk-blocks needs --host-blocks: the disk tier sits below the host tier")
     if args.host_blocks < 0 or args.disk_blocks < 0:
         parser.error("--host-blocks and --disk-blocks count blocks: give 0 or more")
+    if args.write_through and not args.host_blocks:
+        parser.error("--write-through is the host tier's write policy: give --host-blocks too")
+    if args.family_keep and not args.host_blocks:
+        parser.error("--family-keep is the host tier's keep policy: give --host-blocks too")
+    write_policy = WRITE_THROUGH if args.write_through else WRITE_BACK
+    keep = KEEP_FAMILY_RULES if args.family_keep else KEEP_EVERYTHING
     model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
     allocator = build_allocator(
-        args.blocks, model_name, args.eviction, max_model_len, args.host_blocks, args.disk_blocks
+        args.blocks,
+        model_name,
+        args.eviction,
+        max_model_len,
+        args.host_blocks,
+        args.disk_blocks,
+        write_policy,
+        keep,
     )
     # As an engine freezes its heap once started, the KV-cache allocator built (vLLM's
     # engine core does; vs_vllm.py too).
@@ -485,6 +534,8 @@ def main() -> None:
         host_blocks=args.host_blocks,
         disk_blocks=args.disk_blocks,
         eviction=args.eviction,
+        write_policy=write_policy if args.host_blocks else None,
+        keep=keep if args.host_blocks else None,
         max_model_len=max_model_len,
         requests=requests,
         prefill_chunk=prefill_chunk,
@@ -496,7 +547,9 @@ def main() -> None:
     share = figures["hit_tokens"] / ideal if ideal else 0.0
     print(
         f"{figures['mode']} on {trace_name} trace ({requests:,} requests), {args.blocks:,} "
-        f"blocks, {args.eviction} eviction: {figures['events']} events in "
+        f"blocks, {args.eviction} eviction"
+        f"{', write-through' if args.write_through else ''}"
+        f"{', family keep rules' if args.family_keep else ''}: {figures['events']} events in "
         f"{figures['seconds']:.3f} s = "
         f"{figures['events_per_s']:,.0f} events/s ({figures['events_per_cpu_s']:,.0f} per CPU "
         f"second); {figures['prompt_tokens_hashed_per_s']:,.0f} "

@@ -10,11 +10,15 @@ Mooncake-format JSONL file (:mod:`kvspec_core.runtime.mooncake_trace`).
 Offload tiers (``--host-memory``, ``--disk`` / ``--disk-size``, as ``kvspec plan`` sizes
 them): the allocator gets the plan's tiers (``tiers_from_plan``) and the replay confirms
 every transfer at once (no data moves; see :mod:`kvspec_core.runtime.simulation`).
+``--offload write-back|write-through`` is the first tier's ``write_policy`` (a block is
+copied to it when the device evicts it, the default, or once it is cached); ``--eviction
+lru|segmented`` is the eviction order of the device pools and of every tier.
 ``--plot FILE`` replays again with a host tier of each of :data:`PLOT_HOST_MULTIPLES` times
 ``--memory`` and draws the prefix-hit rate against host memory.
 
 ``--json`` keys: ``model``, ``kv_budget_bytes``, ``max_model_len``, ``block_size``,
-``trace``, ``seed`` (null for a file), ``skipped_too_long``, ``groups`` (kinds),
+``trace``, ``seed`` (null for a file), ``skipped_too_long``, ``eviction``, ``offload``
+(``write_back`` / ``write_through``; null without tiers), ``groups`` (kinds),
 ``num_blocks`` (device, all pools), ``tier_blocks`` (offload tier name -> its blocks, all
 pools; empty without tiers), the replay's figures (``events``, ``requests``, ``admitted``,
 ``never_admitted``, ``readmissions``, ``prompt_tokens``, ``hit_tokens``,
@@ -56,7 +60,7 @@ from kvspec_core.cli.arguments import (
 )
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.cli.table import render_table
-from kvspec_core.errors import KVSpecError
+from kvspec_core.errors import ConfigError, KVSpecError
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.planning import ModelPlan, PreparedModel, prepare_model
 from kvspec_core.planner.tiers import OffloadTierError
@@ -70,8 +74,12 @@ from kvspec_core.runtime.mooncake_trace import (
     read_mooncake_trace,
     trace_events,
 )
+from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvspec_core.runtime.simulation import SimulationReport, simulate
-from kvspec_core.runtime.tiers import tiers_from_plan
+from kvspec_core.runtime.tiers import WRITE_BACK, WRITE_THROUGH, tiers_from_plan
+
+#: ``--offload`` choices -> ``OffloadTier.write_policy`` of the first tier.
+OFFLOAD_POLICIES = {"write-back": WRITE_BACK, "write-through": WRITE_THROUGH}
 
 #: ``--trace`` names of the built-in generated traces -> (generator, default requests).
 BUILT_IN_TRACES: dict[str, tuple[Callable[..., Iterator[tuple]], int]] = {
@@ -128,6 +136,21 @@ def add_parser(subparsers: Any) -> None:
         "(counted in the output) instead of refusing the file",
     )
     add_tier_arguments(parser)
+    parser.add_argument(
+        "--offload",
+        choices=sorted(OFFLOAD_POLICIES),
+        default=None,
+        help="when a device block is copied to the first offload tier: when the device "
+        "evicts it (write-back, the default) or once it is cached (write-through: its "
+        "eviction then copies nothing); needs --host-memory or --disk",
+    )
+    parser.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default=DEFAULT_EVICTION,
+        help=f"eviction order of the device pools and of each offload tier (default "
+        f"{DEFAULT_EVICTION}; segmented: reused prefixes outlive one-off blocks)",
+    )
     parser.add_argument(
         "--plot",
         type=plot_file,
@@ -242,17 +265,25 @@ def _replay(
     manager: PluginManager,
     events: Iterable[tuple],
     total_events: int | None,
-    progress: bool,
+    args: argparse.Namespace,
 ) -> _Replay:
     """Plan ``prepared`` within ``budget`` (its tiers too), build the allocator with the
-    plan's offload tiers and replay ``events`` through it."""
+    plan's offload tiers (the device and each tier evicting in ``--eviction`` order, the
+    first tier's write policy ``--offload``) and replay ``events`` through it."""
+    eviction = args.eviction
+    write_policy = OFFLOAD_POLICIES[args.offload or "write-back"]
     try:
         planned = prepared.plan(budget, manager)
     except OffloadTierError as error:
         raise offload_tier_error(error) from None
     plan = planned.plan
-    allocator = KVCacheAllocator.from_plan(plan, manager, offload_tiers=tiers_from_plan(plan))
-    tick, close = _progress(total_events, progress)
+    allocator = KVCacheAllocator.from_plan(
+        plan,
+        manager,
+        eviction=eviction,
+        offload_tiers=tiers_from_plan(plan, eviction, write_policy),
+    )
+    tick, close = _progress(total_events, not args.no_progress)
     start = time.perf_counter()
     try:
         report = simulate(
@@ -318,7 +349,7 @@ def _host_sweep(
     for multiple in PLOT_HOST_MULTIPLES:
         host_bytes = int(budget * multiple)
         sized = attrs.evolve(prepared, host_offload_bytes=host_bytes or None)
-        replay = _replay(sized, budget, manager, make_events(), total_events, not args.no_progress)
+        replay = _replay(sized, budget, manager, make_events(), total_events, args)
         points.append(
             {
                 "host_memory_bytes": host_bytes,
@@ -337,6 +368,11 @@ def _host_sweep(
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
     budget = parse_size(args.memory)
     tier_options = offload_tier_options(args, "kvspec simulate")
+    if args.offload is not None and args.host_memory is None and args.disk is None:
+        raise ConfigError(
+            f"--offload {args.offload} is the first offload tier's write policy: give "
+            "--host-memory SIZE (or --disk PATH --disk-size SIZE) for a tier, or drop --offload"
+        )
     if args.plot is not None:
         from kvspec_core.cli.plot import load_pyplot
 
@@ -373,7 +409,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         trace_label = f"{args.trace} (Mooncake format)" + (
             f", {skipped:,} left out: prompt over max_model_len" if skipped else ""
         )
-    replay = _replay(prepared, budget, manager, make_events(), total_events, not args.no_progress)
+    replay = _replay(prepared, budget, manager, make_events(), total_events, args)
     planned, report, elapsed = replay.planned, replay.report, replay.seconds
     sweep = None
     if args.plot is not None:
@@ -396,6 +432,8 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         "trace": args.trace,
         "seed": trace_seed,
         "skipped_too_long": skipped,
+        "eviction": args.eviction,
+        "offload": OFFLOAD_POLICIES[args.offload or "write-back"] if planned.plan.tiers else None,
         "groups": [group.kind for group in planned.plan.groups],
         "num_blocks": planned.plan.num_blocks,
         "tier_blocks": {tier.name: sum(tier.blocks_per_pool) for tier in planned.plan.tiers},

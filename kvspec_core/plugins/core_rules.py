@@ -133,6 +133,14 @@ class TrailingWindowRules(FullAttentionRules):
     def next_skip_position(self, num_skipped_blocks: int) -> int:
         return (num_skipped_blocks + 1) * self.block_tokens + self.retained_tokens
 
+    def offload_range(self, num_cached: int) -> tuple[int, int]:
+        """Worth keeping in slower tiers: a freed request's last window, the blocks of the
+        ``retained_tokens`` positions before its cached end (all of them while that end is
+        inside the first window), so a later request can resume where it ended. The
+        blocks it released mid-request (out of its window) are dropped at eviction."""
+        need = cdiv(self.retained_tokens, self.block_tokens)
+        return max(0, num_cached - need), num_cached
+
 
 class StateCheckpointRules(FullAttentionRules):
     """Recurrent state saved at block boundaries (a state family's prefix-caching mode).
@@ -144,6 +152,10 @@ class StateCheckpointRules(FullAttentionRules):
     the null block. A state block enters the prefix cache only when a step ends exactly on
     its boundary (only then does it hold the state there), and a hit is the cached state at
     the largest boundary ``<= p``, everything before it null.
+
+    Every state it caches is a checkpoint a later request can resume from, so it keeps
+    the default of what is worth keeping in slower tiers (no ``offload_range``: every
+    state the device evicts is stored below it).
 
     A family of this shape (Mamba, linear attention) subclasses it and sets
     ``block_tokens`` and ``prefix_cacheable``. As for :class:`TrailingWindowRules`, groups

@@ -43,6 +43,19 @@ class FamilyRules(Protocol):
     Optional attribute ``resumes_at_checkpoints`` (default ``False``): ``True`` for state
     families that resume only where a step ended (Mamba); the allocator then tells the
     engine where ending a prefill step would save a reusable checkpoint.
+
+    Optional method ``offload_range(num_cached: int) -> tuple[int, int]``: which of the
+    group's blocks are worth keeping in slower tiers (asked by an allocator whose offload
+    tier says ``keep="family_rules"``; absent, the default, or with the tier's default
+    ``keep="everything"``, every cached block the device evicts is stored below it).
+    When a request is freed, ``(start, stop)`` names the entries of its table, among the
+    ``num_cached`` cached ones (``0 <= start <= stop <= num_cached``), whose blocks are
+    stored when the device evicts them; every other block of the group, among them those a
+    request released mid-request (:meth:`skipped_tokens`), is dropped at eviction. What a
+    hit needs is still decided by :meth:`longest_hit` over what the tiers hold, so a rule
+    that keeps too little loses hits but never makes a false one. The core's trailing
+    window keeps a freed request's last window (what resuming at its end needs); state
+    checkpoints keep the default (every state they cache is a checkpoint).
     """
 
     block_tokens: int

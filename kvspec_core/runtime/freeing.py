@@ -16,9 +16,14 @@ class Freeing(AllocatorBase):
 
     def free(self, request_id: str | int) -> None:
         """Release every block of a request; blocks holding cached prefixes stay findable
-        until evicted (its last blocks are evicted first). Refuses unknown ids and double
-        frees with :class:`AllocatorError`, changing nothing."""
+        until evicted (its last blocks are evicted first). With offload tiers, a group
+        whose rules say which blocks are worth keeping below the device (``offload_range``)
+        marks those now. Refuses unknown ids and double frees with
+        :class:`AllocatorError`, changing nothing."""
         state = self._state(request_id)
+        tiers = self._tiers
+        if tiers is not None and tiers._keep_rules:
+            tiers.keep_on_free(state)
         # A running request's tables hold each block once, with a reference of its own
         # (check_invariants), so the pools' release checks cannot fire here. Each table is
         # released last block first, groups in order: the order one list per pool gives.
@@ -58,6 +63,7 @@ class Freeing(AllocatorBase):
             cache = self._caches[gid]
             block_hash = pool._block_hash
             removed: list[bytes] = []
+            removed_blocks: list[int] = []
             # Block i is cached under the hash of tokens [0, (i + 1) * block): it claims
             # content past num_valid_tokens from index num_valid_tokens // block on.
             for block in state.blocks[gid][num_valid_tokens // self._block_tokens[gid] :]:
@@ -67,11 +73,14 @@ class Freeing(AllocatorBase):
                     block_hash[block] = None
                     pool._reused[block] = 0
                     removed.append(digest)
+                    removed_blocks.append(block)
             if removed:
                 # A prefix found before may name these blocks: admissions check it again.
                 pool.epoch += 1
                 if self._events is not None:
                     self._events.append(BlockRemoved(group=gid, block_hashes=tuple(removed)))
+                if self._tiers is not None:
+                    self._tiers.forget_unwritten(gid, removed, removed_blocks)
         self.free(request_id)
 
     def reset_prefix_cache(self) -> None:

@@ -6,7 +6,9 @@ Each offload tier keeps one :class:`~kvspec_core.runtime.pool.BlockPool` per dev
 same eviction orders), so a tier evicts exactly as the device does. Hooks chain the tiers:
 
 * a device block leaving the prefix cache (pool eviction) is stored in the first tier with
-  slots for its pool (write-back on eviction), unless that tier holds its hash already;
+  slots for its pool (write-back on eviction), unless that tier holds its hash already
+  (with write-through it usually does: see ``tier_keeping.py``) or the group's keep rules
+  say it is not worth keeping;
 * a tier's own eviction stores the slot's content in the next tier; the last tier drops it.
 
 A copy is *pending* from the moment it is recorded until the engine confirms it
@@ -14,24 +16,27 @@ A copy is *pending* from the moment it is recorded until the engine confirms it
 out) and is not cached (never a hit). A load also holds a reference on its source slots.
 Confirmed, the destination enters its cache; failed, it returns to the free blocks
 uncached. A store's source is not held: it was evicted and is handed out right away, which
-is why the engine runs the transfers, in order, before the step's forward overwrites it.
+is why the engine runs the transfers, in order, before the step's forward overwrites it (a
+write-through copy reads a block still cached; one evicted before the copy is recorded is
+stored as the eviction's victim instead).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, HitScan
+from kvspec_core.runtime.tier_keeping import TierKeeping, drop_cached
 from kvspec_core.runtime.tier_lookup import TierLookup
 from kvspec_core.runtime.tier_state import PendingTransfer
-from kvspec_core.runtime.tier_storing import TierStoring
 from kvspec_core.runtime.tier_view import TieredView, full_scan_across_tiers
 from kvspec_core.runtime.tiers import DEVICE_TIER, LOAD, STORE, OffloadTier, Transfer
 
 
-class TierManager(TierStoring, TierLookup):
+class TierManager(TierKeeping, TierLookup):
     """Offload tiers of one allocator (see the module docstring).
 
     Args:
@@ -115,6 +120,7 @@ class TierManager(TierStoring, TierLookup):
         self.generation = 0
         #: Blocks confirmed moved, per (source tier, destination tier).
         self.blocks_moved: dict[tuple[int, int], int] = {}
+        self._init_keeping(rules)
 
     # ----------------------------------------------------------------- admission
     def admit_loads(
@@ -169,11 +175,13 @@ class TierManager(TierStoring, TierLookup):
         return taken_total
 
     # ----------------------------------------------------------------- the engine's side
-    def take(self) -> list[Transfer]:
+    def take(self, running: Mapping[str | int, Any] | None = None) -> list[Transfer]:
         """The transfers recorded since the last call, stores of the device's evictions
         first: an evicted block may be one a load of this step fills, so its store must
         read it before (loads are recorded at admission, the evictions' stores here; tier
-        slots a load reads are locked, so no store here writes one)."""
+        slots a load reads are locked, so no store here writes one). Then the write-through
+        copies of the blocks the last call noted, and the note of ``running``'s blocks
+        cached since (``tier_keeping.py``)."""
         loads = self._queue
         self._queue = []
         for pool, noted in enumerate(self._victims):
@@ -188,6 +196,8 @@ class TierManager(TierStoring, TierLookup):
                     hashes = [digest for batch in victims for digest in batch[1]]
                     blocks = [block for batch in victims for block in batch[2]]
                 self._store(0, pool, groups, hashes, DEVICE_TIER, blocks)
+        if self._through_groups or self._through_ready:
+            self._write_through(running or {})
         queue = self._queue + loads
         self._queue = []
         for pending in queue:
@@ -241,7 +251,7 @@ class TierManager(TierStoring, TierLookup):
                 for digest in pending.hashes:
                     del storing[digest]
         if cache:
-            slots.cache_blocks(pending.group, pending.hashes, pending.destination)
+            slots.cache_blocks(pending.group, *_still_valid(pending))
         slots._release_unchecked(pending.destination)
 
     def _finish_load(
@@ -251,7 +261,7 @@ class TierManager(TierStoring, TierLookup):
         slots = self.tier_pools[pending.source_tier - 1][pending.pool]
         assert slots is not None
         if cache:
-            device.cache_blocks(pending.group, pending.hashes, pending.destination)
+            device.cache_blocks(pending.group, *_still_valid(pending))
         device._release_unchecked(pending.destination)
         if not ok:
             # The copy in the tier could not be read: it leaves the tier (a retry would
@@ -276,6 +286,7 @@ class TierManager(TierStoring, TierLookup):
         for storing in self._storing:
             for hashes in storing.values():
                 hashes.clear()
+        self._reset_keeping()
 
     def pending_device_refs(self) -> list[dict[int, int]]:
         """Per pool, the references pending loads hold on device blocks (invariants)."""
@@ -332,9 +343,19 @@ def uncache(pool: BlockPool, gid: int, digest: bytes, block: int) -> None:
     """Take ``block`` out of ``pool``'s prefix cache if it is cached there under
     ``digest`` (a referenced block: it stays with its holders and, freed, joins the
     uncached free blocks)."""
-    cache = pool.caches[gid]
-    if cache.get(digest) == block:
-        del cache[digest]
-        pool._block_hash[block] = None
-        pool._reused[block] = 0
-        pool.epoch += 1
+    if pool.caches[gid].get(digest) == block:
+        drop_cached(pool, gid, digest, block)
+
+
+def _still_valid(pending: PendingTransfer) -> tuple[list[bytes], list[int]]:
+    """A confirmed copy's ``(hashes, destinations)`` to cache: all of them, but those
+    ``discard_uncomputed`` declared never written since it was recorded."""
+    dropped = pending.dropped
+    if not dropped:
+        return pending.hashes, pending.destination
+    kept = [
+        (digest, block)
+        for digest, block in zip(pending.hashes, pending.destination, strict=True)
+        if digest not in dropped
+    ]
+    return [digest for digest, _ in kept], [block for _, block in kept]

@@ -1,8 +1,9 @@
 """What every part of :class:`~kvspec_core.runtime.offloading.TierManager` reads: the
 transfer in flight (:class:`PendingTransfer`) and the attributes ``TierManager.__init__``
 sets. The manager is assembled from one base class per job (recording copies in
-``tier_storing.py``, lookups across tiers in ``tier_lookup.py``, the engine's side in
-``offloading.py``), as the allocator is (see ``base.py``)."""
+``tier_storing.py``, write-through and the families' keep rules in ``tier_keeping.py``,
+lookups across tiers in ``tier_lookup.py``, the engine's side in ``offloading.py``), as
+the allocator is (see ``base.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class PendingTransfer:
     __slots__ = (
         "destination",
         "destination_tier",
+        "dropped",
         "first_position",
         "generation",
         "group",
@@ -59,6 +61,9 @@ class PendingTransfer:
         # A load's first token position (the smallest its blocks start at).
         self.first_position = 0
         self.taken = False
+        # Hashes whose content turned out never written (discard_uncomputed after the copy
+        # was recorded): confirmed, the copy caches the others only.
+        self.dropped: set[bytes] | None = None
 
     def record(self) -> Transfer:
         return Transfer(
@@ -93,3 +98,10 @@ class TierState:
     _next_id: int
     generation: int
     blocks_moved: dict[tuple[int, int], int]
+    # write-through and the families' keep rules (tier_keeping.py)
+    _through: list[bool]
+    _through_marks: dict[str | int, tuple[object, list[int]]]
+    _through_ready: list[tuple[int, int, int, bytes]]
+    _through_from: list[dict[int, bytes]]
+    _keep_rules: dict[int, object]
+    _kept: list[dict[int, bytes]]

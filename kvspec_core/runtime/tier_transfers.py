@@ -41,10 +41,13 @@ class TierTransfers(Freeing, AllocatorBase):
         """The copies recorded since the last call, in the order the engine must run them
         (all before the forward of the step whose ``allocate_slots`` recorded them): loads
         of admitted tier hits, and stores of blocks the step evicted (device -> first tier,
-        tier -> next tier). Empty without tiers."""
+        tier -> next tier). With a write-through tier (``OffloadTier.write_policy``), also
+        the copies of the blocks the previous step cached: call it once per engine step,
+        after the step's ``allocate_slots`` calls and before its forward (the copies it
+        records read blocks the previous forward wrote). Empty without tiers."""
         if self._tiers is None:
             return []
-        return self._tiers.take()
+        return self._tiers.take(self._running)
 
     def complete_transfers(
         self, transfer_ids: Iterable[int], ok: bool = True

@@ -25,6 +25,22 @@ DEVICE_TIER = 0
 #: ``Transfer.source_tier`` of blocks fetched from a remote store shared by replicas
 #: (``remote_tier.py``): never a tier of ``take_transfers()``, whose copies the engine runs.
 REMOTE_TIER = -1
+#: ``OffloadTier.write_policy``: a device block is copied into the tier when the device
+#: evicts it from its prefix cache (the default).
+WRITE_BACK = "write_back"
+#: ``OffloadTier.write_policy``: a device block is copied into the tier as soon as it enters
+#: the prefix cache (its content final), so that its eviction later copies nothing.
+WRITE_THROUGH = "write_through"
+#: The values ``OffloadTier.write_policy`` accepts.
+WRITE_POLICIES = (WRITE_BACK, WRITE_THROUGH)
+#: ``OffloadTier.keep``: every cached block the device evicts is stored below it.
+KEEP_EVERYTHING = "everything"
+#: ``OffloadTier.keep``: each group's family rules say which blocks are worth storing
+#: below the device (``offload_range``: a sliding window keeps a freed request's last
+#: window); groups whose rules say nothing store everything.
+KEEP_FAMILY_RULES = "family_rules"
+#: The values ``OffloadTier.keep`` accepts.
+KEEP_POLICIES = (KEEP_EVERYTHING, KEEP_FAMILY_RULES)
 
 
 @attrs.frozen
@@ -32,12 +48,30 @@ class OffloadTier:
     """One tier below the device: ``name`` (for reports), ``num_blocks`` (per pool of the
     allocator, one int for every pool or one per pool: the blocks of the tier's buffer for
     that pool, counted as the device's are, slot 0 included and never used, so slot ``s``
-    is block ``s`` of the buffer; 0 gives the pool no slot in this tier) and its own
-    eviction order (``"lru"`` or ``"segmented"``, as the pools')."""
+    is block ``s`` of the buffer; 0 gives the pool no slot in this tier), its own
+    eviction order (``"lru"`` or ``"segmented"``, as the pools') and ``write_policy``,
+    when the device's blocks are copied into it (for the pools whose first tier with slots
+    it is; a tier below that receives what the tier above evicts):
+
+    * :data:`WRITE_BACK` (``"write_back"``, the default): when the device evicts a cached
+      block;
+    * :data:`WRITE_THROUGH` (``"write_through"``): when a block enters the device's prefix
+      cache; the copy is recorded by the first ``take_transfers()`` after the step that
+      cached it (the step whose forward writes it), so it runs once its content is
+      written, and a later eviction of a block the tier holds copies nothing.
+
+    ``keep`` (for the same pools) says which of the device's blocks come here at all:
+    :data:`KEEP_EVERYTHING` (``"everything"``, the default) or :data:`KEEP_FAMILY_RULES`
+    (``"family_rules"``: a group whose family rules define ``offload_range`` stores only
+    the blocks they name when the device evicts them, a sliding window a freed request's
+    last window; see ``tier_keeping.py``).
+    """
 
     name: str
     num_blocks: int | tuple[int, ...]
     eviction: str = DEFAULT_EVICTION
+    write_policy: str = WRITE_BACK
+    keep: str = KEEP_EVERYTHING
 
     def slots_per_pool(self, num_pools: int, index: int) -> tuple[int, ...]:
         """Slots of this tier per pool, checked; ``index`` is its place in the tier list."""
@@ -48,6 +82,18 @@ class OffloadTier:
             raise AllocatorError(
                 f"{where}: eviction={self.eviction!r} is invalid: must be one of "
                 f"{EVICTION_POLICIES}"
+            )
+        if self.write_policy not in WRITE_POLICIES:
+            raise AllocatorError(
+                f"{where}: write_policy={self.write_policy!r} is invalid: must be one of "
+                f"{WRITE_POLICIES} (write_back: copied when the device evicts a block; "
+                "write_through: copied when a block enters the device's prefix cache)"
+            )
+        if self.keep not in KEEP_POLICIES:
+            raise AllocatorError(
+                f"{where}: keep={self.keep!r} is invalid: must be one of {KEEP_POLICIES} "
+                "(everything: every block the device evicts; family_rules: the blocks each "
+                "group's family rules name, offload_range)"
             )
         sizes: Sequence[object] = (
             (self.num_blocks,) * num_pools
@@ -130,17 +176,26 @@ class Transfer:
         return len(self.source_blocks)
 
 
-def tiers_from_plan(plan: object, eviction: str = DEFAULT_EVICTION) -> tuple[OffloadTier, ...]:
+def tiers_from_plan(
+    plan: object,
+    eviction: str = DEFAULT_EVICTION,
+    write_policy: str = WRITE_BACK,
+    keep: str = KEEP_EVERYTHING,
+) -> tuple[OffloadTier, ...]:
     """The offload tiers of a planner plan (``plan.tiers``: host, then disk), for
     ``KVCacheAllocator.from_plan(plan, offload_tiers=tiers_from_plan(plan))``. Tiers are
     opt-in: an engine that uses them must run the transfers (see ``take_transfers``). A
-    pool whose tier holds only its null block gets no slot there."""
+    pool whose tier holds only its null block gets no slot there. Every tier evicts in
+    ``eviction`` order; ``write_policy`` and ``keep`` are the first tier's (the one the
+    device writes to; the tiers below receive what the tier above evicts)."""
     tiers = getattr(plan, "tiers", None) or ()
     return tuple(
         OffloadTier(
             str(tier.name),
             tuple(0 if count < 2 else int(count) for count in tier.blocks_per_pool),
             eviction,
+            write_policy if index == 0 else WRITE_BACK,
+            keep if index == 0 else KEEP_EVERYTHING,
         )
-        for tier in tiers
+        for index, tier in enumerate(tiers)
     )

@@ -26,7 +26,16 @@ from hypothesis.stateful import (
 from runtime_testkit import full, machine_test_cases, make_allocator, mamba, needed_indices, sliding
 
 from kvspec_core.runtime import NotNow, Request
-from kvspec_core.runtime.tiers import LOAD, OffloadTier, TieredPrefix, Transfer
+from kvspec_core.runtime.tiers import (
+    KEEP_EVERYTHING,
+    KEEP_FAMILY_RULES,
+    LOAD,
+    WRITE_BACK,
+    WRITE_THROUGH,
+    OffloadTier,
+    TieredPrefix,
+    Transfer,
+)
 
 #: (specs, device blocks per pool, pool of each group, tier blocks per pool).
 CONFIGS = {
@@ -53,16 +62,22 @@ class TieredMachine(RuleBasedStateMachine):
     @initialize(
         name=st.sampled_from(sorted(CONFIGS)),
         eviction=st.sampled_from(["lru", "segmented"]),
+        write_policy=st.sampled_from([WRITE_BACK, WRITE_THROUGH]),
+        keep=st.sampled_from([KEEP_EVERYTHING, KEEP_FAMILY_RULES]),
     )
-    def build(self, name: str, eviction: str) -> None:
+    def build(self, name: str, eviction: str, write_policy: str, keep: str) -> None:
         specs, blocks, pools, (host, disk) = CONFIGS[name]
         self.name = name
         self.allocator = make_allocator(
             specs,
             blocks,
             pools,
-            offload_tiers=(OffloadTier("host", host, eviction), OffloadTier("disk", disk)),
+            offload_tiers=(
+                OffloadTier("host", host, eviction, write_policy, keep),
+                OffloadTier("disk", disk),
+            ),
         )
+        event(f"write policy {write_policy}, keep {keep}")
         # (tier, pool, block) -> content id; tier 0 is the device.
         self.content: dict[tuple[int, int, int], object] = {}
         self.deferred: list[tuple[Transfer, bool]] = []
@@ -191,8 +206,13 @@ class TieredMachine(RuleBasedStateMachine):
         self.prefill_left[request.request_id] = len(prompt) - found.num_tokens - chunk
         return request
 
-    @rule(request=running, size=st.integers(1, 8), token=st.integers(0, 2))
-    def step(self, request: Request, size: int, token: int) -> None:
+    @rule(
+        request=running,
+        size=st.integers(1, 8),
+        token=st.integers(0, 2),
+        forward_fails=st.sampled_from([False] * 7 + [True]),
+    )
+    def step(self, request: Request, size: int, token: int, forward_fails: bool) -> None:
         rid = request.request_id
         if not self.allocator.is_running(rid):
             return
@@ -210,6 +230,11 @@ class TieredMachine(RuleBasedStateMachine):
             self._run_transfers(0, 0)
             return
         self._run_transfers(0, 0)
+        if forward_fails:
+            # Nothing of the step was written: the engine discards the request from there.
+            event("a forward failed")
+            self.allocator.discard_uncomputed(rid, start)
+            return
         self.prefill_left[rid] = left - count if left else 0
         self._forward(request, start, start + count)
 

@@ -10,7 +10,9 @@ A state block enters the prefix cache only when a step ends exactly on its block
 because only then does it hold the state at that boundary; a prefill that runs past a
 boundary leaves no state there, so no hit is ever reported at a position whose state was
 never written. Resuming at ``p`` needs exactly that checkpoint: a hit is the cached state
-block at the largest boundary ``<= p``, everything before it null.
+block at the largest boundary ``<= p``, everything before it null. Every state block it
+caches is such a checkpoint, so all of them are worth keeping in slower tiers: the rules
+define no ``offload_range`` (the default: every state the device evicts is stored below).
 
 In ``none`` (and ``all``, whose per-block states the admission cap has no room for) mode a
 request holds its running state plus speculative states, updated in place, never cached:

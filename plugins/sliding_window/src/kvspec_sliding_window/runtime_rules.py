@@ -5,6 +5,8 @@
   freed. Resuming at ``p`` needs the blocks of the last ``window - 1 + extra_retained_tokens``
   positions before ``p`` (what the request would hold had it computed them itself), or
   every block before ``p`` when ``p`` is within that reach; earlier entries are null blocks.
+  Below the device (an offload tier with ``keep="family_rules"``) it keeps a freed
+  request's last window only (the core's ``TrailingWindowRules.offload_range``).
 * ``kpool_tail``: one block for the request's life, never cached.
 * ``reference_sliding_window`` (R-SWA): its gap eviction depends on where the prompt ends,
   which the positional rules cannot express yet, so it keeps every block, exactly like full

@@ -1,0 +1,273 @@
+"""What goes below the device, and when: write-through copies of the blocks that entered the
+device's prefix cache, and the families' rules of which blocks are worth keeping in slower
+tiers. Part of :class:`~kvspec_core.runtime.offloading.TierManager` (see ``tier_state.py``).
+
+**Write-through** (``OffloadTier.write_policy="write_through"`` on the tier a pool's device
+blocks go to). A block enters the prefix cache in ``allocate_slots``, before the step's
+forward writes it, and ``take_transfers()`` is run before that forward: so the blocks a
+step cached are noted by the step's ``take_transfers()`` (from the running requests'
+cached-block progress, which the compiled kernels advance too) and copied by the next one,
+once that forward wrote them. A noted block is copied only if it is still cached under the
+same hash then (one evicted meanwhile was stored as the eviction's victim, which reads it
+before it is overwritten). A block the engine declares never written
+(``discard_uncomputed``) is no longer copied; if its copy was recorded already, the copy
+caches nothing of it, and a tier that holds it from that copy forgets it: a block uncached
+on the device never becomes a tier hit through write-through.
+
+**Keep rules** (``OffloadTier.keep="family_rules"`` on the tier a pool's device blocks go
+to, and a group whose rules define the optional ``offload_range``, see
+:mod:`kvspec_core.plugins.family_rules`). When a request is freed the rules name the
+entries of its table worth keeping below the device (a sliding window: its last window);
+those blocks are marked with the hash they are cached under. When the device evicts a
+cached block of such a group, it is stored in the tiers only if so marked (under that very
+hash); a block the request released earlier (skipped mid-request, out of its window) is
+dropped. Storing less never creates a hit: the group's own rules decide hits over what
+the tiers hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.pool import BlockPool
+from kvspec_core.runtime.tier_storing import TierStoring
+from kvspec_core.runtime.tiers import (
+    DEVICE_TIER,
+    KEEP_EVERYTHING,
+    KEEP_FAMILY_RULES,
+    WRITE_BACK,
+    WRITE_THROUGH,
+)
+
+
+class TierKeeping(TierStoring):
+    """Write-through copies and the families' keep rules (see the module docstring)."""
+
+    def _init_keeping(self, rules: Sequence[object]) -> None:
+        """Set up both from the tiers' ``write_policy`` and the groups' rules."""
+        first_tier = [
+            next(
+                (index for index, row in enumerate(self.tier_pools) if row[pool] is not None), None
+            )
+            for pool in range(len(self.device_pools))
+        ]
+        for index, tier in enumerate(self.tiers):
+            for field, value, default in (
+                ("write_policy", tier.write_policy, WRITE_BACK),
+                ("keep", tier.keep, KEEP_EVERYTHING),
+            ):
+                if value != default and index not in first_tier:
+                    raise AllocatorError(
+                        f"offload_tiers[{index}] ({tier.name!r}): {field}={value!r} applies to "
+                        "the tier the device's blocks are copied to (the first with slots for "
+                        "a pool), and no pool's first tier is this one; set it on "
+                        "offload_tiers[0] (a tier below receives what the tier above evicts)"
+                    )
+        #: Per device pool: whether its blocks are written through to its first tier.
+        self._through = [
+            first is not None and self.tiers[first].write_policy == WRITE_THROUGH
+            for first in first_tier
+        ]
+        #: Per group whose pool's first tier keeps what the family rules say, and whose
+        #: rules define ``offload_range``: its rules.
+        self._keep_rules = {
+            gid: group_rules
+            for gid, group_rules in enumerate(rules)
+            if getattr(group_rules, "offload_range", None) is not None
+            and (first := first_tier[self.pool_of_group[gid]]) is not None
+            and self.tiers[first].keep == KEEP_FAMILY_RULES
+        }
+        #: Per device pool: block -> the hash it was cached under when a free marked it
+        #: worth keeping below the device (groups with keep rules only).
+        self._kept = [{} for _ in self.device_pools]
+        for pool in {self.pool_of_group[gid] for gid in self._keep_rules}:
+            self.device_pools[pool]._on_evict = self._keeping_deferrer(pool)
+        #: Groups whose blocks are written through (a group with keep rules is stored at
+        #: eviction, when its rules have said which blocks are worth it).
+        self._through_groups = [
+            gid
+            for gid, pool in enumerate(self.pool_of_group)
+            if self._through[pool] and gid not in self._keep_rules
+        ]
+        #: Per running request id: (its running state, per group the table entries noted).
+        self._through_marks = {}
+        #: ``(group, pool, block, hash)`` the last take noted: copied by the next one.
+        self._through_ready = []
+        #: Per device pool: block -> the hash a write-through copy of it was recorded for
+        #: (what discard_uncomputed takes back from the tiers).
+        self._through_from = [{} for _ in self.device_pools]
+
+    # ----------------------------------------------------------------- keep rules
+    def _keeping_deferrer(self, pool: int) -> Callable[[list[int], list[bytes], list[int]], None]:
+        """The device pool's eviction hook when some group of it has keep rules: note the
+        victims worth keeping (stored by ``take``), drop the others."""
+        append = self._victims[pool].append
+        kept = self._kept[pool]
+        keep_rules = self._keep_rules
+
+        def evicted(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+            pop = kept.pop
+            # Every victim's mark goes (its block leaves the cache); a group without keep
+            # rules keeps everything.
+            keep = [
+                pop(block, None) == digest or gid not in keep_rules
+                for gid, digest, block in zip(groups, hashes, blocks, strict=True)
+            ]
+            if all(keep):
+                append((groups, hashes, blocks))
+            elif any(keep):
+                append(
+                    (
+                        [gid for gid, wanted in zip(groups, keep, strict=True) if wanted],
+                        [digest for digest, wanted in zip(hashes, keep, strict=True) if wanted],
+                        [block for block, wanted in zip(blocks, keep, strict=True) if wanted],
+                    )
+                )
+
+        return evicted
+
+    def keep_on_free(self, state: Any) -> None:
+        """Ask each keep rule which entries of the freed request's table are worth keeping
+        below the device, and mark those blocks (before the caller releases anything: a
+        rule's bad answer refuses the free, changing nothing)."""
+        marks: list[tuple[dict[int, bytes], BlockPool, list[int]]] = []
+        for gid, group_rules in self._keep_rules.items():
+            table = state.blocks[gid]
+            if not table:
+                continue
+            num_cached = state.num_cached[gid]
+            answer = group_rules.offload_range(num_cached)  # type: ignore[attr-defined]
+            if (
+                answer.__class__ is not tuple
+                or len(answer) != 2
+                or any(value.__class__ is not int for value in answer)
+                or not 0 <= answer[0] <= answer[1] <= num_cached
+            ):
+                raise AllocatorError(
+                    f"group {gid}'s rules ({type(group_rules).__name__}.offload_range"
+                    f"({num_cached})) answered {answer!r}: it must be a (start, stop) tuple of "
+                    f"ints with 0 <= start <= stop <= {num_cached} (the cached entries); fix "
+                    "the plugin's offload_range"
+                )
+            pool = self.pool_of_group[gid]
+            marks.append((self._kept[pool], self.device_pools[pool], table[answer[0] : answer[1]]))
+        for kept, device, blocks in marks:
+            block_hash = device._block_hash
+            for block in blocks:
+                if block:
+                    digest = block_hash[block]
+                    if digest is not None:
+                        kept[block] = digest
+
+    # ----------------------------------------------------------------- write-through
+    def _write_through(self, running: Mapping[str | int, Any]) -> None:
+        """Record the copies of the blocks the last take noted (still cached under their
+        hash), then note the blocks cached since (see the module docstring)."""
+        ready = self._through_ready
+        if ready:
+            self._through_ready = []
+            per_pool: dict[int, tuple[list[int], list[bytes], list[int]]] = {}
+            pools = self.device_pools
+            for gid, pool, block, digest in ready:
+                if pools[pool]._block_hash[block] == digest:
+                    batch = per_pool.get(pool)
+                    if batch is None:
+                        batch = per_pool[pool] = ([], [], [])
+                    batch[0].append(gid)
+                    batch[1].append(digest)
+                    batch[2].append(block)
+            for pool, (groups, hashes, blocks) in per_pool.items():
+                self._store(0, pool, groups, hashes, DEVICE_TIER, blocks)
+                # Which of them now have a copy in flight (not refreshed, not dropped).
+                written = self._through_from[pool]
+                storing = self._storing
+                for gid, digest, block in zip(groups, hashes, blocks, strict=True):
+                    if any(digest in tier[gid] for tier in storing):
+                        written[block] = digest
+        groups = self._through_groups
+        if not groups:
+            return
+        marks = self._through_marks
+        fresh: dict[str | int, tuple[object, list[int]]] = {}
+        noted = self._through_ready
+        pool_of = self.pool_of_group
+        pools = self.device_pools
+        for request_id, state in running.items():
+            entry = marks.get(request_id)
+            upto = entry[1] if entry is not None and entry[0] is state else [0] * len(pool_of)
+            num_cached = state.num_cached
+            for gid in groups:
+                stop = num_cached[gid]
+                start = upto[gid]
+                if stop > start:
+                    pool = pool_of[gid]
+                    block_hash = pools[pool]._block_hash
+                    for block in state.blocks[gid][start:stop]:
+                        if block:
+                            digest = block_hash[block]
+                            if digest is not None:
+                                noted.append((gid, pool, block, digest))
+                    upto[gid] = stop
+            fresh[request_id] = (state, upto)
+        self._through_marks = fresh
+
+    def forget_unwritten(self, gid: int, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """``discard_uncomputed`` took ``blocks`` of group ``gid`` (cached under
+        ``digests``) out of the device's cache: their content was never written. No
+        write-through copy of them is recorded from now on, one recorded caches nothing of
+        them, and a tier holding one from such a copy forgets it."""
+        pool = self.pool_of_group[gid]
+        if not self._through[pool]:
+            return
+        gone = dict(zip(blocks, digests, strict=True))
+        if self._through_ready:
+            self._through_ready = [
+                entry
+                for entry in self._through_ready
+                if not (entry[1] == pool and gone.get(entry[2]) == entry[3])
+            ]
+        written = self._through_from[pool]
+        unwritten = set()
+        for block, digest in gone.items():
+            if written.get(block) == digest:
+                del written[block]
+                unwritten.add(digest)
+        if not unwritten:
+            return
+        for pending in self._pending.values():
+            if pending.group == gid and not unwritten.isdisjoint(pending.hashes):
+                pending.dropped = (pending.dropped or set()) | (unwritten & set(pending.hashes))
+        for row in self.tier_pools:
+            slots = row[pool]
+            if slots is None:
+                continue
+            cache = slots.caches[gid]
+            for digest in unwritten:
+                slot = cache.get(digest)
+                if slot is not None:
+                    drop_cached(slots, gid, digest, slot)
+
+    def _reset_keeping(self) -> None:
+        self._through_ready = []
+        for written in self._through_from:
+            written.clear()
+        for kept in self._kept:
+            kept.clear()
+
+
+def drop_cached(pool: BlockPool, gid: int, digest: bytes, block: int) -> None:
+    """Take ``block``, cached under ``digest`` for ``gid``, out of ``pool``'s prefix cache:
+    a referenced block stays with its holders (uncached; freed, it joins the plain free
+    blocks), a free one becomes a plain free block at once."""
+    del pool.caches[gid][digest]
+    pool._block_hash[block] = None
+    if not pool.ref_counts[block]:
+        if pool._reused[block]:
+            del pool._protected[block]
+        else:
+            del pool._evictable[block]
+        pool._fresh.append(block)
+    pool._reused[block] = 0
+    pool.epoch += 1
