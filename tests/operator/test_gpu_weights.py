@@ -193,3 +193,39 @@ def test_gpt_oss_counts_its_mxfp4_experts_as_stored() -> None:
     others = weights.parameters - experts
     assert experts > 0.8 * weights.parameters
     assert stored == others * 2 + Fraction(experts * 17, 32)
+
+
+def test_a_broken_index_or_header_is_refused_naming_the_file_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plan_cli_testkit import fails
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": "16GB"}}))
+    err = fails(capsys, str(tmp_path), "--gpu", "l4")
+    assert "metadata.total_size" in err and str(index) in err and "fix or remove" in err
+    index.unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    err = fails(capsys, str(tmp_path), "--gpu", "l4")
+    assert "safetensors header" in err and "fix or remove" in err
+
+
+def test_weights_that_cannot_be_counted_are_refused_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plan_cli_testkit import fails
+
+    compressed = {**TINY_LLAMA, "quantization_config": {"quant_method": "compressed-tensors"}}
+    (tmp_path / "config.json").write_text(json.dumps(compressed))
+    err = fails(capsys, str(tmp_path), "--gpu", "l4")
+    assert "'compressed-tensors'" in err and "model.safetensors.index.json" in err
+    # With the index beside it, the stored size is the index's and TP 1 plans.
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 123_456}, "weight_map": {}})
+    )
+    report = plan_json(capsys, str(tmp_path), "--gpu", "l4")
+    assert report["weights"]["checkpoint_bytes"] == 123_456
+    assert report["weights"]["quant_method"] == "compressed-tensors"
+    # ... but its split over TP ranks is not known: refused, not guessed.
+    assert "--tp 1 --pp 1" in fails(capsys, str(tmp_path), "--gpu", "l4", "--tp", "2")
