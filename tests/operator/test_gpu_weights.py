@@ -185,6 +185,23 @@ def test_quantised_tensors_count_as_stored() -> None:
     assert stored_bytes(up, 2, {"quant_method": "mxfp4"}) == 256 * 512 * 2
 
 
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [
+        ("llama-3.1-8b", 16_060_522_496),
+        ("llama-3.1-70b", 141_107_412_992),
+        ("gpt-oss-20b", 13_761_264_768),  # mxfp4 experts as blocks and scales
+    ],
+)
+def test_the_count_as_stored_equals_the_published_index_total(
+    capsys: pytest.CaptureFixture[str], preset: str, published: int
+) -> None:
+    # metadata.total_size of each model's model.safetensors.index.json on the hub
+    report = plan_json(capsys, preset, "--gpu", "b200", "--tp", "8", "--max-model-len", "4096")
+    assert report["weights"]["source"] == "parameter count"
+    assert report["weights"]["checkpoint_bytes"] == published
+
+
 def test_gpt_oss_counts_its_mxfp4_experts_as_stored() -> None:
     raw = load_preset("gpt-oss-20b")
     weights = model_weights(raw, 24)
