@@ -29,10 +29,19 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from kvspec_core.deployment.parameters import EXPERTS, SHARDED, WeightTensor
+from kvspec_core.deployment.parameters import (
+    EXPERTS,
+    KV_PROJECTION,
+    REPLICATED_LINEAR,
+    SHARDED,
+    WeightTensor,
+)
 from kvspec_core.errors import ConfigError
 
 QUANT_METHODS = ("mxfp4", "fp8", "awq", "gptq")
+#: Roles of the tensors a quantised checkpoint packs: every linear of the decoder layers (K and
+#: V projections and MLA's replicated down-projections included), not routers or norms.
+_QUANTISED_ROLES = frozenset({SHARDED, EXPERTS, KV_PROJECTION, REPLICATED_LINEAR})
 
 
 def quantization(raw: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -94,7 +103,7 @@ def stored_bytes(
 ) -> Fraction:
     """Bytes ``tensor`` takes in the checkpoint (a fraction: mxfp4 packs below a byte)."""
     plain = Fraction(tensor.numel * model_dtype_bytes)
-    if quant is None or tensor.role not in (SHARDED, EXPERTS) or len(tensor.shape) < 2:
+    if quant is None or tensor.role not in _QUANTISED_ROLES or len(tensor.shape) < 2:
         return plain
     if tensor.layer is None or tensor.name.endswith("bias") or _excluded(tensor.name, quant):
         return plain

@@ -202,6 +202,21 @@ def test_the_count_as_stored_equals_the_published_index_total(
     assert report["weights"]["checkpoint_bytes"] == published
 
 
+def test_every_linear_of_the_layers_is_quantised_k_and_v_included() -> None:
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    raw = {**TINY_LLAMA, "quantization_config": awq}
+    weights = model_weights(raw, 2)
+    total = sum(stored_bytes(t, 2, awq) for t in weights.tensors)
+
+    def packed(out: int, inputs: int) -> Fraction:  # int4 values + int4 zeros + fp16 scales
+        groups = inputs // 32
+        return Fraction(out * inputs, 2) + Fraction(groups * out, 2) + groups * out * 2
+
+    linears = packed(64, 64) * 2 + packed(32, 64) * 2 + packed(128, 64) * 2 + packed(64, 128)
+    plain = 2 * (2 * 1000 * 64 + 2 * 2 * 64 + 64)  # embedding, head, norms stay bf16
+    assert total == 2 * linears + plain
+
+
 def test_gpt_oss_counts_its_mxfp4_experts_as_stored() -> None:
     raw = load_preset("gpt-oss-20b")
     weights = model_weights(raw, 24)
