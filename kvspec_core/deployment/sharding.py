@@ -13,9 +13,9 @@ Tensor parallelism (every rank holds the same bytes):
 * every other tensor (the attention and MLP linears, the experts, Mamba's projections,
   convolution and per-head parameters, a vision tower's linears) is split 1/TP.
 
-Not modelled (each well under 0.1% of a model's weights): a fused ``qkv_proj`` (Phi-3) is split
-1/TP even above its KV head count, and a vision tower's class and position embeddings are
-split like its linears.
+Not modelled: a fused ``qkv_proj`` (Phi-3) is split 1/TP even above its KV head count (Phi-3's
+32 KV heads meet that only at TP 64), and a vision tower's class and position embeddings
+(a few MB) are split like its linears.
 
 Pipeline parallelism: decoder layer ``i`` lives on the stage :func:`stage_ranges` gives it
 (vLLM's split); the tensors before the decoder layers (the embedding, a vision tower) on
