@@ -158,8 +158,15 @@ def _typed_layers(
     shapes: dict[tuple[str, HeadFields], AttentionShape | None] = {}
     layers = []
     slots = _layer_slots(text)
-    if source.transformers_filled and not is_encoder_decoder(text):
-        check_against_model_code(source.raw, text, slots, num_layers(text), name=name)
+    encoder_decoder = is_encoder_decoder(text)
+    sharing = (
+        {} if encoder_decoder else kv_sharing_sources(text, slots, num_layers(text), name=name)
+    )
+    if source.transformers_filled and not encoder_decoder:
+        readers = {slot.index for slot in slots if slot.name in sharing}
+        check_against_model_code(
+            source.raw, text, slots, num_layers(text), name=name, readers=readers
+        )
     for slot in slots:
         key = (slot.layer_type, slot.head_fields)
         if key not in shapes:
@@ -180,10 +187,6 @@ def _typed_layers(
             f"model {name} has no layer that holds a KV cache (every layer of its pattern is "
             "MLP-only); check 'num_hidden_layers' and the layer pattern fields"
         )
-    encoder_decoder = is_encoder_decoder(text)
-    sharing = (
-        {} if encoder_decoder else kv_sharing_sources(text, slots, num_layers(text), name=name)
-    )
     max_len = (
         decoder_max_len(text)
         if encoder_decoder

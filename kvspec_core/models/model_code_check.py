@@ -45,7 +45,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +117,24 @@ class ModelCodeReading:
     modules: tuple[tuple[str, ...], ...]
 
 
+#: Added to the label of an attention layer that reads another layer's cache (it computes no
+#: K/V: transformers' ``is_kv_shared_layer``, kvspec's ``KVSharingSpec``).
+READS_SHARED_CACHE = ", reading an earlier layer's cache"
+
+
 def _label(layer_type: str, window: object = None) -> str:
     return layer_type if window is None else f"{layer_type} (window {window})"
 
 
 def kvspec_labels(
-    slots: Sequence[LayerSlot], fields: Mapping[str, Any], count: int
+    slots: Sequence[LayerSlot],
+    fields: Mapping[str, Any],
+    count: int,
+    readers: Collection[int] = (),
 ) -> list[tuple[str, ...] | None]:
     """kvspec's reading per decoder layer, as :class:`ModelCodeReading` labels; ``None`` for
-    a layer holding a type only a third-party plugin knows (not compared)."""
+    a layer holding a type only a third-party plugin knows (not compared). ``readers`` are
+    the indices of layers that read another layer's cache (cross-layer KV sharing)."""
     labels: list[list[str] | None] = [[] for _ in range(count)]
     for slot in slots:
         here = labels[slot.index]
@@ -135,7 +144,8 @@ def kvspec_labels(
             labels[slot.index] = None
             continue
         field = _WINDOW_FIELDS.get(slot.layer_type)
-        here.append(_label(slot.layer_type, fields.get(field) if field else None))
+        label = _label(slot.layer_type, fields.get(field) if field else None)
+        here.append(label + (READS_SHARED_CACHE if slot.index in readers else ""))
     return [None if layer is None else tuple(sorted(layer)) for layer in labels]
 
 
@@ -150,6 +160,14 @@ def _state_kind(module: Any) -> str | None:
 
 
 def _attention_label(module: Any, cache_type: tuple[str, Any], local_window: Any) -> str:
+    label = _attention_kind_label(module, cache_type, local_window)
+    # Gemma-3n, Gemma-4 and Mistral-Large-4 mark a layer computing no K/V of its own.
+    if getattr(module, "is_kv_shared_layer", False) is True:
+        return label + READS_SHARED_CACHE
+    return label
+
+
+def _attention_kind_label(module: Any, cache_type: tuple[str, Any], local_window: Any) -> str:
     name = type(module).__name__
     if "CrossAttention" in name:
         return CROSS_ATTENTION
@@ -360,13 +378,15 @@ def check_against_model_code(
     count: int,
     *,
     name: str,
+    readers: Collection[int] = (),
 ) -> None:
     """Refuse when kvspec's typing of the decoder-only config ``raw`` (``slots`` over
-    ``count`` layers, ``fields`` as filled) disagrees with transformers' model code."""
+    ``count`` layers, ``fields`` as filled, ``readers`` the indices of layers reading another
+    layer's cache) disagrees with transformers' model code."""
     reading = model_code_reading(raw, count)
     if reading is None:
         return
-    ours = kvspec_labels(slots, fields, count)
+    ours = kvspec_labels(slots, fields, count, readers)
     for index, (kvspec_layer, code_layer) in enumerate(zip(ours, reading.layers, strict=True)):
         if kvspec_layer is None or kvspec_layer == code_layer:
             continue
@@ -378,6 +398,7 @@ def check_against_model_code(
             f"{' + '.join(code_layer) or 'no cache-holding mixer'} (its modules: {modules}). "
             f"kvspec reads {_summary(ours)}; the model code {_summary(reading.layers)}. A "
             "config field decides the layer kinds differently for the two: fix the layer "
-            "pattern fields (layer_types, sliding_window, ...) so both agree, or plan from the "
+            "pattern fields (layer_types, sliding_window, num_kv_shared_layers, ...) so both "
+            "agree, or plan from the "
             f"config alone with {CHECK_SWITCH_VARIABLE}=off"
         )

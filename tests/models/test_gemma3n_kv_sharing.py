@@ -204,3 +204,21 @@ def test_sharing_kvspec_cannot_read_is_refused() -> None:
     # Declaring no sharing is fine for any model type.
     assert kv_sharing_sources({"model_type": "x", "num_kv_shared_layers": 0}, slots, 4) == {}
     assert kv_sharing_sources({"model_type": "x", "kv_source_layers": [0, 1, 2, 3]}, slots, 4) == {}
+
+
+def test_the_model_code_check_sees_which_layers_read_a_shared_cache(
+    kvspec_loaded_manager: PluginManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers marks a layer computing no K/V (``is_kv_shared_layer``); were kvspec to
+    miss the sharing, the check against the model code refuses instead of planning 15 caches
+    too many."""
+    import kvspec_core.models.ingest as ingest
+
+    config = transformers.Gemma3nTextConfig(num_hidden_layers=10, num_kv_shared_layers=4, **TINY)
+    prepare_model(config.to_dict(), PlanOptions(), kvspec_loaded_manager, name="gemma3n")
+    monkeypatch.setattr(ingest, "kv_sharing_sources", lambda *args, **kwargs: {})
+    with pytest.raises(ConfigError) as caught:
+        prepare_model(config.to_dict(), PlanOptions(), kvspec_loaded_manager, name="gemma3n")
+    message = str(caught.value)
+    assert "disagrees with transformers' Gemma3nForCausalLM at layer 6" in message
+    assert "sliding_attention (window 8), reading an earlier layer's cache" in message
