@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvspec_vllm import KVSpecVLLMError, check_vllm_version, plugin_enabled
+from kvspec_vllm import KVSpecVLLMError, check_vllm_version, plugin_enabled, shadow_enabled
 from kvspec_vllm.version import release_of
 
 
@@ -38,3 +38,10 @@ def test_other_versions_are_refused(version: str) -> None:
 def test_release_of() -> None:
     assert release_of("0.32.1rc1.dev5+g1234") == (0, 32, 1)
     assert release_of("main") is None
+
+
+def test_shadow_switch() -> None:
+    assert shadow_enabled({"KVSPEC_VLLM_SHADOW": "1"})
+    assert not shadow_enabled({"KVSPEC_VLLM": "1"})
+    with pytest.raises(KVSpecVLLMError, match=r"KVSPEC_VLLM_SHADOW='maybe'"):
+        shadow_enabled({"KVSPEC_VLLM_SHADOW": "maybe"})

@@ -1,12 +1,14 @@
 """kvspec inside vLLM: a ``vllm.general_plugins`` plugin that plans vLLM's KV cache with
-kvspec's planner when ``KVSPEC_VLLM=1`` (see the package README)."""
+kvspec's planner when ``KVSPEC_VLLM=1``, and shadows vLLM's KV-cache manager with kvspec's
+allocator when ``KVSPEC_VLLM_SHADOW=1`` (see the package README)."""
 
 from kvspec_vllm.errors import KVSpecVLLMError, NotRepresentable
 from kvspec_vllm.planning import Outcome, last_outcome
-from kvspec_vllm.switch import SWITCH, plugin_enabled
+from kvspec_vllm.switch import SHADOW_SWITCH, SWITCH, plugin_enabled, shadow_enabled
 from kvspec_vllm.version import SUPPORTED_RANGE, check_vllm_version
 
 __all__ = [
+    "SHADOW_SWITCH",
     "SUPPORTED_RANGE",
     "SWITCH",
     "KVSpecVLLMError",
@@ -15,4 +17,5 @@ __all__ = [
     "check_vllm_version",
     "last_outcome",
     "plugin_enabled",
+    "shadow_enabled",
 ]

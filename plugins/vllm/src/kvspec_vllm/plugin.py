@@ -3,15 +3,18 @@
 vLLM calls :func:`register` in every process it starts (the front end, the engine core, the
 workers). With ``KVSPEC_VLLM=1`` it checks the vLLM version and replaces
 ``get_kv_cache_configs`` in ``vllm.v1.core.kv_cache_utils`` and in ``vllm.v1.engine.core``
-(which imported it by name); without the switch it changes nothing.
+(which imported it by name). With ``KVSPEC_VLLM_SHADOW=1`` it wraps the KV-cache manager
+the scheduler builds in a kvspec shadow (:mod:`kvspec_vllm.shadow`). Without either switch
+it changes nothing.
 """
 
 from __future__ import annotations
 
+from kvspec_vllm import shadow
 from kvspec_vllm.errors import KVSpecVLLMError
 from kvspec_vllm.planning import planned_by_kvspec
 from kvspec_vllm.specs import vllm_module
-from kvspec_vllm.switch import plugin_enabled
+from kvspec_vllm.switch import plugin_enabled, shadow_enabled
 from kvspec_vllm.version import check_vllm_version
 
 #: Modules holding the name ``get_kv_cache_configs`` that vLLM's engine core calls.
@@ -19,11 +22,16 @@ PATCHED_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.engine.core")
 
 
 def register() -> None:
-    """Install kvspec's planning into vLLM when ``KVSPEC_VLLM`` is on (idempotent)."""
-    if not plugin_enabled():
+    """Install kvspec's planning into vLLM when ``KVSPEC_VLLM`` is on, the shadow when
+    ``KVSPEC_VLLM_SHADOW`` is (idempotent)."""
+    planning, shadowing = plugin_enabled(), shadow_enabled()
+    if not (planning or shadowing):
         return
     check_vllm_version(vllm_module("vllm").__version__)
-    install()
+    if planning:
+        install()
+    if shadowing:
+        shadow.install()
 
 
 def install() -> None:

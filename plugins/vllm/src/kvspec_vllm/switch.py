@@ -1,4 +1,5 @@
-"""``KVSPEC_VLLM``: whether vLLM's KV-cache config comes from kvspec's planner."""
+"""The plugin's switches: ``KVSPEC_VLLM`` (vLLM's KV-cache config comes from kvspec's
+planner) and ``KVSPEC_VLLM_SHADOW`` (kvspec's allocator shadows vLLM's KV-cache manager)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import Mapping
 
 from kvspec_vllm.errors import KVSpecVLLMError
 
-#: The environment variable that turns the plugin on.
+#: The environment variable that turns kvspec's planning on.
 SWITCH = "KVSPEC_VLLM"
+#: The environment variable that turns shadow mode on (:mod:`kvspec_vllm.shadow`).
+SHADOW_SWITCH = "KVSPEC_VLLM_SHADOW"
 
 _ON = frozenset({"1", "true", "on", "yes"})
 _OFF = frozenset({"", "0", "false", "off", "no"})
@@ -18,13 +21,23 @@ def plugin_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """``True`` when ``KVSPEC_VLLM`` is ``1`` (or ``true`` / ``on`` / ``yes``), ``False``
     when it is unset, empty, ``0`` (``false`` / ``off`` / ``no``); any other value is
     refused, since a typo must not silently leave vLLM on its own plan."""
+    return switch_on(SWITCH, environ)
+
+
+def shadow_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVSPEC_VLLM_SHADOW`` is on (same values as :func:`plugin_enabled`)."""
+    return switch_on(SHADOW_SWITCH, environ)
+
+
+def switch_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """The value of the switch ``name`` in ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
-    value = env.get(SWITCH, "").strip().lower()
+    value = env.get(name, "").strip().lower()
     if value in _ON:
         return True
     if value in _OFF:
         return False
     raise KVSpecVLLMError(
-        f"{SWITCH}={env.get(SWITCH)!r} is not a switch value: set {SWITCH}=1 to plan vLLM's KV "
-        f"cache with kvspec, or unset it (or {SWITCH}=0) to leave vLLM's own plan"
+        f"{name}={env.get(name)!r} is not a switch value: set {name}=1 to turn it on, or "
+        f"unset it (or {name}=0) to leave it off"
     )

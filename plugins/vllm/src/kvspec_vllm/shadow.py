@@ -1,0 +1,321 @@
+"""Shadow mode: vLLM's own KV-cache manager runs the engine, and every call the scheduler
+makes to it is mirrored into kvspec's :class:`~kvspec_core.runtime.KVCacheAllocator`, which
+answers independently; any difference in prefix hits, admissions or free blocks is
+reported. A conformance tool for engine builders: it shows where kvspec's allocator would
+decide as vLLM's does on a real workload, and where not, without touching the engine's
+outputs (vLLM's answers are the ones returned).
+
+Switched on with ``KVSPEC_VLLM_SHADOW=1`` (the plugin wraps the ``KVCacheManager`` vLLM's
+scheduler builds), or by hand with :func:`shadow_manager`. Mirrored: ``get_computed_blocks``
+(kvspec's ``find_cached_prefix`` on the same tokens: equal hit tokens?),
+``allocate_slots`` (the same span of tokens: both admit or both refuse? then equal free
+blocks?) and ``free`` / ``pop_blocks_for_free``. Requests whose tokens come from a KV
+connector (external tokens, delayed caching) are not mirrored; a request vLLM admitted and
+kvspec refused is left out from then on (both counted as differences).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvspec_core.context import SizingContext
+from kvspec_core.runtime import CachedPrefix, KVCacheAllocator, Request
+from kvspec_vllm.errors import NotRepresentable
+from kvspec_vllm.specs import kvspec_spec_of, vllm_module
+
+logger = logging.getLogger("vllm.kvspec.shadow")
+
+#: Differences kept in a report (counted beyond that), and logged as warnings.
+MAX_KEPT_DIFFERENCES = 100
+MAX_LOGGED_DIFFERENCES = 10
+
+
+@attrs.define
+class ShadowReport:
+    """Counts of mirrored calls and of those where kvspec answered as vLLM did."""
+
+    lookups: int = 0
+    equal_hits: int = 0
+    allocations: int = 0
+    equal_admissions: int = 0
+    free_checks: int = 0
+    equal_free_blocks: int = 0
+    frees: int = 0
+    hit_tokens_vllm: int = 0
+    hit_tokens_kvspec: int = 0
+    skipped_requests: int = 0
+    num_differences: int = 0
+    differences: list[str] = attrs.Factory(list)
+
+    @property
+    def agrees(self) -> bool:
+        """Whether every mirrored call got kvspec's answer equal to vLLM's."""
+        return self.num_differences == 0
+
+
+class KVCacheShadow:
+    """kvspec's allocator fed the calls one vLLM ``KVCacheManager`` receives."""
+
+    def __init__(self, allocator: KVCacheAllocator, free_blocks: Callable[[], int]) -> None:
+        self.allocator = allocator
+        self.report = ShadowReport()
+        self._vllm_free_blocks = free_blocks
+        self._requests: dict[str, Request] = {}
+        self._prefixes: dict[str, CachedPrefix] = {}
+        self._left_out: set[str] = set()
+
+    # ----------------------------------------------------------------- mirrored calls
+    def looked_up(self, request: Any, vllm_hit_tokens: int) -> None:
+        rid = request.request_id
+        if self.allocator.is_running(rid) or rid in self._left_out:
+            return
+        mirror = self._new_request(request)
+        prefix = self.allocator.find_cached_prefix(mirror)
+        self._requests[rid] = mirror
+        self._prefixes[rid] = prefix
+        report = self.report
+        report.lookups += 1
+        report.hit_tokens_vllm += vllm_hit_tokens
+        report.hit_tokens_kvspec += prefix.num_tokens
+        if prefix.num_tokens == vllm_hit_tokens:
+            report.equal_hits += 1
+        else:
+            self._differ(
+                f"request {rid!r} ({len(mirror.token_ids)} tokens): vLLM hits "
+                f"{vllm_hit_tokens} tokens, kvspec {prefix.num_tokens}"
+            )
+
+    def allocated(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        admitted: bool,
+    ) -> None:
+        rid = request.request_id
+        if rid in self._left_out:
+            return
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        allocator = self.allocator
+        if allocator.is_running(rid):
+            mirror = self._requests[rid]
+            mirror.token_ids.extend(request.all_token_ids[len(mirror.token_ids) :])
+            start = allocator.num_computed_tokens(rid)
+            result = allocator.allocate_slots(mirror, end - start, num_lookahead_tokens)
+        else:
+            mirror = self._requests.get(rid) or self._new_request(request)
+            self._requests[rid] = mirror
+            prefix = self._prefixes.pop(rid, None)
+            start = prefix.num_tokens if prefix is not None else 0
+            result = allocator.allocate_slots(
+                mirror, end - start, num_lookahead_tokens, prefix=prefix
+            )
+        report = self.report
+        report.allocations += 1
+        if bool(result) == admitted:
+            report.equal_admissions += 1
+        else:
+            self._differ(
+                f"request {rid!r}: vLLM {'allocated' if admitted else 'refused'} slots up to "
+                f"token {end}, kvspec {'allocated' if result else 'refused'}"
+            )
+            if result:
+                allocator.free(rid)
+            self._leave_out(rid)
+        self._compare_free_blocks(f"after allocate_slots of {rid!r}")
+
+    def freed(self, request: Any) -> None:
+        rid = request.request_id
+        self._prefixes.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._left_out.discard(rid)
+        if self.allocator.is_running(rid):
+            self.allocator.free(rid)
+            self.report.frees += 1
+            self._compare_free_blocks(f"after free of {rid!r}")
+            if self.allocator.num_running == 0:
+                self.log_summary()
+
+    def log_summary(self) -> None:
+        """Log the counts so far (the shadow does when the last running request ends)."""
+        report = self.report
+        logger.info(
+            "kvspec shadow: %d lookups (%d equal hits: vLLM %d hit tokens, kvspec %d), %d "
+            "allocations (%d equal admissions), %d free-block checks (%d equal), %d "
+            "differences, %d requests not mirrored",
+            report.lookups,
+            report.equal_hits,
+            report.hit_tokens_vllm,
+            report.hit_tokens_kvspec,
+            report.allocations,
+            report.equal_admissions,
+            report.free_checks,
+            report.equal_free_blocks,
+            report.num_differences,
+            report.skipped_requests,
+        )
+
+    def leave_out(self, request: Any, why: str) -> None:
+        """Stop mirroring ``request`` (a KV connector supplies its tokens)."""
+        rid = request.request_id
+        if rid not in self._left_out:
+            self.report.skipped_requests += 1
+            logger.info("kvspec shadow: request %r not mirrored: %s", rid, why)
+        if self.allocator.is_running(rid):
+            self.allocator.free(rid)
+        self._leave_out(rid)
+
+    # ----------------------------------------------------------------- helpers
+    def _new_request(self, request: Any) -> Request:
+        salt = getattr(request, "cache_salt", None)
+        return Request(request.request_id, list(request.all_token_ids), cache_salt=salt)
+
+    def _leave_out(self, rid: str) -> None:
+        self._left_out.add(rid)
+        self._requests.pop(rid, None)
+        self._prefixes.pop(rid, None)
+
+    def _compare_free_blocks(self, when: str) -> None:
+        report = self.report
+        report.free_checks += 1
+        vllm_free = self._vllm_free_blocks()
+        kvspec_free = self.allocator.usage.free_blocks
+        if vllm_free == kvspec_free:
+            report.equal_free_blocks += 1
+        else:
+            self._differ(f"{when}: vLLM has {vllm_free} free blocks, kvspec {kvspec_free}")
+
+    def _differ(self, difference: str) -> None:
+        report = self.report
+        report.num_differences += 1
+        if len(report.differences) < MAX_KEPT_DIFFERENCES:
+            report.differences.append(difference)
+        if report.num_differences <= MAX_LOGGED_DIFFERENCES:
+            logger.warning("kvspec shadow: %s", difference)
+
+
+def allocator_for(manager: Any, ctx: SizingContext, hash_block_size: int) -> KVCacheAllocator:
+    """kvspec's allocator over the same groups and blocks as vLLM's ``manager`` (one pool,
+    the manager's hash block size and prefix-caching setting)."""
+    interface = vllm_module("vllm.v1.kv_cache_interface")
+    config = manager.kv_cache_config
+    specs = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, interface.UniformTypeKVCacheSpecs):
+            raise NotRepresentable(
+                "shadow mode mirrors groups of one spec, not uniform-type groups"
+            )
+        specs.append(kvspec_spec_of(group.layer_names[0], spec))
+    return KVCacheAllocator(
+        specs,
+        config.num_blocks,
+        ctx,
+        enable_prefix_caching=manager.enable_caching,
+        hash_block_size=hash_block_size,
+    )
+
+
+def shadow_manager(manager: Any, ctx: SizingContext, hash_block_size: int) -> KVCacheShadow:
+    """Mirror every call vLLM's ``manager`` gets into a kvspec allocator (hashing blocks of
+    ``hash_block_size`` tokens, the manager's); returns the shadow (its
+    :attr:`~KVCacheShadow.report` fills as the engine runs)."""
+    shadow = KVCacheShadow(
+        allocator_for(manager, ctx, hash_block_size), manager.block_pool.get_num_free_blocks
+    )
+    get_computed_blocks = manager.get_computed_blocks
+    allocate_slots = manager.allocate_slots
+    free = manager.free
+    pop_blocks_for_free = manager.pop_blocks_for_free
+
+    def mirrored_get_computed_blocks(request: Any) -> Any:
+        result = get_computed_blocks(request)
+        shadow.looked_up(request, result[1])
+        return result
+
+    def mirrored_allocate_slots(
+        request: Any, num_new_tokens: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        result = allocate_slots(request, num_new_tokens, *args, **kwargs)
+        names = (
+            "num_new_computed_tokens",
+            "new_computed_blocks",
+            "num_lookahead_tokens",
+            "num_external_computed_tokens",
+            "delay_cache_blocks",
+        )
+        given = dict(zip(names, args, strict=False))  # args may stop early
+        given.update((key, kwargs[key]) for key in names if key in kwargs)
+        if given.get("num_external_computed_tokens", 0) or given.get("delay_cache_blocks"):
+            shadow.leave_out(request, "its tokens come from a KV connector")
+            return result
+        shadow.allocated(
+            request,
+            num_new_tokens,
+            given.get("num_new_computed_tokens", 0),
+            given.get("num_lookahead_tokens", 0),
+            result is not None,
+        )
+        return result
+
+    def mirrored_free(request: Any) -> None:
+        free(request)
+        shadow.freed(request)
+
+    def mirrored_pop_blocks_for_free(request: Any) -> Any:
+        blocks = pop_blocks_for_free(request)
+        shadow.leave_out(request, "its blocks are freed later, after a step in flight")
+        return blocks
+
+    manager.get_computed_blocks = mirrored_get_computed_blocks
+    manager.allocate_slots = mirrored_allocate_slots
+    manager.free = mirrored_free
+    manager.pop_blocks_for_free = mirrored_pop_blocks_for_free
+    manager.kvspec_shadow = shadow
+    return shadow
+
+
+_shadows: list[KVCacheShadow] = []
+
+
+def shadows() -> list[KVCacheShadow]:
+    """The shadows :func:`install` attached in this process, oldest first."""
+    return list(_shadows)
+
+
+def install() -> None:
+    """Wrap the ``KVCacheManager`` vLLM's scheduler builds in a shadow (idempotent)."""
+    scheduler = vllm_module("vllm.v1.core.sched.scheduler")
+    manager_cls = scheduler.KVCacheManager
+    if getattr(manager_cls, "kvspec_shadowed", False):
+        return
+
+    def shadowed_manager(*args: Any, **kwargs: Any) -> Any:
+        manager = manager_cls(*args, **kwargs)
+        ctx = SizingContext(
+            max_model_len=kwargs["max_model_len"],
+            max_in_flight_tokens=kwargs.get("max_in_flight_tokens") or kwargs["max_model_len"],
+            dcp_size=kwargs.get("dcp_world_size", 1),
+            prefix_caching=bool(kwargs.get("enable_caching", True)),
+        )
+        try:
+            _shadows.append(shadow_manager(manager, ctx, kwargs["hash_block_size"]))
+        except NotRepresentable as refusal:
+            logger.warning("kvspec shadow: not mirrored: %s", refusal.reason)
+        return manager
+
+    shadowed_manager.kvspec_shadowed = True  # type: ignore[attr-defined]
+    shadowed_manager.__wrapped__ = manager_cls  # type: ignore[attr-defined]
+    scheduler.KVCacheManager = shadowed_manager
+
+
+def uninstall() -> None:
+    """Let vLLM's scheduler build its plain ``KVCacheManager`` again."""
+    scheduler = vllm_module("vllm.v1.core.sched.scheduler")
+    if getattr(scheduler.KVCacheManager, "kvspec_shadowed", False):
+        scheduler.KVCacheManager = scheduler.KVCacheManager.__wrapped__
