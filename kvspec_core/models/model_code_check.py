@@ -15,6 +15,10 @@ memory) and each decoder layer's mixer is read from the module objects:
   (``sliding_attention`` with its window, ``chunked_attention`` with its chunk, else full);
 * no recognised mixer: a layer that holds no cache (Nemotron-H's MLP / MoE blocks).
 
+An attention module with ``is_kv_shared_layer`` set computes no K/V and attends over an
+earlier layer's (Gemma-3n, Gemma-4, Mistral-Large-4): its label says so, and must match the
+layers kvspec reads as cross-layer KV sharing (:mod:`kvspec_core.models.kv_sharing`).
+
 kvspec's reading (each layer's normalised types; the window of sliding layers from
 ``sliding_window``, the chunk of chunked layers from ``attention_chunk_size``, the fields
 those families size from) must equal the model code's, layer by layer, else
