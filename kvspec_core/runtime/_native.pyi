@@ -43,6 +43,8 @@ def evict_take(
     block_group: array[int],
     block_hash: list[bytes | None],
     refs: list[int],
+    groups_out: list[int] | None = None,
+    hashes_out: list[bytes] | None = None,
     /,
 ) -> None: ...
 def cache_blocks(

@@ -28,7 +28,6 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
@@ -171,11 +170,10 @@ class BlockPool:
                 # Never-reused cached blocks cover the rest (the steady state of a full
                 # pool; their reused flag is 0 already): evict and hand out in one pass.
                 on_evict = self._on_evict
-                if on_evict is not None:
-                    # What the hook is told: the victims, in eviction order, as cached.
-                    order = list(islice(self._evictable, count - available))
-                    groups = [self._block_group[block] for block in order]
-                    hashes = [self._block_hash[block] for block in order]
+                # What the hook is told: the victims' groups and hashes, in eviction order,
+                # as cached (collected by the eviction itself).
+                groups: list[int] | None = None if on_evict is None else []
+                hashes: list[bytes] | None = None if on_evict is None else []
                 kernels = native if self._compiled else None
                 if kernels is not None:
                     kernels.evict_take(
@@ -186,23 +184,32 @@ class BlockPool:
                         self._block_group,
                         self._block_hash,
                         refs,
+                        groups,
+                        hashes,
                     )
                 else:
-                    self._evict_take(count - available, blocks)
+                    self._evict_take(count - available, blocks, groups, hashes)
                 self.epoch += 1
                 for block in blocks[:available]:
                     refs[block] = 1
                 if on_evict is not None:
-                    on_evict(groups, hashes, order)  # type: ignore[arg-type]
+                    on_evict(groups, hashes, blocks[available:])  # type: ignore[arg-type]
                 return blocks
             blocks.extend(self._evict(count - available))
         for block in blocks:
             refs[block] = 1
         return blocks
 
-    def _evict_take(self, count: int, out: list[int]) -> None:
+    def _evict_take(
+        self,
+        count: int,
+        out: list[int],
+        groups: list[int] | None = None,
+        hashes: list[bytes] | None = None,
+    ) -> None:
         """Pop ``count`` never-reused cached free blocks, oldest first, out of the cache and
-        onto ``out`` with ref count 1 (``native.evict_take`` in Python)."""
+        onto ``out`` with ref count 1, and, where given, each one's group id onto
+        ``groups`` and its hash onto ``hashes`` (``native.evict_take`` in Python)."""
         caches = self.caches
         block_group = self._block_group
         block_hash = self._block_hash
@@ -212,8 +219,14 @@ class BlockPool:
         only_cache = next(iter(caches.values())) if len(caches) == 1 else None
         for _ in range(count):
             block = popitem(False)[0]
-            cache = only_cache if only_cache is not None else caches[block_group[block]]
-            del cache[block_hash[block]]  # type: ignore[arg-type]
+            gid = block_group[block]
+            digest = block_hash[block]
+            if groups is not None:
+                groups.append(gid)
+            if hashes is not None:
+                hashes.append(digest)  # type: ignore[arg-type]
+            cache = only_cache if only_cache is not None else caches[gid]
+            del cache[digest]  # type: ignore[arg-type]
             block_hash[block] = None
             refs[block] = 1
             append(block)

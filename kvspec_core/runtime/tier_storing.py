@@ -58,27 +58,44 @@ class TierStoring(TierState):
         assert slots is not None
         caches = slots.caches
         storing = self._storing[index]
-        refresh: list[int] = []
-        kept: list[tuple[int, bytes, int]] = []
         if len(caches) == 1:
             (only,) = caches
-            per_group = {only: (hashes, sources)}
-        else:
-            per_group = {}
-            for gid in caches:
-                mask = [group == gid for group in groups]
-                if any(mask):
-                    per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
+            self._store_group(index, pool, only, hashes, source_tier, sources)
+            return
+        per_group = {}
+        for gid in caches:
+            mask = [group == gid for group in groups]
+            if any(mask):
+                per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
         if len(hashes) <= slots.num_free_blocks and all(
             not storing[gid]
             and len(set(group_hashes)) == len(group_hashes)
-            and list(map(caches[gid].get, group_hashes)).count(None) == len(group_hashes)
+            and caches[gid].keys().isdisjoint(group_hashes)
             for gid, (group_hashes, _) in per_group.items()
         ):
             # None of them held or in flight and room for all (the steady state): in bulk.
             for gid, (group_hashes, group_sources) in per_group.items():
                 self._store_all(index, pool, gid, group_hashes, source_tier, group_sources)
             return
+        self._store_each(index, pool, groups, hashes, source_tier, sources)
+
+    def _store_each(
+        self,
+        index: int,
+        pool: int,
+        groups: list[int],
+        hashes: list[bytes],
+        source_tier: int,
+        sources: list[int],
+    ) -> None:
+        """:meth:`_store` into tier ``index`` (which has slots for ``pool``), block by
+        block: the reference the batched forms give the same copies as."""
+        slots = self.tier_pools[index][pool]
+        assert slots is not None
+        caches = slots.caches
+        storing = self._storing[index]
+        refresh: list[int] = []
+        kept: list[tuple[int, bytes, int]] = []
         # A hash evicted twice since the last take (cached again in between) is stored once.
         seen: set[tuple[int, bytes]] = set()
         for gid, digest, source in zip(groups, hashes, sources, strict=True):
@@ -106,6 +123,48 @@ class TierStoring(TierState):
             pending.destination.append(slot)
             pending.hashes.append(digest)
             storing[gid][digest] = pending.transfer_id
+
+    def _store_group(
+        self,
+        index: int,
+        pool: int,
+        gid: int,
+        hashes: list[bytes],
+        source_tier: int,
+        sources: list[int],
+    ) -> None:
+        """:meth:`_store` into tier ``index`` (which has slots for ``pool``) of blocks of
+        ``gid``, the only group of the pool: the same copies, refreshes and drops as the
+        per-block loop of several groups, found with a few passes over the lists (a batch
+        of evictions is hundreds of blocks, and a hash a load brought back to the device
+        is held by the tier already)."""
+        slots = self.tier_pools[index][pool]
+        assert slots is not None
+        held = list(map(slots.caches[gid].get, hashes))
+        if held.count(None) != len(held):
+            # Held already: the slot becomes the tier's most recently used entry.
+            refresh = list(dict.fromkeys([slot for slot in held if slot is not None]))
+            slots.touch(refresh, known_cached=True)
+            slots._release_unchecked(refresh)
+            absent = [slot is None for slot in held]
+            hashes = list(compress(hashes, absent))
+            sources = list(compress(sources, absent))
+        in_flight = self._storing[index][gid]
+        if (in_flight and not in_flight.keys().isdisjoint(hashes)) or len(set(hashes)) != len(
+            hashes
+        ):
+            # In flight there already, or evicted twice since the last take (cached again
+            # in between): stored once, its first eviction.
+            seen: set[bytes] = set()
+            kept_hashes: list[bytes] = []
+            kept_sources: list[int] = []
+            for digest, source in zip(hashes, sources, strict=True):
+                if digest not in in_flight and digest not in seen:
+                    seen.add(digest)
+                    kept_hashes.append(digest)
+                    kept_sources.append(source)
+            hashes, sources = kept_hashes, kept_sources
+        self._store_all(index, pool, gid, hashes, source_tier, sources)
 
     def _store_all(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
+from kvspec_core.runtime.native import native
 from kvspec_core.runtime.rules import HitScan
 
 
@@ -65,12 +66,48 @@ def full_scan_across_tiers(device_scan: HitScan) -> HitScan:
         assert isinstance(view, TieredView)
         found = device_scan(hashes, view.device, max_blocks)
         if len(found) < max_blocks and view.tiers and (found or max_blocks):
-            get = view.get
-            for digest in hashes[len(found) : max_blocks]:
-                block = get(digest)
-                if block is None:
-                    break
-                found.append(block)
+            found.extend(continued_run(hashes, view, len(found), min(max_blocks, len(hashes))))
         return found
 
     return scan
+
+
+def continued_run(hashes: Sequence[bytes], view: TieredView, start: int, stop: int) -> list[int]:
+    """What ``view.get`` gives for ``hashes[start:stop]``, up to the first hash no cache of
+    the view holds. Found run by run: the run of the first cache (device first) holding the
+    hash at hand, scanned in one call, cut where an earlier cache holds a hash too (the
+    device keeps priority, then the tiers in order, as in ``get``)."""
+    sources = ((0, view.device), *view.tiers)
+    count = view.count
+    found: list[int] = []
+    position = start
+    while position < stop:
+        digest = hashes[position]
+        rank = next((rank for rank, (_, cache) in enumerate(sources) if digest in cache), None)
+        if rank is None:
+            break
+        number, cache = sources[rank]
+        run = _longest_run(hashes[position:stop], cache)
+        for _, earlier in sources[:rank]:
+            run_hashes = hashes[position : position + len(run)]
+            if not earlier.keys().isdisjoint(run_hashes):
+                del run[next(index for index, key in enumerate(run_hashes) if key in earlier) :]
+        if not run:
+            break  # (a key whose equality is not its own: nothing more is certain)
+        found.extend(run if number == 0 else [-(slot * count + number) for slot in run])
+        position += len(run)
+    return found
+
+
+def _longest_run(hashes: Sequence[bytes], cache: dict[bytes, int]) -> list[int]:
+    """The values ``cache`` maps the first ``hashes`` to, up to the first it lacks
+    (compiled where built: ``native.longest_hit``)."""
+    if native is not None and hashes.__class__ is list:
+        return native.longest_hit(hashes, cache, len(hashes))
+    run: list[int] = []
+    for digest in hashes:
+        value = cache.get(digest)
+        if value is None:
+            break
+        run.append(value)
+    return run

@@ -39,7 +39,8 @@ static PyMethodDef native_methods[] = {
     {"touch", (PyCFunction)(void (*)(void))kv_py_touch, METH_FASTCALL,
      "touch(blocks, refs, reused, evictable, protected, segmented, check) -> int"},
     {"evict_take", (PyCFunction)(void (*)(void))kv_py_evict_take, METH_FASTCALL,
-     "evict_take(count, out, evictable, caches, block_group, block_hash, refs)"},
+     "evict_take(count, out, evictable, caches, block_group, block_hash, refs[, groups_out, "
+     "hashes_out])"},
     {"cache_blocks", (PyCFunction)(void (*)(void))kv_py_cache_blocks, METH_FASTCALL,
      "cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int"},
     {"longest_hit", (PyCFunction)(void (*)(void))kv_py_longest_hit, METH_FASTCALL,

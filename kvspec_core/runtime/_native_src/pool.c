@@ -230,22 +230,29 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromLong(-1);
 }
 
-/* evict_take(count, out, evictable, caches, block_group, block_hash, refs): pop ``count``
- * blocks from the front of ``evictable`` (never-reused cached free blocks, oldest first),
- * drop each from its group's cache (``caches[block_group[block]]``), give it ref count 1 and
- * append it to ``out``. BlockPool.take's one-pass eviction; the caller checked that
- * ``evictable`` holds ``count`` blocks. */
+/* evict_take(count, out, evictable, caches, block_group, block_hash, refs[, groups_out,
+ * hashes_out]): pop ``count`` blocks from the front of ``evictable`` (never-reused cached free
+ * blocks, oldest first), drop each from its group's cache (``caches[block_group[block]]``),
+ * give it ref count 1 and append it to ``out``; with the two lists (None: not wanted), also
+ * append each victim's group id and hash to them (what the pool's eviction hook is told).
+ * BlockPool.take's one-pass eviction; the caller checked that ``evictable`` holds ``count``
+ * blocks. */
 PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "evict_take takes 7 arguments");
+    if (nargs != 7 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "evict_take takes 7 or 9 arguments");
         return NULL;
     }
     Py_ssize_t count = PyLong_AsSsize_t(args[0]);
     if (count == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = args[1], *evictable = args[2], *caches = args[3], *block_hash = args[5],
              *refs = args[6];
+    /* Exact lists (appending to them runs no Python code), or None. */
+    PyObject *groups_out = nargs == 9 && args[7] != Py_None ? args[7] : NULL;
+    PyObject *hashes_out = nargs == 9 && args[8] != Py_None ? args[8] : NULL;
     if (!PyList_Check(out) || !PyDict_Check(caches) || !PyList_CheckExact(block_hash)
-        || !PyList_CheckExact(refs) || PyList_GET_SIZE(refs) != PyList_GET_SIZE(block_hash)) {
+        || !PyList_CheckExact(refs) || PyList_GET_SIZE(refs) != PyList_GET_SIZE(block_hash)
+        || (groups_out != NULL && !PyList_CheckExact(groups_out))
+        || (hashes_out != NULL && !PyList_CheckExact(hashes_out))) {
         PyErr_SetString(PyExc_TypeError, "evict_take: bad pool containers");
         return NULL;
     }
@@ -258,7 +265,7 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const uint16_t *group_of = (const uint16_t *)groups.buf;
     Py_ssize_t size = PyList_GET_SIZE(refs);
-    PyObject *cache = NULL, *cache_gid; /* cache: held, the last group's */
+    PyObject *cache = NULL, *cache_gid = NULL; /* held: the last group's cache and id */
     long last_gid = -1;
     BlockQueue *queue = as_queue(evictable, size);
     if (queue == NULL) {
@@ -271,8 +278,16 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     Py_ssize_t sentinel = queue->capacity;
     for (Py_ssize_t i = 0; i < count; i++) {
+        /* A digest's code run by an earlier deletion may have cleared the queue (freeing
+         * its arrays) or shrunk the lists. */
+        if (queue->prev == NULL || queue->length == 0) {
+            PyErr_SetString(PyExc_RuntimeError, "evict_take: the eviction order changed");
+            goto fail;
+        }
         Py_ssize_t block = queue->next[sentinel]; /* the oldest */
-        if (!block_in_range(block, size)) goto fail;
+        if (!block_in_range(block, size) || !block_in_range(block, PyList_GET_SIZE(block_hash))
+            || !block_in_range(block, PyList_GET_SIZE(refs)))
+            goto fail;
         PyObject *key = PyLong_FromSsize_t(block);
         if (key == NULL) goto fail;
         int appended = PyList_Append(out, key);
@@ -281,19 +296,21 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
         queue_unlink(queue, block);
         if (group_of[block] != last_gid) {
             last_gid = group_of[block];
+            Py_CLEAR(cache_gid);
             cache_gid = PyLong_FromLong(last_gid);
             if (cache_gid == NULL) goto fail;
             Py_CLEAR(cache);
             cache = PyDict_GetItemWithError(caches, cache_gid);
             Py_XINCREF(cache);
-            Py_DECREF(cache_gid);
             if (cache == NULL) {
                 if (!PyErr_Occurred())
                     PyErr_Format(PyExc_KeyError, "no cache of group %ld", last_gid);
                 goto fail;
             }
         }
+        if (groups_out != NULL && PyList_Append(groups_out, cache_gid) < 0) goto fail;
         PyObject *digest = PyList_GET_ITEM(block_hash, block);
+        if (hashes_out != NULL && PyList_Append(hashes_out, digest) < 0) goto fail;
         Py_INCREF(Py_None);
         PyList_SET_ITEM(block_hash, block, Py_None);
         int failed = PyDict_DelItem(cache, digest); /* the digest's code may run here */
@@ -306,10 +323,12 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (set_ref(refs, block, 1) < 0) goto fail;
     }
     Py_XDECREF(cache);
+    Py_XDECREF(cache_gid);
     PyBuffer_Release(&groups);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(cache);
+    Py_XDECREF(cache_gid);
     PyBuffer_Release(&groups);
     return NULL;
 }
