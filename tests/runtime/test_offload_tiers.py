@@ -11,11 +11,28 @@ from runtime_testkit import full, make_allocator, sliding
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import NotNow, Request
 from kvspec_core.runtime.native import native
-from kvspec_core.runtime.tiers import LOAD, STORE, OffloadTier, TieredPrefix
+from kvspec_core.runtime.tiers import (
+    KEEP_EVERYTHING,
+    KEEP_FAMILY_RULES,
+    LOAD,
+    STORE,
+    WRITE_BACK,
+    WRITE_THROUGH,
+    OffloadTier,
+    TieredPrefix,
+)
 
 
-def tiered(num_blocks=6, host=5, disk=9, specs=None, **options):
-    tiers = [OffloadTier("host", host)]
+def tiered(
+    num_blocks=6,
+    host=5,
+    disk=9,
+    specs=None,
+    write_policy=WRITE_BACK,
+    keep=KEEP_EVERYTHING,
+    **options,
+):
+    tiers = [OffloadTier("host", host, write_policy=write_policy, keep=keep)]
     if disk:
         tiers.append(OffloadTier("disk", disk))
     return make_allocator(specs or [full(2)], num_blocks, offload_tiers=tiers, **options)
@@ -279,13 +296,26 @@ def _random_trace(allocator, seed: int) -> list:
 
 @pytest.mark.both_kernels
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_the_kernels_and_python_answer_alike_with_tiers(hybrid, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("write_policy", "keep"),
+    [(WRITE_BACK, KEEP_EVERYTHING), (WRITE_THROUGH, KEEP_FAMILY_RULES)],
+)
+def test_the_kernels_and_python_answer_alike_with_tiers(
+    hybrid, write_policy, keep, monkeypatch
+) -> None:
     from runtime_testkit import use_pure_python
 
     specs = [full(2), sliding(2, 5)] if hybrid else [full(2)]
 
     def build():
-        return tiered(num_blocks=14 if hybrid else 8, host=6, disk=8, specs=specs)
+        return tiered(
+            num_blocks=14 if hybrid else 8,
+            host=6,
+            disk=8,
+            specs=specs,
+            write_policy=write_policy,
+            keep=keep,
+        )
 
     if native is None:
         pytest.skip("kvspec_core.runtime._native is not built")
