@@ -26,14 +26,21 @@ from kvspec_core.specs.kv_sharing import KVSharingSpec
 TARGET_FIELD = "target_layer"
 
 
-def _follow(reader: str, layer_specs: Mapping[str, KVSpec]) -> str:
+def _follow(
+    reader: str,
+    layer_specs: Mapping[str, KVSpec],
+    order: Mapping[str, int],
+    resolved: dict[str, str],
+) -> str:
     """The layer whose cache ``reader`` ends up reading (its chain followed), refusing a
-    cycle, a target that is not planned, and a target later in model order."""
+    cycle, a target that is not planned, and a target later in model order. ``resolved``
+    holds the sources found so far (each hop is walked once over all readers)."""
     chain = [reader]
+    on_chain = {reader}
     while True:
         # Only reading layers are appended to the chain (see the end of the loop).
         target = cast(KVSharingSpec, layer_specs[chain[-1]]).target_layer
-        if target in chain:
+        if target in on_chain:
             cycle = " -> ".join([*chain[chain.index(target) :], target])
             raise PlanError(
                 f"layers {cycle} read each other's KV cache in a cycle (field "
@@ -48,10 +55,10 @@ def _follow(reader: str, layer_specs: Mapping[str, KVSpec]) -> str:
                 "the same stage)"
             )
         chain.append(target)
-        if not isinstance(layer_specs[target], KVSharingSpec):
+        on_chain.add(target)
+        if target in resolved or not isinstance(layer_specs[target], KVSharingSpec):
             break
-    order = {name: index for index, name in enumerate(layer_specs)}
-    for current, target in itertools.pairwise(chain):  # each hop of the chain
+    for current, target in itertools.pairwise(chain):  # each hop walked here
         if order[target] >= order[current]:
             raise PlanError(
                 f"layer {current} reads the KV cache of layer {target} (field "
@@ -59,7 +66,10 @@ def _follow(reader: str, layer_specs: Mapping[str, KVSpec]) -> str:
                 "read a cache an earlier layer has written in the same step: name an "
                 "earlier layer"
             )
-    return chain[-1]
+    source = resolved.get(chain[-1], chain[-1])
+    for layer in chain[:-1]:
+        resolved[layer] = source
+    return source
 
 
 def _check_same_cache(
@@ -97,10 +107,12 @@ def resolve_kv_sharing(
     pairing checked; ``memoryless`` are the layers that need no blocks (the readers among
     them), since a source must hold blocks."""
     pairs = []
+    order = {name: index for index, name in enumerate(layer_specs)}
+    resolved: dict[str, str] = {}
     for reader, spec in layer_specs.items():
         if not isinstance(spec, KVSharingSpec):
             continue
-        source = _follow(reader, layer_specs)
+        source = resolved.get(reader) or _follow(reader, layer_specs, order, resolved)
         if source in memoryless:
             raise PlanError(
                 f"layer {reader} reads the KV cache of layer {source} (field "
