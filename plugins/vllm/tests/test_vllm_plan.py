@@ -198,3 +198,41 @@ def test_checkpoint_is_the_shrunk_real_config(runs: dict[str, Any]) -> None:
     assert written["model_type"] == "gemma2"
     assert written["sliding_window"] == tiny_models.WINDOW
     assert written["final_logit_softcapping"] == 30.0
+
+
+def test_num_gpu_blocks_override_is_honoured(runs: dict[str, Any]) -> None:
+    plugin.install()
+    overridden = vllm_engines.run(runs["llama-3.1-8b"]["folder"], num_gpu_blocks_override=100)
+    outcome = kvspec_vllm.last_outcome()
+    assert outcome is not None and outcome.plan is not None
+    assert overridden.num_gpu_blocks == outcome.plan.num_blocks == 100
+    (tensor,) = overridden.kv_cache_config.kv_cache_tensors
+    assert tensor.size == 100 * outcome.plan.pools[0].block_bytes
+    assert overridden.tokens == runs["llama-3.1-8b"]["off"].tokens
+
+
+def test_a_family_plugin_left_out_keeps_vllms_plan(
+    runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVSPEC_PLUGINS without sliding_window: kvspec cannot plan Mistral's layers, and vLLM
+    starts on its own plan instead of failing."""
+    import torch
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    window = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40
+    )
+    specs = [{"model.layers.0.self_attn.attn": window, "model.layers.1.self_attn.attn": window}]
+    vllm_config = runs["llama-3.1-8b"]["off"].vllm_config
+    plugin.install()
+    patched = kv_cache_utils.get_kv_cache_configs
+    own = patched.__wrapped__(copy.deepcopy(vllm_config), specs, [64 << 20])
+    monkeypatch.setenv("KVSPEC_PLUGINS", "mamba")
+    assert patched(copy.deepcopy(vllm_config), specs, [64 << 20]) == own
+    outcome = kvspec_vllm.last_outcome()
+    assert outcome is not None and outcome.plan is None
+    assert "pip install kvspec-sliding-window" in outcome.reason
+    monkeypatch.delenv("KVSPEC_PLUGINS")
+    assert patched(copy.deepcopy(vllm_config), specs, [64 << 20])[0].num_blocks == 2048
+    assert kvspec_vllm.last_outcome().plan is not None

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from kvspec_core.context import SizingContext
+from kvspec_core.errors import MissingFamilyError
 from kvspec_core.planner import KVCachePlan, plan_kv_cache
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.plugins.manager import load_plugins
@@ -173,7 +174,12 @@ def _sizing_context(vllm_config: Any) -> SizingContext:
 
 
 def _plan(specs: dict[str, KVSpec], budget: int, ctx: SizingContext, layout: str) -> KVCachePlan:
-    plan = plan_kv_cache(specs, budget, ctx, load_plugins(), layout=layout)
+    try:
+        plan = plan_kv_cache(specs, budget, ctx, load_plugins(), layout=layout)
+    except MissingFamilyError as error:
+        # A family plugin filtered out by KVSPEC_PLUGINS (or failing to load): vLLM still
+        # runs, on its own plan, rather than not at all.
+        raise NotRepresentable(f"kvspec cannot plan this model's layers: {error}") from error
     device_pools = plan.device_pools
     if len(device_pools) != 1 or len(plan.pools) != 1:
         raise NotRepresentable(
