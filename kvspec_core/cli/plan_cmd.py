@@ -195,6 +195,7 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
             for pool in plan.pools
         ],
         "memoryless_layers": list(plan.memoryless_layers),
+        "kv_sharing": [{"layer": reader, "reads": source} for reader, source in plan.kv_sharing],
         "bytes_allocated": plan.bytes_allocated,
         "bytes_padding": plan.bytes_padding,
         "padding_breakdown": dict(plan.padding_breakdown),
