@@ -93,8 +93,8 @@ class TierKeeping(TierStoring):
         ]
         #: Per running request id: (its running state, per group the table entries noted).
         self._through_marks = {}
-        #: ``(group, pool, block, hash)`` the last take noted: copied by the next one.
-        self._through_ready = []
+        #: Per group, the blocks the last take noted and their hashes: copied by the next.
+        self._through_ready = {}
         #: Per device pool: block -> the hash a write-through copy of it was recorded for
         #: (what discard_uncomputed takes back from the tiers).
         self._through_from = [{} for _ in self.device_pools]
@@ -166,34 +166,34 @@ class TierKeeping(TierStoring):
         """Record the copies of the blocks the last take noted (still cached under their
         hash), then note the blocks cached since (see the module docstring)."""
         ready = self._through_ready
+        pool_of = self.pool_of_group
+        pools = self.device_pools
         if ready:
-            self._through_ready = []
-            per_pool: dict[int, tuple[list[int], list[bytes], list[int]]] = {}
-            pools = self.device_pools
-            for gid, pool, block, digest in ready:
-                if pools[pool]._block_hash[block] == digest:
-                    batch = per_pool.get(pool)
-                    if batch is None:
-                        batch = per_pool[pool] = ([], [], [])
-                    batch[0].append(gid)
-                    batch[1].append(digest)
-                    batch[2].append(block)
-            for pool, (groups, hashes, blocks) in per_pool.items():
-                self._store(0, pool, groups, hashes, DEVICE_TIER, blocks)
-                # Which of them now have a copy in flight (not refreshed, not dropped).
-                written = self._through_from[pool]
-                storing = self._storing
-                for gid, digest, block in zip(groups, hashes, blocks, strict=True):
-                    if any(digest in tier[gid] for tier in storing):
-                        written[block] = digest
+            self._through_ready = {}
+            for gid, (blocks, hashes) in ready.items():
+                pool = pool_of[gid]
+                now = list(map(pools[pool]._block_hash.__getitem__, blocks))
+                if now != hashes:
+                    # Some left the cache since (evicted: stored as victims; discarded).
+                    kept = [
+                        (block, digest)
+                        for block, digest, held in zip(blocks, hashes, now, strict=True)
+                        if held == digest
+                    ]
+                    blocks = [block for block, _ in kept]
+                    hashes = [digest for _, digest in kept]
+                if blocks:
+                    self._store(0, pool, [gid] * len(blocks), hashes, DEVICE_TIER, blocks)
+                    # What discard_uncomputed takes back from the tiers. A block the tier
+                    # held already (refreshed) is named too: its copy there may then be
+                    # dropped needlessly, never kept wrongly.
+                    self._through_from[pool].update(zip(blocks, hashes, strict=True))
         groups = self._through_groups
         if not groups:
             return
         marks = self._through_marks
         fresh: dict[str | int, tuple[object, list[int]]] = {}
         noted = self._through_ready
-        pool_of = self.pool_of_group
-        pools = self.device_pools
         for request_id, state in running.items():
             entry = marks.get(request_id)
             upto = entry[1] if entry is not None and entry[0] is state else [0] * len(pool_of)
@@ -202,14 +202,24 @@ class TierKeeping(TierStoring):
                 stop = num_cached[gid]
                 start = upto[gid]
                 if stop > start:
-                    pool = pool_of[gid]
-                    block_hash = pools[pool]._block_hash
-                    for block in state.blocks[gid][start:stop]:
-                        if block:
-                            digest = block_hash[block]
-                            if digest is not None:
-                                noted.append((gid, pool, block, digest))
                     upto[gid] = stop
+                    table = state.blocks[gid][start:stop]
+                    found: list[Any] = list(map(pools[pool_of[gid]]._block_hash.__getitem__, table))
+                    if None in found:
+                        # Null entries, blocks whose hash another block holds, loads.
+                        kept = [
+                            (block, digest)
+                            for block, digest in zip(table, found, strict=True)
+                            if digest is not None
+                        ]
+                        table = [block for block, _ in kept]
+                        found = [digest for _, digest in kept]
+                    batch = noted.get(gid)
+                    if batch is None:
+                        noted[gid] = (table, found)
+                    else:
+                        batch[0].extend(table)
+                        batch[1].extend(found)
             fresh[request_id] = (state, upto)
         self._through_marks = fresh
 
@@ -222,12 +232,14 @@ class TierKeeping(TierStoring):
         if not self._through[pool]:
             return
         gone = dict(zip(blocks, digests, strict=True))
-        if self._through_ready:
-            self._through_ready = [
-                entry
-                for entry in self._through_ready
-                if not (entry[1] == pool and gone.get(entry[2]) == entry[3])
+        batch = self._through_ready.get(gid)
+        if batch is not None:
+            kept = [
+                (block, digest)
+                for block, digest in zip(*batch, strict=True)
+                if gone.get(block) != digest
             ]
+            self._through_ready[gid] = ([block for block, _ in kept], [d for _, d in kept])
         written = self._through_from[pool]
         unwritten = set()
         for block, digest in gone.items():
@@ -250,7 +262,7 @@ class TierKeeping(TierStoring):
                     drop_cached(slots, gid, digest, slot)
 
     def _reset_keeping(self) -> None:
-        self._through_ready = []
+        self._through_ready = {}
         for written in self._through_from:
             written.clear()
         for kept in self._kept:

@@ -101,7 +101,7 @@ class TierState:
     # write-through and the families' keep rules (tier_keeping.py)
     _through: list[bool]
     _through_marks: dict[str | int, tuple[object, list[int]]]
-    _through_ready: list[tuple[int, int, int, bytes]]
+    _through_ready: dict[int, tuple[list[int], list[bytes]]]
     _through_from: list[dict[int, bytes]]
     _keep_rules: dict[int, object]
     _kept: list[dict[int, bytes]]
