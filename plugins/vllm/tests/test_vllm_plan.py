@@ -236,3 +236,35 @@ def test_a_family_plugin_left_out_keeps_vllms_plan(
     monkeypatch.delenv("KVSPEC_PLUGINS")
     assert patched(copy.deepcopy(vllm_config), specs, [64 << 20])[0].num_blocks == 2048
     assert kvspec_vllm.last_outcome().plan is not None
+
+
+def test_gated_delta_net_hybrid_starts_on_vllms_own_plan(
+    runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A real hybrid engine (Qwen3-Next: 3 gated delta-net layers + 1 full attention, in
+    bfloat16 as vLLM's CPU kernels need): vLLM pads the state page to the attention page for
+    its single pool; kvspec plans the state as it is, in a pool of its own, which vLLM 0.32
+    cannot hold. The engine starts on vLLM's own config, says why once, and gives the same
+    tokens as with the plugin off."""
+    folder = tiny_models.write_checkpoint("qwen3-next-80b", tmp_path_factory.mktemp("qwen3"))
+    lines = _Lines()
+    planning.logger.addHandler(lines)
+    planning._warned.clear()
+    try:
+        plugin.install()
+        on = vllm_engines.run(folder, dtype="bfloat16")
+        outcome = kvspec_vllm.last_outcome()
+    finally:
+        planning.logger.removeHandler(lines)
+    plugin.uninstall()
+    try:
+        off = vllm_engines.run(folder, dtype="bfloat16")
+    finally:
+        plugin.install()
+    assert outcome is not None and outcome.plan is None
+    assert "kvspec plans 2 block pools" in outcome.reason
+    assert len(lines.lines) == 1 and outcome.reason in lines.lines[0]
+    assert on.tokens == off.tokens
+    assert on.num_gpu_blocks == off.num_gpu_blocks == outcome.vllm_num_blocks
+    kinds = [type(group.kv_cache_spec).__name__ for group in on.kv_cache_config.kv_cache_groups]
+    assert kinds == ["MambaSpec", "MambaSpec", "MambaSpec", "FullAttentionSpec"]

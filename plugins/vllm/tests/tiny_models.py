@@ -66,6 +66,24 @@ SHRINK: Mapping[str, Mapping[str, Any]] = {
         # repeat the last prompt token whatever came before; 0.02 keeps context visible.
         "initializer_range": 0.02,
     },
+    # Gated delta-net (linear attention) + full attention: 4 layers, the full-attention
+    # interval (4) giving 3 linear + 1 full layer; MoE with 4 experts.
+    "qwen3-next-80b": {
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "initializer_range": 0.02,
+    },
 }
 
 _DROPPED = ("quantization_config", "rope_scaling_original", "auto_map")

@@ -41,7 +41,8 @@ MAMBA_TYPES: Mapping[str, str] = {
     "GDN_ATTN": "gated_delta_net",
 }
 
-#: Fields vLLM's ``MambaSpec`` shares with kvspec's.
+#: Fields vLLM's ``MambaSpec`` shares with kvspec's (``page_size_padded`` is read, then
+#: dropped: see :func:`kvspec_spec_of`).
 MAMBA_FIELDS = (
     "block_size",
     "shapes",
@@ -134,6 +135,9 @@ def _mamba_spec_of(layer: str, spec: Any) -> KVSpec:
             f"layer {layer!r} is a Mamba layer and kvspec-mamba is not installed ({error})"
         ) from error
     fields = {field: getattr(spec, field) for field in MAMBA_FIELDS}
+    # vLLM pads a state page to the attention page (and inflates the attention block size)
+    # so that one block pool holds both; kvspec plans the state as it is, in its own pool.
+    fields["page_size_padded"] = None
     fields["shapes"] = tuple(tuple(shape) for shape in fields["shapes"])
     fields["dtypes"] = tuple(fields["dtypes"])
     return MambaSpec(mamba_type=mamba_type, **fields)
