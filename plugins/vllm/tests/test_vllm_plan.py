@@ -268,3 +268,54 @@ def test_gated_delta_net_hybrid_starts_on_vllms_own_plan(
     assert on.num_gpu_blocks == off.num_gpu_blocks == outcome.vllm_num_blocks
     kinds = [type(group.kv_cache_spec).__name__ for group in on.kv_cache_config.kv_cache_groups]
     assert kinds == ["MambaSpec", "MambaSpec", "MambaSpec", "FullAttentionSpec"]
+
+
+def _plan_with_engine_config(runs: dict[str, Any], specs: dict[str, Any]) -> list[Any]:
+    """vLLM's patched planning of ``specs`` with the Llama engine's config (64 MiB)."""
+    from vllm.v1.core import kv_cache_utils
+
+    plugin.install()
+    vllm_config = copy.deepcopy(runs["llama-3.1-8b"]["off"].vllm_config)
+    return kv_cache_utils.get_kv_cache_configs(vllm_config, [specs], [64 << 20])
+
+
+def test_chunked_local_and_full_layers_are_planned_by_kvspec(runs: dict[str, Any]) -> None:
+    """Llama 4's pattern (chunked local layers beside a full one), from vLLM's own specs:
+    planned by kvspec (no engine: the CPU build has no small Llama 4 text model to run)."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec
+
+    geometry = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    chunked = ChunkedLocalAttentionSpec(attention_chunk_size=64, **geometry)
+    specs = {f"model.layers.{i}.self_attn.attn": chunked for i in range(3)}
+    specs["model.layers.3.self_attn.attn"] = FullAttentionSpec(**geometry)
+    (config,) = _plan_with_engine_config(runs, specs)
+    outcome = kvspec_vllm.last_outcome()
+    assert outcome is not None and outcome.plan is not None
+    assert config.num_blocks == outcome.plan.num_blocks
+    kinds = {layer: group.kind for group in outcome.plan.groups for layer in group.layers}
+    assert kinds == {
+        layer: "full_attention"
+        if layer.startswith("model.layers.3.")
+        else "chunked_local_attention"
+        for layer in specs
+    }
+    assert [group.layer_names for group in config.kv_cache_groups] == [
+        list(group.layers) for group in outcome.plan.groups
+    ]
+
+
+def test_an_untranslated_spec_class_keeps_vllms_plan_naming_it(runs: dict[str, Any]) -> None:
+    import torch
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    latent = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    specs = {"model.layers.0.self_attn.attn": latent}
+    own = kv_cache_utils.get_kv_cache_configs.__wrapped__(
+        copy.deepcopy(runs["llama-3.1-8b"]["off"].vllm_config), [specs], [64 << 20]
+    )
+    assert _plan_with_engine_config(runs, specs) == own
+    outcome = kvspec_vllm.last_outcome()
+    assert outcome is not None and outcome.plan is None
+    assert "MLAAttentionSpec" in outcome.reason and "does not translate" in outcome.reason
