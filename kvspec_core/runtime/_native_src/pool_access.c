@@ -1,8 +1,8 @@
 /* What the block-boundary kernels (grow.c, group_step.c) do to a BlockPool without calling
  * its Python methods: read its containers, count its free blocks, take blocks (the one-block
- * cases inline, every other count through BlockPool.take: any eviction of a pool with an
- * ``_on_evict`` hook too), release and cache blocks through
- * the pool's own kernels. */
+ * cases inline and never-reused victims in one pass, telling a pool's ``_on_evict`` hook
+ * as BlockPool.take does; every other count through BlockPool.take), release and cache
+ * blocks through the pool's own kernels. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
@@ -103,22 +103,29 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
         return taken;
     }
     if ((num_evictable = PyObject_Length(evictable)) < 0) return NULL;
-    /* A pool with an eviction hook (offload tiers) evicts through BlockPool.take, which
-     * calls the hook with each victim before it is handed out. */
     PyObject *on_evict = kv_pool_get(pool_dict, POOL_ON_EVICT);
     if (on_evict == NULL) return NULL;
-    if (count - num_fresh <= num_evictable && on_evict == Py_None) {
-        /* Every uncached block, then never-reused cached ones evicted in one pass. */
+    if (count - num_fresh <= num_evictable) {
+        /* Every uncached block, then never-reused cached ones evicted in one pass; a pool
+         * with an eviction hook (offload tiers) then tells it the victims, as
+         * BlockPool.take does. */
         PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
         PyObject *block_group = caches ? kv_pool_get(pool_dict, POOL_BLOCK_GROUP) : NULL;
         PyObject *block_hash = block_group ? kv_pool_get(pool_dict, POOL_BLOCK_HASH) : NULL;
         PyObject *taken = block_hash == NULL ? NULL : PyList_New(0);
         if (taken == NULL) return NULL;
+        int hooked = on_evict != Py_None;
+        /* Held: the hook runs Python code, after which the pool's dict may not hold it. */
+        PyObject *hook = hooked ? Py_NewRef(on_evict) : NULL;
+        PyObject *groups = hooked ? PyList_New(0) : Py_NewRef(Py_None);
+        PyObject *hashes = hooked ? PyList_New(0) : Py_NewRef(Py_None);
         PyObject *rest = PyLong_FromSsize_t(count - num_fresh);
         PyObject *done = NULL;
-        if (rest != NULL && take_fresh(fresh, refs, num_fresh, taken) == 0) {
-            PyObject *args[7] = {rest, taken, evictable, caches, block_group, block_hash, refs};
-            done = kv_py_evict_take(NULL, args, 7);
+        if (groups != NULL && hashes != NULL && rest != NULL
+            && take_fresh(fresh, refs, num_fresh, taken) == 0) {
+            PyObject *args[9] = {rest,       taken, evictable, caches, block_group,
+                                 block_hash, refs,  groups,    hashes};
+            done = kv_py_evict_take(NULL, args, hooked ? 9 : 7);
         }
         Py_XDECREF(rest);
         PyObject *epoch = done == NULL ? NULL : kv_pool_get(pool_dict, POOL_EPOCH);
@@ -126,6 +133,17 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
         int failed = next == NULL || PyDict_SetItem(pool_dict, names[POOL_EPOCH], next) < 0;
         Py_XDECREF(done);
         Py_XDECREF(next);
+        if (!failed && hooked) {
+            PyObject *victims = PyList_GetSlice(taken, num_fresh, PY_SSIZE_T_MAX);
+            PyObject *call[3] = {groups, hashes, victims};
+            PyObject *told = victims == NULL ? NULL : PyObject_Vectorcall(hook, call, 3, NULL);
+            failed = told == NULL;
+            Py_XDECREF(told);
+            Py_XDECREF(victims);
+        }
+        Py_XDECREF(hook);
+        Py_XDECREF(groups);
+        Py_XDECREF(hashes);
         if (failed) {
             Py_DECREF(taken);
             return NULL;
