@@ -75,6 +75,8 @@ class ModelWeights:
 
     Attributes:
         model_class: the class built.
+        architecture: the config's ``architectures[0]`` (the class vLLM builds), else
+            ``model_class``.
         tensors: every tensor, in the model's order; tied ones once.
         tied_embeddings: whether the LM head is the input embedding.
         num_layers: decoder layers (the layer indices of ``tensors``).
@@ -84,6 +86,7 @@ class ModelWeights:
     """
 
     model_class: str
+    architecture: str
     tensors: tuple[WeightTensor, ...]
     tied_embeddings: bool
     num_layers: int
@@ -217,8 +220,11 @@ def _read(config_json: str, num_layers: int) -> ModelWeights:
                 kv_heads=_kv_heads(model, name) if role == KV_PROJECTION else None,
             )
         )
+    architectures = raw.get("architectures")
+    named = isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
     return ModelWeights(
         model_class=model_class.__name__,
+        architecture=architectures[0] if named else model_class.__name__,
         tensors=tuple(tensors),
         tied_embeddings=tied,
         num_layers=num_layers,

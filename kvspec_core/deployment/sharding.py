@@ -18,9 +18,11 @@ Not modelled: a fused ``qkv_proj`` (Phi-3) is split 1/TP even above its KV head 
 (a few MB) are split like its linears.
 
 Pipeline parallelism: decoder layer ``i`` lives on the stage :func:`stage_ranges` gives it
-(vLLM's split); the tensors before the decoder layers (the embedding, a vision tower) on
-stage 0; those after (the final norm, the LM head) on the last stage, which holds its own
-copy of a tied embedding.
+(vLLM's split); the tensors outside the decoder layers live where the architecture's vLLM
+class builds them (:mod:`pipeline_placement`): Llama's embedding on stage 0 and its final
+norm and LM head on the last stage (which holds its own copy of a tied embedding), but
+gpt-oss's, Jamba's, Nemotron-H's, Gemma's or Qwen3-MoE's on every stage, and Llama-4's
+vision tower on every stage. An architecture the table does not list is refused at PP > 1.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from kvspec_core.deployment.parameters import (
     VOCAB,
     ModelWeights,
     WeightTensor,
+)
+from kvspec_core.deployment.pipeline_placement import (
+    FIRST,
+    StagePlacement,
+    stage_placement,
+    stages_holding,
 )
 
 #: vLLM pads the vocabulary to a multiple of this before splitting it (DEFAULT_VOCAB_PADDING_SIZE
@@ -60,10 +68,26 @@ def tp_share(tensor: WeightTensor, tp: int) -> Fraction:
     return Fraction(1, tp)
 
 
-def _stage(tensor: WeightTensor, weights: ModelWeights, ranges: Sequence[tuple[int, int]]) -> int:
+def _stages(
+    tensor: WeightTensor,
+    weights: ModelWeights,
+    ranges: Sequence[tuple[int, int]],
+    placement: StagePlacement | None,
+) -> set[int]:
+    """The stages holding ``tensor`` (``placement``: ``None`` for one stage)."""
     if tensor.layer is not None:
-        return next(i for i, (start, end) in enumerate(ranges) if start <= tensor.layer < end)
-    return 0 if tensor.name in weights.before_layers else len(ranges) - 1
+        return {next(i for i, (start, end) in enumerate(ranges) if start <= tensor.layer < end)}
+    if placement is None:
+        return {0}
+    before = tensor.name in weights.before_layers
+    if tensor.role == VOCAB:
+        place = placement.embedding if before else placement.lm_head
+    else:
+        place = placement.before_layers if before else placement.after_layers
+    stages = set(stages_holding(place, len(ranges)))
+    if tensor.role == VOCAB and before and weights.tied_embeddings and place == FIRST:
+        stages.add(len(ranges) - 1)  # the last stage's LM head is tied to its own copy
+    return stages
 
 
 def stage_weight_bytes(
@@ -73,12 +97,12 @@ def stage_weight_bytes(
     ranges: Sequence[tuple[int, int]],
 ) -> list[Fraction]:
     """Bytes of weights one GPU of each pipeline stage holds at ``tp`` (``stored``: each
-    tensor's checkpoint bytes by name)."""
+    tensor's checkpoint bytes by name); a :class:`ConfigError` at more than one stage for an
+    architecture whose placement vLLM's code was not read for."""
+    placement = stage_placement(weights.architecture) if len(ranges) > 1 else None
     totals = [Fraction(0)] * len(ranges)
     for tensor in weights.tensors:
         share = stored[tensor.name] * tp_share(tensor, tp)
-        stage = _stage(tensor, weights, ranges)
-        totals[stage] += share
-        if tensor.role == VOCAB and weights.tied_embeddings and len(ranges) > 1:
-            totals[-1] += share  # the last stage's LM head is its own copy
+        for stage in _stages(tensor, weights, ranges, placement):
+            totals[stage] += share
     return totals

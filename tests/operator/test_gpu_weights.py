@@ -166,6 +166,79 @@ def test_the_pp_split_puts_the_embedding_first_and_the_head_last() -> None:
     assert tied_first == first and tied_last == last
 
 
+def _pp_surplus(capsys: pytest.CaptureFixture[str], preset: str, pp: int, *extra: str) -> int:
+    """Bytes the stages hold together beyond the whole checkpoint: the copies of the tensors
+    vLLM builds on more than one stage."""
+    report = plan_json(capsys, preset, "--gpu", "b200", "--pp", str(pp), *extra)
+    stages = sum(stage["weights_bytes"] for stage in report["memory_per_gpu"])
+    return stages - report["weights"]["checkpoint_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "vocab", "hidden"),
+    [
+        ("nemotron-h-56b", 131_072, 8192),  # nemotron_h.py:585, 621, 844
+        ("gpt-oss-20b", 201_088, 2880),  # gpt_oss.py:487, 500, 1459
+        ("qwen3-30b-a3b", 151_936, 2048),  # qwen3_moe.py:468, 479, 580
+        ("jamba-1.5-mini", 65_536, 4096),  # jamba.py:314, 341, 426
+    ],
+)
+def test_classes_that_build_the_embedding_norm_and_head_on_every_stage_hold_them_on_each(
+    capsys: pytest.CaptureFixture[str], preset: str, vocab: int, hidden: int
+) -> None:
+    # Each extra stage holds one more untied embedding, LM head and final norm (bf16).
+    tables = 2 * (2 * vocab * hidden + hidden)
+    assert _pp_surplus(capsys, preset, 2, "--max-model-len", "4096") == tables
+    assert _pp_surplus(capsys, preset, 4, "--max-model-len", "4096") == 3 * tables
+
+
+def test_qwen3_next_keeps_its_norm_on_the_last_stage_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # qwen3_next.py:660 / 851: embedding and head on every rank; :684-687: norm on the last.
+    assert _pp_surplus(capsys, "qwen3-next-80b", 2, "--max-model-len", "4096") == (
+        2 * 2 * 151_936 * 2048
+    )
+
+
+def test_llama_keeps_its_vocab_tables_on_the_end_stages_and_gemma_2_on_every_stage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # llama.py guards them (embedding first, norm and head last): no copy anywhere.
+    assert _pp_surplus(capsys, "llama-3.1-70b", 4, "--max-model-len", "4096") == 0
+    # gemma2.py:259, 270: the tied embedding (its LM head) and the norm on each of 3 stages.
+    gemma = 2 * (256_000 * 3584 + 3584)
+    assert _pp_surplus(capsys, "gemma-2-9b", 3, "--max-model-len", "4096") == 2 * gemma
+
+
+def test_llama_4s_vision_tower_is_on_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    raw = load_preset("llama-4-scout")
+    weights = model_weights(raw, 48)
+    tower = sum(
+        2 * t.numel
+        for t in weights.tensors
+        if t.name.startswith(("vision_model.", "multi_modal_projector."))
+    )
+    assert tower > 0
+    # mllama4.py:766-777 builds the tower and projector on every rank; the language model is
+    # Llama's (embedding first, head last).
+    assert _pp_surplus(capsys, "llama-4-scout", 2, "--max-model-len", "4096") == tower
+
+
+def test_an_architecture_without_a_known_stage_placement_is_refused_at_pp_above_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plan_cli_testkit import fails
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TINY_LLAMA, "architectures": ["MyLlamaForCausalLM"]})
+    )
+    err = fails(capsys, str(tmp_path), "--gpu", "l4", "--pp", "2")
+    assert "MyLlamaForCausalLM" in err and "--pp 1" in err and "--memory" in err
+    assert "pipeline_placement.json" in err
+    assert plan_json(capsys, str(tmp_path), "--gpu", "l4")["num_blocks"] > 0  # PP 1 plans
+
+
 def _tensor(shape: tuple[int, ...], role: str = SHARDED) -> WeightTensor:
     return WeightTensor(name="model.layers.0.mlp.up_proj.weight", shape=shape, role=role, layer=0)
 
