@@ -153,24 +153,21 @@ def _plans_at(
     args: argparse.Namespace,
     resolved: ResolvedModel,
     config: ModelConfig,
-    source: WeightsSource,
-    options: dict[str, Any],
     manager: PluginManager,
-    tp: int,
+    budget: GpuBudget,
 ) -> bool:
-    """Whether at ``tp`` the weights fit and every stage holds one max-length request."""
-    budget = gpu_budget(source, resolved.config, tp=tp, **options)
+    """Whether the weights fit ``budget`` and every stage holds one max-length request."""
     if not budget.fits:
         return False
-    prepared = prepare_model(
-        config,
-        plan_options(argparse.Namespace(**{**vars(args), "tp": tp}), _first_dtype(args)),
-        manager,
-        name=resolved.name,
-        max_model_len=args.max_model_len,
-        max_in_flight_tokens=args.max_in_flight_tokens,
-    )
     try:
+        prepared = prepare_model(
+            config,
+            plan_options(argparse.Namespace(**{**vars(args), "tp": budget.tp}), _first_dtype(args)),
+            manager,
+            name=resolved.name,
+            max_model_len=args.max_model_len,
+            max_in_flight_tokens=args.max_in_flight_tokens,
+        )
         _plan_stages(split_stages(prepared, args.pp, args.pp_partition), budget, manager)
     except (CapacityError, ConfigError):
         return False
@@ -192,9 +189,16 @@ def _smallest_tp_for_a_request(
     options: dict[str, Any],
     manager: PluginManager,
 ) -> int | None:
-    """The smallest TP (above ``--tp``) at which one max-length request fits, else ``None``."""
+    """The smallest TP (above ``--tp``) at which one max-length request fits, else ``None``
+    (also when the weights cannot be split: ``source.unsplittable`` says why)."""
     for tp in tp_candidates(resolved.config):
-        if tp > args.tp and _plans_at(args, resolved, config, source, options, manager, tp):
+        if tp <= args.tp:
+            continue
+        try:
+            budget = gpu_budget(source, resolved.config, tp=tp, **options)
+        except ConfigError:
+            return None  # no larger TP can be judged; the caller's own error stands
+        if _plans_at(args, resolved, config, manager, budget):
             return tp
     return None
 
@@ -213,7 +217,7 @@ def plan_on_gpu(
     budget = gpu_budget(source, resolved.config, tp=args.tp, **options)
     if not budget.fits:
         smallest = _smallest_tp_for_a_request(args, resolved, config, source, options, manager)
-        raise weights_do_not_fit(budget, smallest, args.pp)
+        raise weights_do_not_fit(budget, smallest, args.pp, source.unsplittable)
     try:
         pipeline = _plan_stages(stages, budget, manager)
     except CapacityError as error:

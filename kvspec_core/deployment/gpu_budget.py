@@ -49,6 +49,8 @@ class WeightsSource:
         path: the metadata file read, or ``None``.
         model: the model's tensors (``None`` when transformers cannot build it).
         stored: each tensor's stored bytes, by name.
+        unsplittable: why the weights cannot be split over TP / PP ranks (``None`` when
+            they can).
     """
 
     kind: str
@@ -58,6 +60,7 @@ class WeightsSource:
     path: str | None
     model: ModelWeights | None = attrs.field(repr=False)
     stored: Mapping[str, Fraction] = attrs.field(repr=False)
+    unsplittable: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -102,17 +105,23 @@ def weights_source(
     one, and the model's tensors (to split them) when transformers can build it."""
     quant = quantization(raw)
     method = quant.get("quant_method") if quant else None
+    unsplittable = None
     try:
         model = model_weights(raw, num_layers)
-    except ConfigError:
+    except ConfigError as error:
         if checkpoint is None:
             raise
-        model = None
+        model, unsplittable = None, str(error)
     stored: dict[str, Fraction] = {}
     if model is not None and (checkpoint is None or quant is None or method in QUANT_METHODS):
         if checkpoint is None:
             check_quantization(quant)
         stored = {t.name: stored_bytes(t, model_dtype_bytes, quant) for t in model.tensors}
+    elif model is not None:
+        unsplittable = (
+            f"quantization_config.quant_method {method!r}: kvspec does not model its stored "
+            "layout per tensor, so the checkpoint's total cannot be divided among the ranks"
+        )
     if checkpoint is not None:
         total, kind, path = checkpoint.total_bytes, checkpoint.kind, str(checkpoint.path)
     else:
@@ -125,6 +134,7 @@ def weights_source(
         path=path,
         model=model,
         stored=stored,
+        unsplittable=unsplittable,
     )
 
 
@@ -137,9 +147,9 @@ def per_stage_weights(
         if tp == 1 and len(ranges) == 1:
             return (source.checkpoint_bytes,)
         raise ConfigError(
-            "splitting the weights over --tp / --pp needs the model's tensors, which "
-            "transformers cannot build for this config; plan with --tp 1 --pp 1, or give "
-            "--gpu-memory and --overhead for one GPU"
+            f"the weights cannot be split over TP {tp} x PP {len(ranges)}: "
+            f"{source.unsplittable}; plan with --tp 1 --pp 1, or run vLLM at this TP / PP "
+            "and pass the KV cache size it reports as --memory"
         )
     shares = stage_weight_bytes(source.model, source.stored, tp, ranges)
     scale = Fraction(source.checkpoint_bytes) / sum(source.stored.values())
@@ -185,20 +195,31 @@ def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
     return [tp for tp in _TP_CANDIDATES if heads % tp == 0]
 
 
-def weights_do_not_fit(budget: GpuBudget, smallest: int | None, pp: int) -> CapacityError:
+def weights_do_not_fit(
+    budget: GpuBudget, smallest: int | None, pp: int, unsplittable: str | None = None
+) -> CapacityError:
     """The error when the weights and overheads leave no KV budget on some stage;
-    ``smallest``: the smallest TP at which the weights and one max-length request fit."""
+    ``smallest``: the smallest TP at which the weights and one max-length request fit;
+    ``unsplittable``: why no larger TP could be tried."""
     from kvspec_core.byte_sizes import format_size
 
     stage = min(range(len(budget.kv_budget_bytes)), key=budget.kv_budget_bytes.__getitem__)
     where = f" on pipeline stage {stage}" if pp > 1 else ""
-    fix = (
-        f"the smallest TP that holds them and one request of max_model_len tokens is "
-        f"{smallest}: pass --tp {smallest}"
-        if smallest is not None
-        else "no TP up to 64 holds them and one request of max_model_len tokens: add "
-        "pipeline stages (--pp), lower --max-model-len, or take a larger GPU"
-    )
+    if smallest is not None:
+        fix = (
+            f"the smallest TP that holds them and one request of max_model_len tokens is "
+            f"{smallest}: pass --tp {smallest}"
+        )
+    elif unsplittable is not None:
+        fix = (
+            f"a larger TP cannot be tried ({unsplittable}): take a larger GPU, or run vLLM "
+            "at a larger TP and pass the KV cache size it reports as --memory"
+        )
+    else:
+        fix = (
+            "no TP up to 64 holds them and one request of max_model_len tokens: add "
+            "pipeline stages (--pp), lower --max-model-len, or take a larger GPU"
+        )
     return CapacityError(
         f"the weights do not fit{where} at TP {budget.tp}: one GPU holds "
         f"{format_size(budget.weights_bytes[stage])} of weights plus "

@@ -334,3 +334,31 @@ def test_weights_that_cannot_be_counted_are_refused_naming_the_fix(
     assert report["weights"]["quant_method"] == "compressed-tensors"
     # ... but its split over TP ranks is not known: refused, not guessed.
     assert "--tp 1 --pp 1" in fails(capsys, str(tmp_path), "--gpu", "l4", "--tp", "2")
+
+
+def test_at_tp_1_a_model_whose_split_is_unknown_gets_the_tp_1_error_not_the_split_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plan_cli_testkit import fails
+
+    compressed = {
+        **load_preset("llama-3.1-8b"),
+        "quantization_config": {"quant_method": "compressed-tensors"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(compressed))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 9_000_000_000}, "weight_map": {}})
+    )
+    # The weights fit an L4 at TP 1 but one 128k request does not: the TP 1 advice, and the
+    # search for a larger TP stops at the split it cannot make instead of replacing it.
+    err = fails(capsys, str(tmp_path), "--gpu", "l4")
+    assert "pass --max-model-len 79456" in err and "cannot be split" not in err
+    # The weights alone do not fit: said so, with why no larger TP was tried.
+    err = fails(capsys, str(tmp_path), "--gpu-memory", "8GiB")
+    assert "the weights do not fit at TP 1" in err
+    assert "'compressed-tensors'" in err and "a larger TP cannot be tried" in err
+    assert "--memory" in err and "--gpu-memory and --overhead" not in err
+    # At TP 2 the split error names the real reason and a real fix.
+    err = fails(capsys, str(tmp_path), "--gpu", "l4", "--tp", "2")
+    assert "'compressed-tensors'" in err and "does not model its stored layout" in err
+    assert "--tp 1 --pp 1" in err and "--memory" in err
