@@ -8,8 +8,12 @@ stage's budget):
   ``description``, ``memory_bytes``, ``memory_source``, ``utilization``, ``usable_bytes``
   (``floor(memory_bytes x utilization)``);
 * ``weights``: ``source`` (``safetensors index``, ``safetensors header`` or ``parameter
-  count``), ``checkpoint_bytes`` (the whole model as stored), ``parameters`` (transformers'
-  count, or null), ``quant_method`` (or null), ``path`` (the metadata file read, or null);
+  count``), ``checkpoint_bytes`` (the whole model as stored; as loaded when ``loaded_as``
+  is set), ``parameters`` (transformers' count, or null), ``quant_method`` (or null),
+  ``path`` (the metadata file read, or null),
+  ``loaded_as`` (null, or why vLLM holds the weights in a narrower dtype than the config's:
+  a float32 model is loaded, and its ``auto`` KV cache stored, in bfloat16, so its weights
+  are its parameters at 2 bytes, not the checkpoint's float32 size);
 * ``overheads``: ``activation_bytes``, ``non_torch_bytes`` (per GPU), ``basis``, ``source``;
 * ``memory_per_gpu``: per pipeline stage, ``stage``, ``weights_bytes``, ``activation_bytes``,
   ``non_torch_bytes``, ``kv_budget_bytes``, ``kv_bytes_allocated``, ``free_bytes`` (usable
@@ -24,6 +28,9 @@ from __future__ import annotations
 import argparse
 import math
 from typing import Any
+
+import attrs
+import torch
 
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import DEFAULT_KV_CACHE_DTYPE, plan_options
@@ -42,6 +49,7 @@ from kvspec_core.deployment.gpu_budget import (
 from kvspec_core.deployment.gpus import MIB, find_gpu
 from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.catalog import ResolvedModel
+from kvspec_core.models.fields import model_dtype
 from kvspec_core.models.hub import hub_cache_dir, parse_hub_id
 from kvspec_core.models.layer_typing import num_layers
 from kvspec_core.models.normalized import ModelConfig
@@ -124,11 +132,32 @@ def _budget_options(args: argparse.Namespace, memory: int) -> dict[str, Any]:
     }
 
 
+def as_vllm_loads(config: ModelConfig) -> ModelConfig:
+    """``config`` with the dtype vLLM runs it in: ``--dtype auto`` downcasts a float32 model
+    to the platform's first supported dtype (``_resolve_auto_dtype`` in vLLM's
+    ``config/model.py``), bfloat16 on every GPU of the catalog (compute capability 8.0 or
+    more); the weights are then held, and the ``auto`` KV cache stored, in bfloat16."""
+    if config.dtype != torch.float32:
+        return config
+    return attrs.evolve(config, dtype=torch.bfloat16)
+
+
+def _downcast(config: ModelConfig) -> str | None:
+    if model_dtype(config.fields) != torch.float32:
+        return None
+    return "vLLM loads this float32 model in bfloat16 (--dtype auto downcasts float32)"
+
+
 def model_weights_source(resolved: ResolvedModel, config: ModelConfig) -> WeightsSource:
     """Where the model's weights are counted from (its checkpoint metadata, else its
-    parameters)."""
+    parameters), in the dtype vLLM loads them in (``config``: as :func:`as_vllm_loads`
+    gives it)."""
     return weights_source(
-        resolved.config, num_layers(config.fields), config.dtype.itemsize, _checkpoint(resolved)
+        resolved.config,
+        num_layers(config.fields),
+        config.dtype.itemsize,
+        _checkpoint(resolved),
+        downcast=_downcast(config),
     )
 
 
@@ -236,6 +265,7 @@ def plan_on_gpu(
         "gpu": {**gpu, "utilization": budget.utilization, "usable_bytes": budget.usable_bytes},
         "weights": {
             "source": source.kind,
+            "loaded_as": _downcast(config),
             "checkpoint_bytes": source.checkpoint_bytes,
             "parameters": source.parameters,
             "quant_method": source.quant_method,
@@ -295,6 +325,8 @@ def gpu_lines(report: dict[str, Any]) -> list[str]:
         else "parameters not counted"
     )
     stored = f"; {weights['quant_method']} as stored" if weights["quant_method"] else ""
+    if weights["loaded_as"]:
+        stored += f"; {weights['loaded_as']}"
     tp = report["tensor_parallel_size"]
     pp = report["pipeline_parallel_size"]
     return [

@@ -33,6 +33,7 @@ from kvspec_core.cli.arguments import (
     plot_file,
 )
 from kvspec_core.cli.gpu_plan import (
+    as_vllm_loads,
     check_budget_options,
     gpu_lines,
     gpu_plot_curves,
@@ -454,6 +455,8 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     tier_options = offload_tier_options(args, "kvspec plan")
     resolved = resolve_model(args.model)
     config = normalize_config(resolved.config)
+    if gpu_requested(args):
+        config = as_vllm_loads(config)  # a float32 model runs in bfloat16 on the GPU
     prepared = prepare_model(
         config,
         plan_options(args, dtypes[0]),

@@ -100,9 +100,15 @@ def weights_source(
     num_layers: int,
     model_dtype_bytes: int,
     checkpoint: CheckpointSize | None,
+    *,
+    downcast: str | None = None,
 ) -> WeightsSource:
     """The weights of the model ``raw`` describes: the checkpoint's stored size when there is
-    one, and the model's tensors (to split them) when transformers can build it."""
+    one, and the model's tensors (to split them) when transformers can build it.
+
+    ``downcast``: why the engine loads the weights in a narrower dtype than the checkpoint's
+    (``model_dtype_bytes`` is then the loaded dtype's): the checkpoint's stored size is no
+    longer what a GPU holds, so the parameters are counted in the loaded dtype instead."""
     quant = quantization(raw)
     method = quant.get("quant_method") if quant else None
     unsplittable = None
@@ -112,6 +118,15 @@ def weights_source(
         if checkpoint is None:
             raise
         model, unsplittable = None, str(error)
+    if downcast is not None and checkpoint is not None:
+        if model is None or (quant is not None and method not in QUANT_METHODS):
+            raise ConfigError(
+                f"{downcast}, so the checkpoint's stored size ({checkpoint.path}) is not what "
+                "a GPU holds, and kvspec cannot count the parameters in the loaded dtype "
+                f"({unsplittable or f'quant_method {method!r} is not modelled per tensor'}); "
+                "run vLLM and pass the KV cache size it reports as --memory"
+            )
+        checkpoint = None  # every tensor is allocated in the loaded dtype: count parameters
     stored: dict[str, Fraction] = {}
     if model is not None and (checkpoint is None or quant is None or method in QUANT_METHODS):
         if checkpoint is None:

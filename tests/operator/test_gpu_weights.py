@@ -362,3 +362,35 @@ def test_at_tp_1_a_model_whose_split_is_unknown_gets_the_tp_1_error_not_the_spli
     err = fails(capsys, str(tmp_path), "--gpu", "l4", "--tp", "2")
     assert "'compressed-tensors'" in err and "does not model its stored layout" in err
     assert "--tp 1 --pp 1" in err and "--memory" in err
+
+
+def test_a_float32_model_is_planned_as_vllm_loads_it_in_bfloat16(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plan_cli_testkit import fails
+
+    bf16 = plan_json(capsys, "llama-3.1-8b", "--gpu", "h100-80gb")
+    (tmp_path / "config.json").write_text(
+        json.dumps({**load_preset("llama-3.1-8b"), "torch_dtype": "float32"})
+    )
+    # vLLM's --dtype auto downcasts float32 to bfloat16 (_resolve_auto_dtype): weights at 2
+    # bytes a parameter and a bfloat16 KV cache, the same plan as the bfloat16 checkpoint's.
+    report = plan_json(capsys, str(tmp_path), "--gpu", "h100-80gb")
+    assert report["memory_per_gpu"][0]["weights_bytes"] == 16_060_522_496
+    assert report["max_concurrency"] == bf16["max_concurrency"]
+    assert report["num_blocks"] == bf16["num_blocks"]
+    assert "bfloat16" in report["weights"]["loaded_as"]
+    assert bf16["weights"]["loaded_as"] is None
+    # The float32 index's total is the file size, not what the GPU holds: parameters count.
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 32_121_044_992}, "weight_map": {}})
+    )
+    indexed = plan_json(capsys, str(tmp_path), "--gpu", "h100-80gb")
+    assert indexed["memory_per_gpu"][0]["weights_bytes"] == 16_060_522_496
+    # ... and a float32 model whose loaded size cannot be counted is refused, not guessed.
+    compressed = {"quant_method": "compressed-tensors"}
+    (tmp_path / "config.json").write_text(
+        json.dumps({**TINY_LLAMA, "torch_dtype": "float32", "quantization_config": compressed})
+    )
+    err = fails(capsys, str(tmp_path), "--gpu", "h100-80gb")
+    assert "float32" in err and "bfloat16" in err and "--memory" in err

@@ -46,6 +46,7 @@ def test_json_keeps_the_plan_keys_and_adds_the_documented_ones(
         "parameters",
         "quant_method",
         "path",
+        "loaded_as",
     }
     assert set(report["overheads"]) == {"activation_bytes", "non_torch_bytes", "basis", "source"}
     (stage,) = report["memory_per_gpu"]
