@@ -26,7 +26,9 @@ _LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
 _NOT_DECODER = ("vision", "encoder", "audio", "image")
 
 VOCAB = "vocab"  # the vocabulary embedding or the LM head (vocab-parallel in vLLM)
+VOCAB_TABLE = "vocab_table"  # another table vLLM builds vocab-parallel (Gemma-3n's per layer)
 EMBEDDING = "embedding"  # any other embedding table (positions...): replicated
+REPLICATED_PARAMETER = "replicated_parameter"  # a bare parameter vLLM keeps whole on each rank
 NORM = "norm"  # a normalisation's scale or bias: replicated
 ROUTER = "router"  # a mixture-of-experts router (vLLM's ReplicatedLinear)
 REPLICATED_LINEAR = "replicated_linear"  # MLA's down-projections (ReplicatedLinear in vLLM)
@@ -39,8 +41,26 @@ SHARDED = "sharded"  # every other tensor: split over the TP ranks
 _ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "dense_4h_to_h", "wo"})
 #: Attribute names of MoE routers.
 _ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
-#: MLA's replicated down-projections.
-_REPLICATED_LINEARS = frozenset({"kv_a_proj_with_mqa", "q_a_proj"})
+#: Linears vLLM builds as ReplicatedLinear: MLA's down-projections; Gemma-3n's per-layer
+#: input gate and projection and its AltUp coefficients and router (vLLM's gemma3n.py:89-105,
+#: 493-501).
+_REPLICATED_LINEARS = frozenset(
+    {
+        "kv_a_proj_with_mqa",
+        "q_a_proj",
+        "per_layer_input_gate",
+        "per_layer_projection",
+        "correction_coefs",
+        "prediction_coefs",
+        "modality_router",
+    }
+)
+#: Embedding tables besides the vocabulary that vLLM builds as VocabParallelEmbedding (split
+#: over TP): Gemma-3n's per-layer inputs (vLLM's gemma3n.py:619).
+_VOCAB_TABLES = frozenset({"embed_tokens_per_layer"})
+#: Bare parameters vLLM keeps whole on every rank: Gemma-3n AltUp's output scale
+#: (gemma3n.py:122).
+_REPLICATED_PARAMETERS = frozenset({"correct_output_scale"})
 
 
 @attrs.frozen(kw_only=True)
@@ -145,6 +165,10 @@ def _role(model: Any, name: str, shape: tuple[int, ...], vocab_names: set[str]) 
     owner_class = type(owner).__name__
     if name in vocab_names:
         return VOCAB
+    if attribute in _VOCAB_TABLES:
+        return VOCAB_TABLE
+    if leaf in _REPLICATED_PARAMETERS:
+        return REPLICATED_PARAMETER
     if "Embedding" in owner_class:
         return EMBEDDING
     if "Norm" in owner_class or "norm" in attribute.lower():

@@ -4,10 +4,11 @@ Tensor parallelism (every rank holds the same bytes):
 
 * the vocabulary embedding and the LM head are vocab-parallel: vLLM pads the vocabulary to a
   multiple of 64 rows and gives each rank 1/TP of the padded rows (so a rank may hold a few
-  rows more than the checkpoint);
+  rows more than the checkpoint); so is Gemma-3n's per-layer embedding table;
 * norms, other embedding tables (positions), MoE routers, MLA's down-projections
-  (``kv_a_proj_with_mqa``, ``q_a_proj``) and the biases of row-parallel linears (``o_proj``,
-  ``down_proj``, ``out_proj``, ``fc2``) are replicated: every rank holds all of them;
+  (``kv_a_proj_with_mqa``, ``q_a_proj``), Gemma-3n's per-layer gate and projection and AltUp
+  coefficients, and the biases of row-parallel linears (``o_proj``, ``down_proj``,
+  ``out_proj``, ``fc2``) are replicated: every rank holds all of them;
 * K and V projections split by KV head; at TP above the KV head count vLLM replicates
   heads, so each rank holds one head's rows;
 * every other tensor (the attention and MLP linears, the experts, Mamba's projections,
@@ -36,9 +37,11 @@ from kvspec_core.deployment.parameters import (
     KV_PROJECTION,
     NORM,
     REPLICATED_LINEAR,
+    REPLICATED_PARAMETER,
     ROUTER,
     ROW_BIAS,
     VOCAB,
+    VOCAB_TABLE,
     ModelWeights,
     WeightTensor,
 )
@@ -52,14 +55,17 @@ from kvspec_core.deployment.pipeline_placement import (
 #: vLLM pads the vocabulary to a multiple of this before splitting it (DEFAULT_VOCAB_PADDING_SIZE
 #: in vllm/model_executor/layers/vocab_parallel_embedding.py).
 VOCAB_PADDING = 64
-_REPLICATED = frozenset({EMBEDDING, NORM, ROUTER, REPLICATED_LINEAR, ROW_BIAS})
+_REPLICATED = frozenset(
+    {EMBEDDING, NORM, ROUTER, REPLICATED_LINEAR, REPLICATED_PARAMETER, ROW_BIAS}
+)
+_VOCAB_PARALLEL = frozenset({VOCAB, VOCAB_TABLE})
 
 
 def tp_share(tensor: WeightTensor, tp: int) -> Fraction:
     """The fraction of ``tensor``'s stored bytes one of ``tp`` ranks holds."""
-    if tensor.role in _REPLICATED or (tp == 1 and tensor.role != VOCAB):
+    if tensor.role in _REPLICATED or (tp == 1 and tensor.role not in _VOCAB_PARALLEL):
         return Fraction(1)
-    if tensor.role == VOCAB:
+    if tensor.role in _VOCAB_PARALLEL:
         rows = tensor.shape[0]
         padded = math.ceil(rows / VOCAB_PADDING) * VOCAB_PADDING
         return Fraction(math.ceil(padded / tp), rows)

@@ -394,3 +394,49 @@ def test_a_float32_model_is_planned_as_vllm_loads_it_in_bfloat16(
     )
     err = fails(capsys, str(tmp_path), "--gpu", "h100-80gb")
     assert "float32" in err and "bfloat16" in err and "--memory" in err
+
+
+def _gemma_3n_text() -> dict:
+    from transformers import Gemma3nTextConfig
+
+    raw = (
+        Gemma3nTextConfig().to_dict()
+    )  # E4B's defaults: 35 layers, per-layer table 262,144 x 8,960
+    return {**raw, "architectures": ["Gemma3nForCausalLM"], "torch_dtype": "bfloat16"}
+
+
+def test_gemma_3ns_per_layer_table_is_split_over_tp_and_its_gates_replicated() -> None:
+    from kvspec_core.deployment.sharding import tp_share
+
+    raw = _gemma_3n_text()
+    weights = model_weights(raw, raw["num_hidden_layers"])
+    by_name = {t.name: t for t in weights.tensors}
+    # gemma3n.py:619: a VocabParallelEmbedding, 1/TP of its (64-padded) rows on each rank.
+    table = by_name["model.embed_tokens_per_layer.weight"]
+    assert table.shape == (262_144, 8960)
+    assert tp_share(table, 2) == Fraction(1, 2) and tp_share(table, 4) == Fraction(1, 4)
+    # gemma3n.py:89-105, 122, 493-501: ReplicatedLinear / a bare parameter, whole on each rank.
+    for name in (
+        "model.layers.0.per_layer_input_gate.weight",
+        "model.layers.0.per_layer_projection.weight",
+        "model.layers.0.altup.correction_coefs.weight",
+        "model.layers.0.altup.prediction_coefs.weight",
+        "model.layers.0.altup.modality_router.weight",
+        "model.layers.0.altup.correct_output_scale",
+    ):
+        assert tp_share(by_name[name], 2) == 1, name
+
+
+def test_gemma_3n_at_tp_2_holds_half_its_per_layer_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(_gemma_3n_text(), default=str))
+    per_gpu = [
+        plan_json(capsys, str(tmp_path), "--gpu", "l4", "--max-model-len", "32768", "--tp", tp)[
+            "memory_per_gpu"
+        ][0]["weights_bytes"]
+        for tp in ("1", "2")
+    ]
+    half_table = 262_144 * 8960 * 2 // 2  # 2.19 GiB of bf16
+    assert per_gpu[0] - per_gpu[1] > half_table
+    assert per_gpu[1] < 6.5 * 2**30  # 8.55 GiB when the table was replicated
