@@ -3,11 +3,14 @@ preset, on an H100-80GB at 0.9 utilisation.
 
 Two tables:
 
-1. Weights. Both tools are given the same checkpoint metadata: the parameter count per
-   stored dtype that a safetensors header holds (kvspec's meta-device count; gpt-oss's mxfp4
-   experts as the U8 bytes their blocks and scales take), so the whole-model weights must
-   agree (within 1%); per GPU they differ where vLLM replicates or pads tensors (llm-d-planner
-   divides by TP).
+1. Weights. llm-d-planner asks the hub for the parameter count per stored dtype; with no
+   network here it is handed kvspec's own count (kvspec's meta-device count; gpt-oss's mxfp4
+   experts as the U8 bytes their blocks and scales take), so its whole-model figure equals
+   kvspec's by construction and is not a comparison. What is compared: kvspec's whole-model
+   count against the published ``metadata.total_size`` of the checkpoint's safetensors index
+   where one is recorded (:data:`PUBLISHED_INDEX_TOTALS`), and the weights per GPU, where
+   kvspec splits as vLLM shards (replicated norms and routers, the padded vocabulary) and
+   llm-d-planner divides the same whole-model figure by TP.
 2. KV cache. At the smallest TP at which kvspec fits one request of the model's max length
    (``max_position_embeddings``; Llama-4-Scout at 262,144):
    KV bytes per token per GPU (llm-d-planner: ``layers x 2 x kv_heads x head_dim x bytes``
@@ -57,6 +60,15 @@ _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 #: its planner multiplies as GiB.
 LLMD_H100_GIB = 80
 UTILIZATION = 0.9
+#: ``metadata.total_size`` of the published ``model.safetensors.index.json`` (the hub repos
+#: meta-llama/Llama-3.1-8B-Instruct, meta-llama/Llama-3.1-70B-Instruct, openai/gpt-oss-20b),
+#: recorded once: the independent check of kvspec's whole-model count (the same figures as
+#: tests/operator/test_gpu_weights.py pins).
+PUBLISHED_INDEX_TOTALS = {
+    "llama-3.1-8b": 16_060_522_496,
+    "llama-3.1-70b": 141_107_412_992,
+    "gpt-oss-20b": 13_761_264_768,
+}
 #: Presets planned at a shorter length than their config's max_position_embeddings: one
 #: request of Llama-4-Scout's 10,485,760 tokens holds more KV than an H100 has at TP 8;
 #: 262,144 is the length the DESIGN table plans it at.
@@ -136,13 +148,15 @@ def main_() -> int:
             weight_rows.append([name, f"{ours['weights']['checkpoint_bytes']:,}", other["error"]])
             continue
         ours_total = ours["weights"]["checkpoint_bytes"]
-        their_total = round(other["weights_bytes"])
+        if round(other["weights_bytes"]) != ours_total:
+            sys.exit(f"{name}: llm-d-planner did not take the count it was handed")
+        published = PUBLISHED_INDEX_TOTALS.get(name)
         weight_rows.append(
             [
                 name,
                 f"{ours_total:,}",
-                f"{their_total:,}",
-                f"{(their_total - ours_total) / ours_total:+.3%}",
+                "-" if published is None else f"{published:,}",
+                "-" if published is None else f"{(ours_total - published) / published:+.3%}",
                 tp,
                 gib(bottleneck["weights_bytes"]),
                 gib(other["weights_per_gpu_bytes"]),
@@ -170,7 +184,7 @@ def main_() -> int:
             [
                 "preset",
                 "weights kvspec (B)",
-                "llm-d-planner (B)",
+                "published index (B)",
                 "gap",
                 "TP",
                 "per GPU kvspec (GiB)",
