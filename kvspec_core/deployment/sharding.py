@@ -16,7 +16,11 @@ Tensor parallelism (every rank holds the same bytes):
 
 Not modelled: a fused ``qkv_proj`` (Phi-3) is split 1/TP even above its KV head count (Phi-3's
 32 KV heads meet that only at TP 64), and a vision tower's class and position embeddings
-(a few MB) are split like its linears.
+(a few MB) are split like its linears. Nor is the padding vLLM gives mxfp4 experts per rank,
+which depends on the MoE kernel it picks at load time (``mxfp4_round_up_hidden_size_and_
+intermediate_size`` in vLLM's ``fused_moe/oracle/mxfp4.py``: Triton rounds each rank's
+intermediate size up to 64; Marlin and FlashInfer TRT-LLM round it up to 128 and the hidden
+size to 256, +9% of gpt-oss-20b's expert bytes at TP 1 and +13.8% from TP 2).
 
 Pipeline parallelism: decoder layer ``i`` lives on the stage :func:`stage_ranges` gives it
 (vLLM's split); the tensors outside the decoder layers live where the architecture's vLLM
