@@ -129,8 +129,7 @@ def weights_source(
         checkpoint = None  # every tensor is allocated in the loaded dtype: count parameters
     stored: dict[str, Fraction] = {}
     if model is not None and (checkpoint is None or quant is None or method in QUANT_METHODS):
-        if checkpoint is None:
-            check_quantization(quant)
+        check_quantization(quant)  # its fields size every quantised tensor, index or not
         stored = {t.name: stored_bytes(t, model_dtype_bytes, quant) for t in model.tensors}
     elif model is not None:
         unsplittable = (

@@ -16,9 +16,9 @@ does:
   int32 ``g_idx`` per input.
 
 Embeddings, the LM head, norms and routers are never quantised, nor modules the config
-lists in ``modules_to_not_convert``. Other methods (compressed-tensors, bitsandbytes, ...)
-are refused, naming the method: their layout varies per checkpoint, and the checkpoint's
-own safetensors index is the exact answer.
+lists in ``modules_to_not_convert`` (fp8: ``ignored_layers``). Other methods
+(compressed-tensors, bitsandbytes, ...) are refused, naming the method: their layout varies
+per checkpoint, and the checkpoint's own safetensors index is the exact answer.
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ def check_quantization(quant: Mapping[str, Any] | None) -> None:
             "model.safetensors.index.json beside its config.json (its metadata.total_size "
             "is exact for any method)"
         )
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if block is not None and not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(type(size) is int and size > 0 for size in block)
+        ):
+            raise ConfigError(
+                "quantization_config.weight_block_size must be two positive integers "
+                f"[rows, columns] for fp8, or absent / null for per-tensor scales (found {block!r})"
+            )
     if method in ("awq", "gptq"):
         bits, group = quant.get("bits"), quant.get("group_size")
         if type(bits) is not int or not 1 <= bits <= 8:
@@ -80,14 +91,26 @@ def check_quantization(quant: Mapping[str, Any] | None) -> None:
 
 
 def _excluded(name: str, quant: Mapping[str, Any]) -> bool:
-    patterns = quant.get("modules_to_not_convert") or []
+    """Whether the config keeps ``name``'s module unquantised. Names match as a glob, the
+    whole module name or a dotted suffix; AWQ / GPTQ's ``modules_to_not_convert`` also as a
+    substring (vLLM's ``is_layer_skipped(..., match_mode="substring")``, transformers alike:
+    ``"self_attn"`` keeps every attention linear whole); fp8 lists them in
+    ``ignored_layers`` (Fp8Config reads ``modules_to_not_convert`` only without it)."""
+    method = quant.get("quant_method")
+    patterns = (quant.get("ignored_layers") if method == "fp8" else None) or quant.get(
+        "modules_to_not_convert"
+    )
+    substring = method in ("awq", "gptq")
     module = name.rpartition(".")[0]
     return any(
         isinstance(pattern, str)
         and (
-            fnmatch.fnmatch(module, pattern) or module == pattern or module.endswith("." + pattern)
+            fnmatch.fnmatch(module, pattern)
+            or module == pattern
+            or module.endswith("." + pattern)
+            or (substring and pattern in module)
         )
-        for pattern in patterns
+        for pattern in patterns or []
     )
 
 
@@ -112,8 +135,8 @@ def stored_bytes(
         return Fraction(tensor.numel * 17, 32) if tensor.role == EXPERTS else plain
     matrices, rows, columns = _matrices(tensor)
     if method == "fp8":
-        block = quant.get("weight_block_size")
-        if isinstance(block, list) and len(block) == 2 and all(type(b) is int for b in block):
+        block = quant.get("weight_block_size")  # validated by check_quantization
+        if block is not None:
             scales = math.ceil(rows / block[0]) * math.ceil(columns / block[1])
         else:
             scales = 1 + (quant.get("activation_scheme") == "static")

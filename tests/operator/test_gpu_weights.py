@@ -440,3 +440,42 @@ def test_gemma_3n_at_tp_2_holds_half_its_per_layer_table(
     half_table = 262_144 * 8960 * 2 // 2  # 2.19 GiB of bf16
     assert per_gpu[0] - per_gpu[1] > half_table
     assert per_gpu[1] < 6.5 * 2**30  # 8.55 GiB when the table was replicated
+
+
+@pytest.mark.parametrize(
+    ("quant", "field"),
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 0}, "group_size"),
+        ({"quant_method": "gptq", "group_size": 128}, "bits"),
+        ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ],
+)
+@pytest.mark.parametrize("with_index", [False, True])
+def test_a_malformed_quantization_config_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], quant: dict, field: str, with_index: bool
+) -> None:
+    from plan_cli_testkit import fails
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_LLAMA, "quantization_config": quant}))
+    if with_index:  # the index gives the total, but the split still reads the fields
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": 123_456}, "weight_map": {}})
+        )
+    err = fails(capsys, str(tmp_path), "--gpu", "l4", "--tp", "2", "--max-model-len", "4096")
+    assert f"quantization_config.{field}" in err
+
+
+def test_excluded_modules_match_as_vllm_matches_them() -> None:
+    k_proj = WeightTensor(
+        name="model.layers.0.self_attn.k_proj.weight", shape=(256, 512), role=SHARDED, layer=0
+    )
+    plain = 256 * 512 * 2
+    # AWQ matches modules_to_not_convert as a substring (vLLM's match_mode="substring").
+    for pattern in ("self_attn", "model.layers.0"):
+        awq = {"quant_method": "awq", "bits": 4, "group_size": 128}
+        assert stored_bytes(k_proj, 2, {**awq, "modules_to_not_convert": [pattern]}) == plain
+    # fp8 reads ignored_layers (Fp8Config), modules_to_not_convert only without it.
+    fp8 = {"quant_method": "fp8", "ignored_layers": ["model.layers.0.self_attn.k_proj"]}
+    assert stored_bytes(k_proj, 2, fp8) == plain
+    assert stored_bytes(k_proj, 2, {"quant_method": "fp8"}) == 256 * 512 + 4
