@@ -40,12 +40,18 @@ from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.tiers import TieredPrefix, tiers_from_plan
+from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.kv_sharing import KVSharingSpec
 from kvspec_transformers.adapter_registry import adapter_for
 from kvspec_transformers.cache import KVSpecCache
 from kvspec_transformers.errors import EngineError
 from kvspec_transformers.generation import Generation
-from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding
-from kvspec_transformers.model_layout import check_plan_against_model
+from kvspec_transformers.layer_adapters import LayerAdapter, LayerBinding, PagedAttentionLayer
+from kvspec_transformers.model_layout import (
+    check_plan_against_model,
+    check_sharing_against_model,
+    model_kv_sources,
+)
 from kvspec_transformers.offload import StepTransfers, tier_storage
 from kvspec_transformers.paged_attention import (
     ATTENTION_NAME,
@@ -57,6 +63,12 @@ from kvspec_transformers.step import StepContext
 
 #: Default cache budget: a few hundred-token requests of the shrunk test models.
 DEFAULT_BUDGET_BYTES = 16 << 20
+
+
+def _own_spec(spec: KVSpec) -> KVSpec:
+    """The spec a layer computes with: a reader's ``reader_spec`` (its family and window,
+    which the planner checked merge with its source's), else the layer's spec."""
+    return spec.reader_spec if isinstance(spec, KVSharingSpec) else spec
 
 
 class TransformersEngine:
@@ -113,11 +125,15 @@ class TransformersEngine:
             disk_path=disk_path,
         )
         self.plan: KVCachePlan = prepared.plan(budget_bytes, self.manager).plan
+        text_config = model.config.get_text_config()
+        self._check_sharing(model, prepared.model.layers, text_config)
+        # A reader is checked by the spec it reads through (its source's kind and window).
         planned_layers = {name for group in self.plan.groups for name in group.layers}
+        planned_layers.update(reader for reader, _ in self.plan.kv_sharing)
         check_plan_against_model(
-            model.config.get_text_config(),
+            text_config,
             {
-                layer.index: (layer.name, prepared.specs[layer.name])
+                layer.index: (layer.name, _own_spec(prepared.specs[layer.name]))
                 for layer in prepared.model.layers
                 if layer.name in planned_layers
             },
@@ -148,19 +164,34 @@ class TransformersEngine:
         self._running_thread: int | None = None
 
     # ----------------------------------------------------------------- binding
+    def _check_sharing(self, model: Any, layers: Sequence[Any], text_config: Any) -> None:
+        """Refuse a plan whose cross-layer KV sharing is not the model's (see
+        :func:`check_sharing_against_model`)."""
+        index_of = {layer.name: layer.index for layer in layers}
+        check_sharing_against_model(
+            model_kv_sources(model),
+            {index_of[reader]: index_of[source] for reader, source in self.plan.kv_sharing},
+            {layer.index: layer.name for layer in layers},
+            getattr(text_config, "num_kv_shared_layers", None),
+        )
+
     def _bind(self, layers: Sequence[Any], specs: Mapping[str, Any]) -> dict[int, LayerBinding]:
         group_of = {name: group.id for group in self.plan.groups for name in group.layers}
         bindings = {}
         for layer in layers:
-            if layer.name not in group_of:
+            source = self.plan.kv_source_of(layer.name)
+            if layer.name not in group_of and source is None:
                 continue  # memoryless (no blocks): nothing cached for it
+            # A reader reads its source's blocks: the source's group (block table) and a
+            # view aliasing the source's bytes, through its own spec (the same cache).
             bindings[layer.index] = LayerBinding(
                 layer_index=layer.index,
                 layer_name=layer.name,
-                group=group_of[layer.name],
-                spec=specs[layer.name],
+                group=self.plan.cache_group_of(layer.name).id,
+                spec=_own_spec(specs[layer.name]),
                 view=self.buffers.views[layer.name],
                 context=self.plan.context,
+                source_layer=source,
             )
         return bindings
 
@@ -172,10 +203,23 @@ class TransformersEngine:
                 f"kvspec planned layer {self.bindings[stray[0]].layer_name} but the model has "
                 f"{count} layers; plan the model's own config"
             )
-        return [
+        layers = [
             adapter_for(self.bindings[index]) if index in self.bindings else DummyLayer()
             for index in range(count)
         ]
+        for layer in layers:
+            binding: LayerBinding | None = getattr(layer, "binding", None)
+            if (
+                binding is not None
+                and binding.source_layer is not None
+                and not isinstance(layer, PagedAttentionLayer)
+            ):
+                raise EngineError(
+                    f"layer {binding.layer_name} reads layer {binding.source_layer}'s KV "
+                    f"cache (plan.kv_sharing) through a {type(layer).__name__}; "
+                    "kvspec-transformers runs such layers with attention adapters only"
+                )
+        return layers
 
     def _check_resumable(self) -> None:
         """Prefix caching resumes state layers mid-sequence (after a hit, and at the step

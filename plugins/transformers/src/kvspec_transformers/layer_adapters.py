@@ -61,6 +61,10 @@ class LayerBinding:
         view: the layer's ``materialize()`` view ``[blocks, heads, states, content]``.
         context: the sizing context the plan was made with (e.g. the Mamba cache mode,
             which decides where state layers keep their state).
+        source_layer: for a layer that reads another layer's cache (``plan.kv_sharing``),
+            that layer's name; ``group`` and ``view`` are then the source's (the view
+            aliases its bytes), ``spec`` is the reader's own (``reader_spec``), and the
+            layer writes nothing. ``None`` for a layer holding its own cache.
     """
 
     layer_index: int
@@ -69,6 +73,7 @@ class LayerBinding:
     spec: KVSpec
     view: torch.Tensor
     context: SizingContext | None = None
+    source_layer: str | None = None
 
 
 @runtime_checkable
@@ -117,6 +122,10 @@ class PagedAttentionLayer(StepDriven, CacheLayerMixin):
     ``update`` writes the step's K/V into the slots ``spec.slot_mapping`` names and returns
     them unchanged; the registered paged attention function reads every key it needs back
     from the view (:meth:`read`), so cached blocks are really what the model attends to.
+
+    A layer reading another's cache (``binding.source_layer``) is bound to its source's view
+    and block table: :meth:`read` gives the source's K/V, and ``update`` is refused (the
+    model computes no K/V for it; a write would overwrite the source's).
     """
 
     is_sliding = False
@@ -140,6 +149,12 @@ class PagedAttentionLayer(StepDriven, CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.binding.source_layer is not None:
+            raise ConfigError(
+                f"layer {self.binding.layer_name} reads layer {self.binding.source_layer}'s "
+                "KV cache (plan.kv_sharing) but the model wrote K/V for it; plan the model's "
+                "own config, whose cross-layer KV sharing is the model's"
+            )
         self._write(self.cells_of(key_states, value_states))
         return key_states, value_states
 

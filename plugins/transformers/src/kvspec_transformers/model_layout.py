@@ -13,6 +13,12 @@ The model's reading follows what transformers builds its masks from: ``config.la
 ``chunked_attention`` over ``config.attention_chunk_size``, ``linear_attention`` / ``mamba``
 state layers); a config without ``layer_types`` slides every layer when it sets
 ``sliding_window`` (Mistral), else attends fully.
+
+Which layers attend over another layer's K/V (cross-layer KV sharing, Gemma-3n) is read from
+the model's attention modules, what transformers' forward itself branches on
+(:func:`model_kv_sources`); :func:`check_sharing_against_model` refuses a plan whose
+``kv_sharing`` says otherwise. A reader the plan gives a cache of its own would attend over
+blocks nothing ever writes (transformers calls no ``cache.update`` for it): wrong tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import torch
 
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
@@ -180,3 +187,91 @@ def check_plan_against_model(
                 )
         if hashable:
             agreed.add(key)
+
+
+#: What the fix says for a plan that disagrees with the model on cross-layer KV sharing.
+SHARING_FIX = (
+    "plan the model's own config (TransformersEngine(model) without kvspec_config), or make "
+    "kvspec_config's cross-layer KV sharing agree with model.config"
+)
+
+
+def model_kv_sources(model: torch.nn.Module) -> dict[int, int | None]:
+    """Reader layer index -> the index of the layer whose K/V it attends over, for every
+    attention module the model builds without K/V of its own (``is_kv_shared_layer``).
+
+    The source is the module's ``kv_shared_layer_index`` where it names one (transformers
+    4.5x's Gemma-3n); else, as transformers 5's ``Gemma3nTextAttention.forward`` reads
+    ``shared_kv_states[self.layer_type]``, the last earlier module of the same
+    ``layer_type`` that stores its K/V there (``store_full_length_kv``); ``None`` when the
+    modules say neither."""
+    modules = sorted(
+        (
+            (int(getattr(module, "layer_idx")), module)  # noqa: B009
+            for module in model.modules()
+            if hasattr(module, "is_kv_shared_layer") and hasattr(module, "layer_idx")
+        ),
+        key=lambda item: item[0],
+    )
+    sources: dict[int, int | None] = {}
+    last_store: dict[Any, int] = {}
+    for index, module in modules:
+        if getattr(module, "is_kv_shared_layer", False):
+            named = getattr(module, "kv_shared_layer_index", None)
+            layer_type = getattr(module, "layer_type", None)
+            sources[index] = int(named) if isinstance(named, int) else last_store.get(layer_type)
+        elif getattr(module, "store_full_length_kv", False):
+            last_store[getattr(module, "layer_type", None)] = index
+    return sources
+
+
+def check_sharing_against_model(
+    model_sources: Mapping[int, int | None],
+    plan_sources: Mapping[int, int],
+    names: Mapping[int, str],
+    shared_layers_field: Any = None,
+) -> None:
+    """Refuse a plan whose cross-layer KV sharing is not the model's, naming the first
+    layer where they differ: a layer the model computes without K/V that the plan gives a
+    cache (or another source), or a layer the plan makes a reader that computes its own.
+
+    ``model_sources``: :func:`model_kv_sources`; ``plan_sources``: reader index -> source
+    index of ``plan.kv_sharing``; ``names``: the kvspec layer name of each index;
+    ``shared_layers_field``: ``model.config.num_kv_shared_layers`` (quoted in the fix)."""
+
+    def name(index: int | None) -> str:
+        return names.get(index, f"model.layers.{index}") if index is not None else "?"
+
+    field = (
+        f" (model.config.num_kv_shared_layers={shared_layers_field})"
+        if shared_layers_field is not None
+        else ""
+    )
+    for index, source in sorted(model_sources.items()):
+        if source is None:
+            raise EngineError(
+                f"layer {name(index)}: the model computes no K/V for it (is_kv_shared_layer) "
+                "and its attention module does not say whose it reads (no "
+                "kv_shared_layer_index, no earlier store_full_length_kv layer of its "
+                "layer_type); kvspec-transformers cannot check it against the plan"
+            )
+    for index in sorted(set(model_sources) | set(plan_sources)):
+        if index not in plan_sources:
+            raise EngineError(
+                f"layer {name(index)}: the model attends over the K/V of layer "
+                f"{name(model_sources[index])} (is_kv_shared_layer{field}) but the kvspec plan "
+                "keeps a cache of its own for it, which nothing would write: "
+                f"{SHARING_FIX}"
+            )
+        if index not in model_sources:
+            raise EngineError(
+                f"layer {name(index)}: the kvspec plan has it read layer "
+                f"{name(plan_sources[index])}'s cache (plan.kv_sharing) but the model computes "
+                f"K/V of its own for it{field}: {SHARING_FIX}"
+            )
+        if model_sources[index] != plan_sources[index]:
+            raise EngineError(
+                f"layer {name(index)}: the model attends over the K/V of layer "
+                f"{name(model_sources[index])} but the kvspec plan has it read layer "
+                f"{name(plan_sources[index])}'s cache (plan.kv_sharing): {SHARING_FIX}"
+            )
