@@ -21,6 +21,8 @@ Per model_type, each field with its default (the published source in parentheses
   layer global NoPE)
 * whisper: ``max_source_positions`` = 1500, ``max_target_positions`` = 448
   (``WhisperConfig``)
+* gemma3n_text: ``num_kv_shared_layers`` = 15 (``Gemma3nTextConfig``: the last 15 layers
+  read an earlier layer's KV cache; read as absent, it would plan a cache for every layer)
 
 Defaults every family shares (applied where the fields are read, not here):
 ``num_key_value_heads`` = ``num_attention_heads``; ``head_dim`` = ``hidden_size //
@@ -55,6 +57,7 @@ PUBLISHED_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "llama4": _LLAMA4,
         "llama4_text": _LLAMA4,
         "whisper": MappingProxyType({"max_source_positions": 1500, "max_target_positions": 448}),
+        "gemma3n_text": MappingProxyType({"num_kv_shared_layers": 15}),
     }
 )
 

@@ -36,6 +36,8 @@ TINY = dict(
     max_position_embeddings=64,
     sliding_window=8,
 )
+#: transformers' default Gemma3nTextConfig (E4B's text model), read while transformers is here.
+E4B = transformers.Gemma3nTextConfig().to_dict()
 
 
 def _readers_in_model_code(config: transformers.Gemma3nTextConfig) -> dict[int, int]:
@@ -222,3 +224,19 @@ def test_the_model_code_check_sees_which_layers_read_a_shared_cache(
     message = str(caught.value)
     assert "disagrees with transformers' Gemma3nForCausalLM at layer 6" in message
     assert "sliding_attention (window 8), reading an earlier layer's cache" in message
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.usefixtures("without_transformers")
+def test_without_transformers_a_config_omitting_the_count_takes_its_default(
+    nested: bool, kvspec_loaded_manager: PluginManager
+) -> None:
+    """Gemma3nTextConfig's default ``num_kv_shared_layers`` is 15: a hand-written E4B config
+    leaving it out shares as transformers builds it, not a cache per layer (35 caches would
+    overstate the memory 35/20-fold without any error)."""
+    text = {key: value for key, value in E4B.items() if key != "num_kv_shared_layers"}
+    config = {"model_type": "gemma3n", "text_config": text} if nested else text
+    prepared = prepare_model(config, PlanOptions(), kvspec_loaded_manager, name="gemma-3n")
+    assert "num_kv_shared_layers" in prepared.model.source.filled_fields
+    assert len(prepared.model.kv_sharing) == 15
+    assert prepared.model.kv_sharing["model.layers.24"] == "model.layers.19"
