@@ -33,6 +33,7 @@ from kvspec_core.cli.arguments import (
     plot_file,
 )
 from kvspec_core.cli.gpu_plan import (
+    MAX_PLOTTED_TP,
     as_vllm_loads,
     check_budget_options,
     gpu_lines,
@@ -406,21 +407,24 @@ def _write_plot(
     resolved: ResolvedModel,
     config: ModelConfig,
     budget: int,
-    result: ModelPlan,
+    max_model_len: int,
     dtypes: list[str],
     manager: PluginManager,
-) -> None:
+) -> list[str]:
+    """Draw the plot; the curve labels drawn."""
     from kvspec_core.cli.plot import plot_concurrency
 
     name = resolved.name
-    lengths = context_lengths(result.context.max_model_len, args.block_size)
+    lengths = context_lengths(max_model_len, args.block_size)
     if gpu_requested(args):
         curves = gpu_plot_curves(args, resolved, config, dtypes, lengths, manager)
-        title = (
-            f"{name} on {args.gpu or format_size(parse_size(args.gpu_memory))}: one curve per TP"
-        )
-        plot_concurrency(curves, args.plot, title=title, max_model_len=result.context.max_model_len)
-        return
+        if curves:
+            title = (
+                f"{name} on {args.gpu or format_size(parse_size(args.gpu_memory))}: "
+                "one curve per TP"
+            )
+            plot_concurrency(curves, args.plot, title=title, max_model_len=max_model_len)
+        return list(curves)
     curves = {
         dtype: concurrency_curve(
             config,
@@ -437,7 +441,8 @@ def _write_plot(
         f"{name}: {format_size(budget)} KV budget, block {args.block_size}, "
         f"TP {args.tp}, DCP {args.dcp}"
     )
-    plot_concurrency(curves, args.plot, title=title, max_model_len=result.context.max_model_len)
+    plot_concurrency(curves, args.plot, title=title, max_model_len=max_model_len)
+    return list(curves)
 
 
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
@@ -477,7 +482,18 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         raise offload_tier_error(error) from None
     except CapacityError as error:
         if gpu_report or gpu_requested(args):
-            raise
+            if args.plot is None:
+                raise
+            # The plot draws every TP that fits, whether or not --tp does.
+            drawn = _write_plot(
+                args, resolved, config, budget, prepared.context.max_model_len, dtypes, manager
+            )
+            where = (
+                f"--plot drew {', '.join(drawn)} in {args.plot}"
+                if drawn
+                else f"--plot: no TP up to {MAX_PLOTTED_TP} fits, nothing drawn"
+            )
+            raise CapacityError(f"{error}; {where}") from None
         largest = largest_fitting_max_model_len(stages, budget, manager)
         if largest:
             raise CapacityError(f"{error} (pass --max-model-len {largest})") from None
@@ -487,7 +503,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     report.update(pipeline_report(pipeline, args.pp))
     report.update(gpu_report)
     if args.plot is not None:
-        _write_plot(args, resolved, config, budget, result, dtypes, manager)
+        _write_plot(args, resolved, config, budget, result.context.max_model_len, dtypes, manager)
         report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2))

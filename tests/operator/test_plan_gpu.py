@@ -200,3 +200,17 @@ def test_the_plot_draws_one_curve_per_tp_that_fits(tmp_path: Path) -> None:
         == 0
     )
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_draws_the_tps_that_fit_even_when_tp_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "gemma.png"
+    err = fails(capsys, "gemma-2-9b", "--gpu", "l4", "--plot", str(target))
+    # TP 1 does not hold the weights (the error stands), but the plot is every TP that does.
+    assert "the weights do not fit at TP 1" in err and "pass --tp 2" in err
+    assert f"--plot drew TP 2, TP 4, TP 8 in {target}" in err
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    nothing = tmp_path / "none.png"
+    err = fails(capsys, "llama-3.1-70b", "--gpu-memory", "2GiB", "--plot", str(nothing))
+    assert "no TP up to 8 fits, nothing drawn" in err and not nothing.exists()
