@@ -128,19 +128,20 @@ class KVCachePlan:
 
     def aliased_layers(self, layer: str) -> tuple[str, ...]:
         """Layers whose pages overlay ``layer``'s: those of other groups in the same pool and
-        slot, then the layers reading the same cache (cross-layer KV sharing: a reader's
-        source, and every other reader of it)."""
+        slot, each followed by the layers reading its cache; then the layers reading the
+        same cache as ``layer`` (cross-layer KV sharing: a reader's source, and every other
+        reader of it)."""
         source = self.kv_source_of(layer)
         owner = layer if source is None else source
         pool_id, slot = self.slot_of(owner)
         own = self.group_of(owner).id
-        slot_twins = tuple(
-            group.layers[slot]
-            for group in self.groups
-            if group.pool == pool_id and group.id != own and slot < len(group.layers)
-        )
+        twins: list[str] = []
+        for group in self.groups:
+            if group.pool == pool_id and group.id != own and slot < len(group.layers):
+                # A twin's readers view the twin's bytes, so they overlay layer's too.
+                twins += (group.layers[slot], *self.kv_readers_of(group.layers[slot]))
         readers = tuple(reader for reader in self.kv_readers_of(owner) if reader != layer)
-        return slot_twins + ((source,) if source is not None else ()) + readers
+        return (*twins, *((source,) if source is not None else ()), *readers)
 
     def kv_source_of(self, layer: str) -> str | None:
         """The layer whose cache ``layer`` reads (cross-layer KV sharing), else ``None``."""

@@ -259,9 +259,12 @@ def _planned_addresses(buffers, layer: str) -> torch.Tensor:
 
 
 def assert_views_sound(plan: KVCachePlan) -> None:
-    """Every view inside its buffer; distinct layers share bytes only where the plan
-    declares aliasing; writing one layer changes no other's bytes except its aliases."""
+    """Every view inside its buffer; distinct layers share bytes exactly where the plan
+    declares aliasing (``plan.aliased_layers``, both ways); writing one layer changes no
+    other's bytes except its aliases. Layers reading another's cache (``plan.kv_sharing``)
+    are checked like the layers holding one."""
     planned = [layer for group in plan.groups for layer in group.layers]
+    planned += [reader for reader, _ in plan.kv_sharing]
     buffers = materialize(plan)
     addresses = {}
     for layer in planned:
@@ -274,11 +277,14 @@ def assert_views_sound(plan: KVCachePlan) -> None:
         addresses[layer] = (info.pool, found)
     for a in planned:
         aliases = set(plan.aliased_layers(a))
+        assert a not in aliases, a
         for b in planned:
-            if a >= b or addresses[a][0] != addresses[b][0]:
+            if a == b:
                 continue
-            overlap = bool(torch.isin(addresses[a][1], addresses[b][1]).any())
-            assert not overlap or b in aliases, (a, b)
+            overlap = addresses[a][0] == addresses[b][0] and bool(
+                torch.isin(addresses[a][1], addresses[b][1]).any()
+            )
+            assert overlap == (b in aliases), (a, b, overlap)
 
     # Writing one layer changes no other layer's bytes, except its declared aliases.
     for pool_buffer in buffers.buffers:

@@ -104,7 +104,17 @@ def test_materialize_views_a_reader_over_its_sources_bytes() -> None:
         "model.layers.3",
     }
     assert plan.cache_group_of("model.layers.4") == plan.group_of("model.layers.2")
-    # Views of layers holding a cache stay disjoint where the plan says they do not alias.
+    # A slot twin's readers overlay the twin's bytes: layer 0's aliases name them too.
+    assert set(plan.aliased_layers("model.layers.0")) == {
+        "model.layers.1",
+        "model.layers.2",
+        "model.layers.3",
+        "model.layers.4",
+    }
+    assert set(descriptor["model.layers.0"]["aliases"]) == set(
+        plan.aliased_layers("model.layers.0")
+    )
+    # Views (readers' too) share bytes exactly where the plan says they alias.
     assert_views_sound(plan)
 
 
