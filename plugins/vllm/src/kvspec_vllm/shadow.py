@@ -12,11 +12,18 @@ scheduler builds), or by hand with :func:`shadow_manager`. Mirrored: ``get_compu
 blocks?) and ``free`` / ``pop_blocks_for_free``. Requests whose tokens come from a KV
 connector (external tokens, delayed caching) are not mirrored; a request vLLM admitted and
 kvspec refused is left out from then on (both counted as differences).
+
+Each difference is classified (:mod:`kvspec_vllm.shadow_differences`): *expected* ones come
+from policies where vLLM 0.32 and kvspec differ and both are right (copies of a recomputed
+cached block, vLLM's sparse sliding-window retention, and what follows from them), are
+counted per reason and logged at INFO; the others are *divergences*, logged as warnings and
+kept in :attr:`ShadowReport.differences`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +32,12 @@ import attrs
 from kvspec_core.context import SizingContext
 from kvspec_core.runtime import CachedPrefix, KVCacheAllocator, Request
 from kvspec_vllm.errors import NotRepresentable
+from kvspec_vllm.shadow_differences import (
+    DIVERGENCE,
+    FOLLOWS,
+    DifferenceClassifier,
+    Verdict,
+)
 from kvspec_vllm.specs import kvspec_spec_of, vllm_module
 
 logger = logging.getLogger("vllm.kvspec.shadow")
@@ -36,7 +49,13 @@ MAX_LOGGED_DIFFERENCES = 10
 
 @attrs.define
 class ShadowReport:
-    """Counts of mirrored calls and of those where kvspec answered as vLLM did."""
+    """Counts of mirrored calls and of those where kvspec answered as vLLM did.
+
+    ``num_differences`` / ``differences``: the divergences (differences no known policy
+    explains); ``num_expected_differences``, ``expected_reasons`` (count per reason, see
+    :data:`~kvspec_vllm.shadow_differences.EXPECTED_REASONS`) and ``expected_differences``
+    (the first ones, with their reason): the differences two correct policies explain.
+    """
 
     lookups: int = 0
     equal_hits: int = 0
@@ -50,23 +69,58 @@ class ShadowReport:
     skipped_requests: int = 0
     num_differences: int = 0
     differences: list[str] = attrs.Factory(list)
+    num_expected_differences: int = 0
+    expected_reasons: dict[str, int] = attrs.Factory(dict)
+    expected_differences: list[str] = attrs.Factory(list)
 
     @property
     def agrees(self) -> bool:
-        """Whether every mirrored call got kvspec's answer equal to vLLM's."""
+        """Whether no mirrored call diverged (expected differences aside)."""
         return self.num_differences == 0
+
+    @property
+    def identical(self) -> bool:
+        """Whether every mirrored call got kvspec's answer equal to vLLM's."""
+        return self.num_differences == 0 and self.num_expected_differences == 0
 
 
 class KVCacheShadow:
     """kvspec's allocator fed the calls one vLLM ``KVCacheManager`` receives."""
 
-    def __init__(self, allocator: KVCacheAllocator, free_blocks: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        allocator: KVCacheAllocator,
+        free_blocks: Callable[[], int],
+        classifier: DifferenceClassifier | None = None,
+    ) -> None:
+        self.classifier = classifier
         self.allocator = allocator
         self.report = ShadowReport()
         self._vllm_free_blocks = free_blocks
         self._requests: dict[str, Request] = {}
         self._prefixes: dict[str, CachedPrefix] = {}
         self._left_out: set[str] = set()
+        # vLLM's request objects of the mirrored requests, while both sides run them.
+        self._vllm_requests: dict[str, Any] = {}
+        # Requests whose last lookup differed for an expected reason, and for none.
+        self._hit_differed: set[str] = set()
+        self._hit_diverged: set[str] = set()
+        # How the last free-block comparison went: None equal, else whether expected.
+        self._free_differed: bool | None = None
+        # Requests vLLM runs and kvspec does not: vLLM's request, whether left out for an
+        # expected reason.
+        self._left_out_held: dict[str, tuple[Any, bool]] = {}
+
+    @property
+    def allocator(self) -> KVCacheAllocator:
+        """kvspec's allocator the calls go to (replaceable: the classifier follows)."""
+        return self._allocator
+
+    @allocator.setter
+    def allocator(self, allocator: KVCacheAllocator) -> None:
+        self._allocator = allocator
+        if self.classifier is not None:
+            self.classifier.allocator = allocator
 
     # ----------------------------------------------------------------- mirrored calls
     def looked_up(self, request: Any, vllm_hit_tokens: int) -> None:
@@ -83,10 +137,20 @@ class KVCacheShadow:
         report.hit_tokens_kvspec += prefix.num_tokens
         if prefix.num_tokens == vllm_hit_tokens:
             report.equal_hits += 1
+            self._hit_differed.discard(rid)
+            self._hit_diverged.discard(rid)
         else:
+            verdict = (
+                self.classifier.hit(request, mirror, vllm_hit_tokens, prefix)
+                if self.classifier is not None
+                else Verdict(DIVERGENCE, "not classified")
+            )
+            (self._hit_differed if verdict.expected else self._hit_diverged).add(rid)
+            (self._hit_diverged if verdict.expected else self._hit_differed).discard(rid)
             self._differ(
                 f"request {rid!r} ({len(mirror.token_ids)} tokens): vLLM hits "
-                f"{vllm_hit_tokens} tokens, kvspec {prefix.num_tokens}"
+                f"{vllm_hit_tokens} tokens, kvspec {prefix.num_tokens}",
+                verdict,
             )
 
     def allocated(
@@ -119,21 +183,36 @@ class KVCacheShadow:
         report.allocations += 1
         if bool(result) == admitted:
             report.equal_admissions += 1
+            if result:
+                self._vllm_requests[rid] = request
+                if self.classifier is not None:
+                    self.classifier.note_cached(request)
         else:
+            if rid in self._hit_diverged or self._free_differed is False:
+                verdict = Verdict(DIVERGENCE, "after a divergence in the hit or free blocks")
+            elif self._free_differed or rid in self._hit_differed:
+                verdict = Verdict(FOLLOWS, "free blocks or the request's hit differed before")
+            else:
+                verdict = Verdict(DIVERGENCE, "with equal free blocks and hit")
             self._differ(
                 f"request {rid!r}: vLLM {'allocated' if admitted else 'refused'} slots up to "
-                f"token {end}, kvspec {'allocated' if result else 'refused'}"
+                f"token {end}, kvspec {'allocated' if result else 'refused'}",
+                verdict,
             )
             if result:
                 allocator.free(rid)
             self._leave_out(rid)
+            if admitted:
+                self._left_out_held[rid] = (request, verdict.expected)
         self._compare_free_blocks(f"after allocate_slots of {rid!r}")
 
     def freed(self, request: Any) -> None:
         rid = request.request_id
         self._prefixes.pop(rid, None)
         self._requests.pop(rid, None)
+        self._forget_running(rid)
         self._left_out.discard(rid)
+        self._left_out_held.pop(rid, None)
         if self.allocator.is_running(rid):
             self.allocator.free(rid)
             self.report.frees += 1
@@ -147,7 +226,7 @@ class KVCacheShadow:
         logger.info(
             "kvspec shadow: %d lookups (%d equal hits: vLLM %d hit tokens, kvspec %d), %d "
             "allocations (%d equal admissions), %d free-block checks (%d equal), %d "
-            "differences, %d requests not mirrored",
+            "divergences, %d expected differences %s, %d requests not mirrored",
             report.lookups,
             report.equal_hits,
             report.hit_tokens_vllm,
@@ -157,6 +236,8 @@ class KVCacheShadow:
             report.free_checks,
             report.equal_free_blocks,
             report.num_differences,
+            report.num_expected_differences,
+            report.expected_reasons,
             report.skipped_requests,
         )
 
@@ -169,6 +250,8 @@ class KVCacheShadow:
         if self.allocator.is_running(rid):
             self.allocator.free(rid)
         self._leave_out(rid)
+        # Not mirrored by design: the blocks vLLM holds for it are expected.
+        self._left_out_held[rid] = (request, True)
 
     # ----------------------------------------------------------------- helpers
     def _new_request(self, request: Any) -> Request:
@@ -179,6 +262,14 @@ class KVCacheShadow:
         self._left_out.add(rid)
         self._requests.pop(rid, None)
         self._prefixes.pop(rid, None)
+        self._forget_running(rid)
+
+    def _forget_running(self, rid: str) -> None:
+        self._vllm_requests.pop(rid, None)
+        self._hit_differed.discard(rid)
+        self._hit_diverged.discard(rid)
+        if self.classifier is not None:
+            self.classifier.forget(rid)
 
     def _compare_free_blocks(self, when: str) -> None:
         report = self.report
@@ -187,21 +278,53 @@ class KVCacheShadow:
         kvspec_free = self.allocator.usage.free_blocks
         if vllm_free == kvspec_free:
             report.equal_free_blocks += 1
-        else:
-            self._differ(f"{when}: vLLM has {vllm_free} free blocks, kvspec {kvspec_free}")
+            self._free_differed = None
+            return
+        verdict = (
+            self.classifier.free_blocks(
+                vllm_free,
+                kvspec_free,
+                self._vllm_requests,
+                self._hit_differed,
+                self._left_out_held,
+            )
+            if self.classifier is not None
+            else Verdict(DIVERGENCE, "not classified")
+        )
+        diverged = sorted(self._hit_diverged.intersection(self._vllm_requests))
+        if verdict.expected and diverged:
+            # Explained by the tables, but the tables follow hits no policy explains.
+            verdict = Verdict(
+                DIVERGENCE, f"{verdict.detail}; requests {diverged} were admitted on diverging hits"
+            )
+        self._free_differed = verdict.expected
+        self._differ(f"{when}: vLLM has {vllm_free} free blocks, kvspec {kvspec_free}", verdict)
 
-    def _differ(self, difference: str) -> None:
+    def _differ(self, difference: str, verdict: Verdict) -> None:
         report = self.report
+        described = f"{difference} [{verdict.reason}: {verdict.detail}]"
+        if verdict.expected:
+            report.num_expected_differences += 1
+            reasons = report.expected_reasons
+            reasons[verdict.reason] = reasons.get(verdict.reason, 0) + 1
+            if len(report.expected_differences) < MAX_KEPT_DIFFERENCES:
+                report.expected_differences.append(described)
+            if report.num_expected_differences <= MAX_LOGGED_DIFFERENCES:
+                logger.info("kvspec shadow: expected difference: %s", described)
+            return
         report.num_differences += 1
         if len(report.differences) < MAX_KEPT_DIFFERENCES:
-            report.differences.append(difference)
+            report.differences.append(described)
         if report.num_differences <= MAX_LOGGED_DIFFERENCES:
-            logger.warning("kvspec shadow: %s", difference)
+            logger.warning("kvspec shadow: %s", described)
 
 
-def allocator_for(manager: Any, ctx: SizingContext, hash_block_size: int) -> KVCacheAllocator:
+def allocator_for(
+    manager: Any, ctx: SizingContext, hash_block_size: int, hash_salt: bytes | None = None
+) -> KVCacheAllocator:
     """kvspec's allocator over the same groups and blocks as vLLM's ``manager`` (one pool,
-    the manager's hash block size and prefix-caching setting)."""
+    the manager's hash block size and prefix-caching setting; ``hash_salt``: its hashes'
+    salt, default the process's)."""
     interface = vllm_module("vllm.v1.kv_cache_interface")
     config = manager.kv_cache_config
     specs = []
@@ -218,6 +341,7 @@ def allocator_for(manager: Any, ctx: SizingContext, hash_block_size: int) -> KVC
         ctx,
         enable_prefix_caching=manager.enable_caching,
         hash_block_size=hash_block_size,
+        hash_salt=hash_salt,
     )
 
 
@@ -225,8 +349,13 @@ def shadow_manager(manager: Any, ctx: SizingContext, hash_block_size: int) -> KV
     """Mirror every call vLLM's ``manager`` gets into a kvspec allocator (hashing blocks of
     ``hash_block_size`` tokens, the manager's); returns the shadow (its
     :attr:`~KVCacheShadow.report` fills as the engine runs)."""
+    # A salt of the shadow's own, so that the classifier can hash as the allocator does.
+    salt = os.urandom(32)
+    allocator = allocator_for(manager, ctx, hash_block_size, salt)
     shadow = KVCacheShadow(
-        allocator_for(manager, ctx, hash_block_size), manager.block_pool.get_num_free_blocks
+        allocator,
+        manager.block_pool.get_num_free_blocks,
+        DifferenceClassifier(manager, allocator, hash_block_size, salt),
     )
     get_computed_blocks = manager.get_computed_blocks
     allocate_slots = manager.allocate_slots
