@@ -197,7 +197,7 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
             for pool in plan.pools
         ],
         "memoryless_layers": list(plan.memoryless_layers),
-        "kv_sharing": [{"layer": reader, "reads": source} for reader, source in plan.kv_sharing],
+        "kv_sharing": sharing_report(plan),
         "bytes_allocated": plan.bytes_allocated,
         "bytes_padding": plan.bytes_padding,
         "padding_breakdown": dict(plan.padding_breakdown),
@@ -208,17 +208,30 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
     }
 
 
+def sharing_report(plan: KVCachePlan) -> list[dict[str, str]]:
+    """``kv_sharing``: each layer reading another's cache and that layer (``source``), the
+    keys of the plan document's ``kv_sharing``."""
+    return [{"layer": reader, "source": source} for reader, source in plan.kv_sharing]
+
+
 def pipeline_report(pipeline: PipelinePlan, pp_size: int) -> dict[str, Any]:
     """The ``--json`` keys describing the pipeline stages (one stage without ``--pp``); a
-    stage whose layers hold no cache is not listed."""
+    stage whose layers hold no cache is not listed. ``memoryless_layers`` and
+    ``kv_sharing`` are every stage's (the top-level plan is the bottleneck stage's)."""
+    plans = [stage.result.plan for stage in pipeline.stages]
     return {
         "pipeline_parallel_size": pp_size,
         "bottleneck_stage": pipeline.bottleneck.stage,
+        "memoryless_layers": [layer for plan in plans for layer in plan.memoryless_layers],
+        "kv_sharing": [entry for plan in plans for entry in sharing_report(plan)],
         "pipeline_stages": [
             {
                 "stage": stage.stage,
                 "layer_range": list(stage.layer_range),
-                "cache_layers": len(stage.result.model.layers),
+                # Layers holding a cache: a reader of another's holds none.
+                "cache_layers": sum(len(group.layers) for group in stage.result.plan.groups),
+                "memoryless_layers": list(stage.result.plan.memoryless_layers),
+                "kv_sharing": sharing_report(stage.result.plan),
                 "num_blocks": stage.result.plan.num_blocks,
                 "bytes_allocated": stage.result.plan.bytes_allocated,
                 "bytes_padding": stage.result.plan.bytes_padding,
@@ -335,7 +348,10 @@ def _human(report: dict[str, Any]) -> str:
         + (f" (the least over {len(report['pipeline_stages'])} stages)" if pipelined else ""),
     ]
     if report["memoryless_layers"]:
-        lines.append(f"no cache         {describe_layers(report['memoryless_layers'])}")
+        lines.append(
+            f"no cache         {describe_layers(report['memoryless_layers'])}"
+            + (" (every stage)" if pipelined else "")
+        )
     if report["tiers"]:
         lines += ["", *_tier_lines(report)]
     return "\n".join(lines)
