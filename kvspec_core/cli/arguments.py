@@ -7,7 +7,11 @@ import math
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
-from kvspec_core.cli.ascii_numbers import ASCII_INTEGER_FORM, parse_ascii_integer
+from kvspec_core.cli.ascii_numbers import (
+    ASCII_INTEGER_FORM,
+    match_ascii_decimal,
+    parse_ascii_integer,
+)
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.errors import ConfigError, InvalidFieldError
 from kvspec_core.models.fields import MAX_LAYERS
@@ -207,11 +211,12 @@ def add_model_arguments(
 
 
 def utilization(text: str) -> float:
-    """argparse type: a share of GPU memory in (0, 1], as vLLM's --gpu-memory-utilization."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    """argparse type: a share of GPU memory in (0, 1], as vLLM's --gpu-memory-utilization,
+    in ASCII digits (``float`` would read other scripts' digits and ``_``)."""
+    stripped = text.strip(" \t")
+    number = match_ascii_decimal(stripped)
+    whole = number is not None and number[1] == len(stripped)
+    value = float(number[0]) if number is not None and whole else math.nan
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a share of GPU memory; give a number in (0, 1] such as 0.9"

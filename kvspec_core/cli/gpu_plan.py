@@ -34,7 +34,8 @@ import torch
 
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import DEFAULT_KV_CACHE_DTYPE, plan_options
-from kvspec_core.cli.sizes import parse_size
+from kvspec_core.cli.ascii_numbers import match_ascii_decimal
+from kvspec_core.cli.sizes import UNITS, parse_size
 from kvspec_core.cli.table import render_table
 from kvspec_core.deployment.checkpoint import CheckpointSize, folder_checkpoint, hub_checkpoint
 from kvspec_core.deployment.gpu_budget import (
@@ -126,10 +127,19 @@ def _budget_options(args: argparse.Namespace, memory: int) -> dict[str, Any]:
         else args.gpu_memory_utilization,
         "pp": args.pp,
         "partition": args.pp_partition,
-        "overhead_bytes": None
-        if args.overhead is None
-        else parse_size(args.overhead, what="--overhead"),
+        "overhead_bytes": None if args.overhead is None else _overhead_bytes(args.overhead),
     }
+
+
+def _overhead_bytes(text: str) -> int:
+    """``--overhead``: a size, or zero (to compare against an engine log whose overheads
+    are already folded into ``--gpu-memory``)."""
+    stripped = text.strip(" \t")
+    number = match_ascii_decimal(stripped)
+    unit = stripped[number[1] :].strip(" \t").lower() or "b" if number is not None else None
+    if number is not None and number[0] == 0 and unit in UNITS:
+        return 0
+    return parse_size(text, what="--overhead")  # a size, or the error naming what is wrong
 
 
 def as_vllm_loads(config: ModelConfig) -> ModelConfig:
@@ -301,9 +311,10 @@ def gpu_lines(report: dict[str, Any]) -> list[str]:
     """The memory breakdown per GPU and the answer (human output)."""
     gpu, weights = report["gpu"], report["weights"]
     stages = report["memory_per_gpu"]
+    overridden = report["overheads"]["basis"] == "--overhead"
     rows = [
         ("weights", "weights_bytes"),
-        ("activation peak", "activation_bytes"),
+        ("--overhead" if overridden else "activation peak", "activation_bytes"),
         ("non-torch", "non_torch_bytes"),
         ("KV cache", "kv_bytes_allocated"),
         ("free (under one block)", "free_bytes"),

@@ -156,7 +156,7 @@ def test_bad_input_is_refused_naming_the_option_and_the_fix(
     assert expected in fails(capsys, "qwen3-8b", *args)
 
 
-@pytest.mark.parametrize("value", ["0", "1.5", "nan", "ninety"])
+@pytest.mark.parametrize("value", ["0", "1.5", "nan", "ninety", "٠.٩", "0.9_5", "9e-1", "inf"])
 def test_a_utilization_outside_0_1_is_refused(
     capsys: pytest.CaptureFixture[str], value: str
 ) -> None:
@@ -214,3 +214,24 @@ def test_the_plot_draws_the_tps_that_fit_even_when_tp_does_not(
     nothing = tmp_path / "none.png"
     err = fails(capsys, "llama-3.1-70b", "--gpu-memory", "2GiB", "--plot", str(nothing))
     assert "no TP up to 8 fits, nothing drawn" in err and not nothing.exists()
+
+
+def test_an_ascii_utilization_with_spaces_is_read(capsys: pytest.CaptureFixture[str]) -> None:
+    report = plan_json(
+        capsys, "qwen3-8b", "--gpu", "h100-80gb", "--gpu-memory-utilization", " 0.95 "
+    )
+    assert report["gpu"]["utilization"] == 0.95
+
+
+@pytest.mark.parametrize("zero", ["0", "0GiB", " 0.0 MiB "])
+def test_an_overhead_of_zero_is_taken_and_labelled_as_the_override(
+    capsys: pytest.CaptureFixture[str], zero: str
+) -> None:
+    report = plan_json(capsys, "qwen3-8b", "--gpu", "h100-80gb", "--overhead", zero)
+    assert report["overheads"]["activation_bytes"] == report["overheads"]["non_torch_bytes"] == 0
+    stage = report["memory_per_gpu"][0]
+    assert stage["kv_budget_bytes"] == report["gpu"]["usable_bytes"] - stage["weights_bytes"]
+    main(["plan", "qwen3-8b", "--gpu", "h100-80gb", "--overhead", zero])
+    table = capsys.readouterr().out
+    assert "\n--overhead " in table and "activation peak" not in table
+    assert "unknown unit 'XB'" in fails(capsys, "qwen3-8b", "--gpu", "l4", "--overhead", "0XB")
