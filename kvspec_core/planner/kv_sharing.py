@@ -13,6 +13,7 @@ its source's, is the cache it means to read. The plan records ``(reader, source)
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Collection, Mapping
 from typing import cast
 
@@ -96,8 +97,24 @@ def _check_same_cache(
         )
     except MergeError as error:
         raise PlanError(
-            f"layer {reader} cannot read the KV cache of layer {source}: {error}; {fix}"
+            f"layer {reader} cannot read the KV cache of layer {source}: "
+            f"{_difference_of(error)}; {fix}"
         ) from error
+
+
+#: The default merge's framing of a difference (``kvspec_core.specs.merging``): advice for
+#: layers sharing a group ("plan them in separate groups"), no fix for a reader.
+_GROUP_FRAMING = re.compile(
+    r"^layers cannot share one KV cache group: (?P<difference>.*?)"
+    r"(?:; give them the same \w+ or plan them in separate groups)?$",
+    re.DOTALL,
+)
+
+
+def _difference_of(error: MergeError) -> str:
+    """What differs, from a merge refusal, without its advice on grouping."""
+    found = _GROUP_FRAMING.match(str(error))
+    return found["difference"] if found is not None else str(error)
 
 
 def resolve_kv_sharing(
@@ -132,15 +149,18 @@ def check_plan_sharing(
     """Refuse a plan's ``kv_sharing`` unless every reader is a memoryless layer read once and
     every source a layer holding blocks (a plan read back from a document)."""
     seen: set[str] = set()
+    # The planner writes kv_sharing from the layer specs; a pair it could not have written
+    # means the plan was edited (or made by something else).
+    fix = "the planner writes kv_sharing: re-plan instead of editing a plan"
     for index, (reader, source) in enumerate(kv_sharing):
         if reader in seen or reader not in memoryless:
             raise PlanError(
                 f"kv_sharing[{index}]: layer {reader!r} must be a memoryless layer of the plan, "
-                "listed once"
+                f"listed once; {fix}"
             )
         if source not in grouped:
             raise PlanError(
                 f"kv_sharing[{index}]: layer {reader!r} reads layer {source!r}, which holds no "
-                "blocks in this plan"
+                f"blocks in this plan; {fix}"
             )
         seen.add(reader)

@@ -188,6 +188,12 @@ def test_a_target_of_another_shape_is_refused_naming_the_field() -> None:
     assert "layer model.layers.1 cannot read the KV cache of layer model.layers.0" in message
     assert "'num_kv_heads' differs" in message
     assert "read a layer of the same attention type" in message
+    # The group-merge advice is no fix for a reader: it reads its source's blocks or none.
+    assert "separate groups" not in message and "share one KV cache group" not in message
+    specs["model.layers.1"] = reads("model.layers.0", full(block_size=32))
+    message = _refusal(specs)
+    assert "field 'block_size' differs (16 in model.layers.0; 32 in model.layers.1)" in message
+    assert "separate groups" not in message
 
 
 def test_a_target_of_another_family_is_refused() -> None:
@@ -247,8 +253,13 @@ def test_a_plan_whose_reader_is_not_memoryless_is_refused() -> None:
     manager = manager_with_test_kinds()
     plan = plan_kv_cache(yoco(n_self=2, n_cross=1), 1 << 24, SMALL, manager)
     forged = attrs.evolve(plan, kv_sharing=(("model.layers.1", "model.layers.2"),))
-    with pytest.raises(PlanError, match="must be a memoryless layer"):
+    with pytest.raises(PlanError, match="must be a memoryless layer") as caught:
         reconcile_plans([forged])
+    assert str(caught.value).endswith("re-plan instead of editing a plan")
+    forged = attrs.evolve(plan, kv_sharing=(("model.layers.3", "model.layers.9"),))
+    with pytest.raises(PlanError, match="holds no blocks in this plan") as caught:
+        reconcile_plans([forged])
+    assert str(caught.value).endswith("re-plan instead of editing a plan")
 
 
 def test_workers_disagreeing_on_sharing_are_refused() -> None:
