@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from transformers_testkit import PROMPT, PROMPT_A, PROMPT_B, SHARED_PREFIX, reference_generate
+from transformers_testkit import (
+    PROMPT,
+    PROMPT_A,
+    PROMPT_B,
+    SHARED_PREFIX,
+    reference_generate,
+    token_ids,
+)
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.specs import FullAttentionSpec
@@ -140,3 +147,21 @@ def test_a_reader_adapter_refuses_a_write() -> None:
     with pytest.raises(ConfigError, match=r"layer model\.layers\.9 reads layer model\.layers\.4"):
         PagedAttentionLayer(binding).update(states, states, 9)
     assert not view.any()
+
+
+def test_readers_read_a_prefix_loaded_back_from_the_host_tier() -> None:
+    """A's blocks leave the device for a host tier (three unrelated requests push them out of
+    60 device blocks of 1 KiB); B loads the 48-token prefix back into the sources' blocks and
+    the readers attend over them: the output is transformers'."""
+    run = TransformersEngine(
+        gemma3n(4), max_model_len=96, budget_bytes=60 << 10, host_offload_bytes=40 << 10
+    )
+    assert [pool.block_bytes for pool in run.plan.pools] == [1024]
+    run.generate(PROMPT_A, max_new_tokens=8)
+    for seed in range(3):
+        run.generate(token_ids(57, seed=100 + seed), max_new_tokens=8)
+    hit = run.generate(PROMPT_B, max_new_tokens=8)
+    assert hit.cached_tokens_by_tier == {"device": 0, "host": SHARED_PREFIX}
+    assert hit.token_ids == reference(4, tuple(PROMPT_B))
+    assert run.transfers.failed == 0
+    run.allocator.check_invariants()
