@@ -256,7 +256,9 @@ def plan_on_gpu(
     budget = gpu_budget(source, resolved.config, tp=args.tp, **options)
     if not budget.fits:
         smallest = _smallest_tp_for_a_request(args, resolved, config, source, options, manager)
-        raise weights_do_not_fit(budget, smallest, args.pp, source.unsplittable)
+        raise weights_do_not_fit(
+            budget, smallest, args.pp, source.unsplittable, tp_candidates(resolved.config)
+        )
     try:
         pipeline = _plan_stages(stages, budget, manager)
     except CapacityError as error:

@@ -199,27 +199,57 @@ def gpu_budget(
     )
 
 
+def _int_field(fields: Mapping[str, Any], name: str) -> int | None:
+    value = fields.get(name)
+    return value if type(value) is int and value > 0 else None
+
+
 def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
-    """TP sizes vLLM accepts for the model: those dividing its attention heads."""
+    """TP sizes vLLM accepts for the model (up to 64): each divides its attention heads
+    (an encoder-decoder's encoder and decoder heads), divides or is a multiple of its KV
+    heads (``QKVParallelLinear``), and for a Mamba-2 mixer divides its heads and its groups
+    unless there is one group (``MambaMixer2``'s asserts)."""
     text = raw.get("text_config")
     fields = text if isinstance(text, Mapping) else raw
-    heads = fields.get("num_attention_heads")
-    if type(heads) is not int or heads <= 0:
-        return list(_TP_CANDIDATES)
-    return [tp for tp in _TP_CANDIDATES if heads % tp == 0]
+    divides = [
+        heads
+        for name in ("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads")
+        if (heads := _int_field(fields, name)) is not None
+    ]
+    mamba_heads = _int_field(fields, "mamba_num_heads")
+    groups = _int_field(fields, "n_groups")
+    if mamba_heads is not None:
+        divides.append(mamba_heads)
+    kv_heads = _int_field(fields, "num_key_value_heads")
+    return [
+        tp
+        for tp in _TP_CANDIDATES
+        if all(count % tp == 0 for count in divides)
+        and (kv_heads is None or kv_heads % tp == 0 or tp % kv_heads == 0)
+        and (mamba_heads is None or groups is None or groups == 1 or groups % tp == 0)
+    ]
 
 
 def weights_do_not_fit(
-    budget: GpuBudget, smallest: int | None, pp: int, unsplittable: str | None = None
+    budget: GpuBudget,
+    smallest: int | None,
+    pp: int,
+    unsplittable: str | None = None,
+    candidates: Sequence[int] = _TP_CANDIDATES,
 ) -> CapacityError:
     """The error when the weights and overheads leave no KV budget on some stage;
     ``smallest``: the smallest TP at which the weights and one max-length request fit;
-    ``unsplittable``: why no larger TP could be tried."""
+    ``unsplittable``: why no larger TP could be tried; ``candidates``: the TPs tried."""
     from kvspec_core.byte_sizes import format_size
 
     stage = min(range(len(budget.kv_budget_bytes)), key=budget.kv_budget_bytes.__getitem__)
     where = f" on pipeline stage {stage}" if pp > 1 else ""
-    if smallest is not None:
+    if budget.overheads.total_bytes >= budget.usable_bytes:
+        fix = (
+            "the overheads alone take all of it, which no TP or pipeline stage changes: "
+            "check --overhead, or take a larger GPU"
+        )
+    elif smallest is not None:
         fix = (
             f"the smallest TP that holds them and one request of max_model_len tokens is "
             f"{smallest}: pass --tp {smallest}"
@@ -230,9 +260,11 @@ def weights_do_not_fit(
             "at a larger TP and pass the KV cache size it reports as --memory"
         )
     else:
+        tried = f"up to {max(candidates)} " if candidates else ""
         fix = (
-            "no TP up to 64 holds them and one request of max_model_len tokens: add "
-            "pipeline stages (--pp), lower --max-model-len, or take a larger GPU"
+            f"no TP {tried}that vLLM accepts for this model holds them and one request of "
+            "max_model_len tokens: add pipeline stages (--pp), lower --max-model-len, or "
+            "take a larger GPU"
         )
     return CapacityError(
         f"the weights do not fit{where} at TP {budget.tp}: one GPU holds "

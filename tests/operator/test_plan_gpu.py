@@ -12,6 +12,7 @@ from plan_cli_testkit import fails, plan_json
 
 from kvspec_core.cli.main import main
 from kvspec_core.deployment.gpus import gpu_catalog
+from kvspec_core.models.catalog import load_preset
 
 GPU_KEYS = {"gpu", "weights", "overheads", "memory_per_gpu", "max_tokens"}
 STAGE_KEYS = {
@@ -125,8 +126,28 @@ def test_weights_that_do_not_fit_name_the_smallest_tp_that_does(
     assert plan_json(capsys, "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "4")["num_blocks"] > 0
     err = fails(capsys, "llama-3.1-70b", "--gpu", "a100-40gb", "--tp", "2", "--pp", "2")
     assert "on pipeline stage 1 at TP 2" in err and "pass --tp 4" in err
-    err = fails(capsys, "llama-3.1-70b", "--gpu-memory", "2GiB")
-    assert "no TP up to 64 holds them" in err
+    err = fails(capsys, "llama-3.1-70b", "--gpu-memory", "4GiB", "--max-model-len", "4096")
+    assert "no TP up to 64 that vLLM accepts for this model holds them" in err
+
+
+def test_the_tp_search_only_names_tps_vllm_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvspec_core.deployment.gpu_budget import tp_candidates
+
+    # Nemotron-H-56B: 8 Mamba groups (MambaMixer2 asserts n_groups % TP == 0), 8 KV heads.
+    assert tp_candidates(load_preset("nemotron-h-56b")) == [1, 2, 4, 8]
+    err = fails(capsys, "nemotron-h-56b", "--gpu-memory", "12GiB", "--max-model-len", "4096")
+    assert "no TP up to 8 that vLLM accepts" in err and "--tp 32" not in err
+    # Whisper names its heads per side (20 each): TP 8 does not divide them.
+    assert tp_candidates(load_preset("whisper-large-v3")) == [1, 2, 4]
+    # Qwen2.5-7B: 28 heads, 4 KV heads.
+    assert tp_candidates(load_preset("qwen2.5-7b")) == [1, 2, 4]
+
+
+def test_overheads_larger_than_the_gpu_are_not_met_with_more_gpus(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = fails(capsys, "qwen3-8b", "--gpu", "h100-80gb", "--overhead", "100GiB")
+    assert "the overheads alone take all of it" in err and "--pp" not in err
 
 
 def test_overrides_replace_the_catalog_and_the_table(capsys: pytest.CaptureFixture[str]) -> None:
