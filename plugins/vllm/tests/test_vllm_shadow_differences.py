@@ -165,3 +165,22 @@ def test_without_a_classifier_every_difference_is_a_divergence() -> None:
     copies_scenario(scheduler)
     assert scheduler.report.num_differences == 1
     assert scheduler.report.num_expected_differences == 0
+
+
+def test_a_step_refused_after_an_expected_difference_follows_it() -> None:
+    """Five usable blocks: after the copies scenario vLLM has none free and kvspec one, so
+    the step of ``c`` that needs a fifth block is refused by vLLM and served by kvspec. The
+    shadow leaves ``c`` out; vLLM holds its blocks until the scheduler preempts it, and that
+    follows too (before, it read as blocks held outside any request)."""
+    scheduler = vllm_managers.Scheduler(6, retention_interval=None)
+    copies_scenario(scheduler)
+    for token in range(24):
+        assert scheduler.decode("c", token)
+    assert not scheduler.decode("c", 24)  # vLLM preempts it
+    report = scheduler.report
+    assert report.differences == []
+    assert report.expected_reasons[shadow_differences.FOLLOWS] >= 2
+    assert any(
+        "vLLM refused slots up to token 129, kvspec allocated" in difference
+        for difference in report.expected_differences
+    )

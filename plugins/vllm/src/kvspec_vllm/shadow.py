@@ -202,8 +202,9 @@ class KVCacheShadow:
             if result:
                 allocator.free(rid)
             self._leave_out(rid)
-            if admitted:
-                self._left_out_held[rid] = (request, verdict.expected)
+            # vLLM holds its blocks until it frees it (a refused running request: when the
+            # scheduler preempts it).
+            self._left_out_held[rid] = (request, verdict.expected)
         self._compare_free_blocks(f"after allocate_slots of {rid!r}")
 
     def freed(self, request: Any) -> None:
