@@ -165,3 +165,20 @@ def test_readers_read_a_prefix_loaded_back_from_the_host_tier() -> None:
     assert hit.token_ids == reference(4, tuple(PROMPT_B))
     assert run.transfers.failed == 0
     run.allocator.check_invariants()
+
+
+def test_the_fix_does_not_say_what_was_done() -> None:
+    """A model that reads a shared cache where kvspec's reading of its own config sees none
+    (an ingestion gap, mimicked by marking layer 5 a reader of layer 3): the fix cannot be
+    "plan the model's own config", which the engine did."""
+    model = gemma3n(0)
+    model.model.layers[3].self_attn.store_full_length_kv = True
+    model.model.layers[5].self_attn.is_kv_shared_layer = True
+    with pytest.raises(EngineError) as error:
+        engine(model)
+    message = str(error.value)
+    assert message.startswith(
+        "layer model.layers.5: the model attends over the K/V of layer model.layers.3"
+    )
+    assert "kvspec planned model.config itself" in message
+    assert "without kvspec_config" not in message

@@ -126,7 +126,8 @@ class TransformersEngine:
         )
         self.plan: KVCachePlan = prepared.plan(budget_bytes, self.manager).plan
         text_config = model.config.get_text_config()
-        self._check_sharing(model, prepared.model.layers, text_config)
+        own_config = kvspec_config is None
+        self._check_sharing(model, prepared.model.layers, text_config, own_config)
         # A reader is checked by the spec it reads through (its source's kind and window).
         planned_layers = {name for group in self.plan.groups for name in group.layers}
         planned_layers.update(reader for reader, _ in self.plan.kv_sharing)
@@ -138,6 +139,7 @@ class TransformersEngine:
                 if layer.name in planned_layers
             },
             max_model_len,
+            own_config=own_config,
         )
         self.buffers: KVCacheBuffers = materialize(self.plan, device="cpu")
         self.allocator = KVCacheAllocator.from_plan(
@@ -164,7 +166,9 @@ class TransformersEngine:
         self._running_thread: int | None = None
 
     # ----------------------------------------------------------------- binding
-    def _check_sharing(self, model: Any, layers: Sequence[Any], text_config: Any) -> None:
+    def _check_sharing(
+        self, model: Any, layers: Sequence[Any], text_config: Any, own_config: bool
+    ) -> None:
         """Refuse a plan whose cross-layer KV sharing is not the model's (see
         :func:`check_sharing_against_model`)."""
         index_of = {layer.name: layer.index for layer in layers}
@@ -173,6 +177,7 @@ class TransformersEngine:
             {index_of[reader]: index_of[source] for reader, source in self.plan.kv_sharing},
             {layer.index: layer.name for layer in layers},
             getattr(text_config, "num_kv_shared_layers", None),
+            own_config=own_config,
         )
 
     def _bind(self, layers: Sequence[Any], specs: Mapping[str, Any]) -> dict[int, LayerBinding]:

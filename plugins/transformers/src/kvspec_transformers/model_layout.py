@@ -122,20 +122,39 @@ def _is_hashable(value: Any) -> bool:
     return True
 
 
+def fix_for(own_config: bool) -> str:
+    """How to make the plan agree with the model: ``own_config`` when kvspec planned
+    ``model.config`` itself (then "plan the model's own config" is what was done)."""
+    if own_config:
+        return (
+            "kvspec planned model.config itself and reads it otherwise than the model's code "
+            "computes it (a kvspec ingestion gap): pass a kvspec_config that describes what "
+            "the model computes"
+        )
+    return (
+        "plan the model's own config (TransformersEngine(model) without kvspec_config), or "
+        "make kvspec_config agree with model.config"
+    )
+
+
 def check_plan_against_model(
-    config: Any, planned: Mapping[int, tuple[str, KVSpec]], max_model_len: int
+    config: Any,
+    planned: Mapping[int, tuple[str, KVSpec]],
+    max_model_len: int,
+    *,
+    own_config: bool = False,
 ) -> None:
     """Refuse a plan whose layers do not compute what the model's layers compute.
 
     ``planned``: per model layer index, the kvspec layer name and spec of every layer the
-    plan keeps a cache for. Each model layer that attends must have an attention spec whose
+    plan keeps a cache for (a layer reading another's cache: the spec it reads through);
+    ``own_config``: the plan was made from ``model.config`` (the fix then says so).
+
+    Each model layer that attends must have an attention spec whose
     ``first_attended_position`` equals the model's for every query position; each state
     layer must be bound to a state (non-attention) spec.
     """
-    fix = (
-        "plan the model's own config (TransformersEngine(model) without kvspec_config), or "
-        "make kvspec_config agree with model.config"
-    )
+    fix = fix_for(own_config)
     known = ATTENTION_TYPES + STATE_TYPES + MEMORYLESS_TYPES
     # Layers of one type and span with one spec read alike: each pair is checked once.
     agreed: set[tuple[str, int | None, KVSpec]] = set()
@@ -189,13 +208,6 @@ def check_plan_against_model(
             agreed.add(key)
 
 
-#: What the fix says for a plan that disagrees with the model on cross-layer KV sharing.
-SHARING_FIX = (
-    "plan the model's own config (TransformersEngine(model) without kvspec_config), or make "
-    "kvspec_config's cross-layer KV sharing agree with model.config"
-)
-
-
 def model_kv_sources(model: torch.nn.Module) -> dict[int, int | None]:
     """Reader layer index -> the index of the layer whose K/V it attends over, for every
     attention module the model builds without K/V of its own (``is_kv_shared_layer``).
@@ -230,6 +242,8 @@ def check_sharing_against_model(
     plan_sources: Mapping[int, int],
     names: Mapping[int, str],
     shared_layers_field: Any = None,
+    *,
+    own_config: bool = False,
 ) -> None:
     """Refuse a plan whose cross-layer KV sharing is not the model's, naming the first
     layer where they differ: a layer the model computes without K/V that the plan gives a
@@ -237,7 +251,9 @@ def check_sharing_against_model(
 
     ``model_sources``: :func:`model_kv_sources`; ``plan_sources``: reader index -> source
     index of ``plan.kv_sharing``; ``names``: the kvspec layer name of each index;
-    ``shared_layers_field``: ``model.config.num_kv_shared_layers`` (quoted in the fix)."""
+    ``shared_layers_field``: ``model.config.num_kv_shared_layers`` (quoted in the fix);
+    ``own_config``: as :func:`check_plan_against_model`'s."""
+    fix = fix_for(own_config)
 
     def name(index: int | None) -> str:
         return names.get(index, f"model.layers.{index}") if index is not None else "?"
@@ -261,17 +277,17 @@ def check_sharing_against_model(
                 f"layer {name(index)}: the model attends over the K/V of layer "
                 f"{name(model_sources[index])} (is_kv_shared_layer{field}) but the kvspec plan "
                 "keeps a cache of its own for it, which nothing would write: "
-                f"{SHARING_FIX}"
+                f"{fix}"
             )
         if index not in model_sources:
             raise EngineError(
                 f"layer {name(index)}: the kvspec plan has it read layer "
                 f"{name(plan_sources[index])}'s cache (plan.kv_sharing) but the model computes "
-                f"K/V of its own for it{field}: {SHARING_FIX}"
+                f"K/V of its own for it{field}: {fix}"
             )
         if model_sources[index] != plan_sources[index]:
             raise EngineError(
                 f"layer {name(index)}: the model attends over the K/V of layer "
                 f"{name(model_sources[index])} but the kvspec plan has it read layer "
-                f"{name(plan_sources[index])}'s cache (plan.kv_sharing): {SHARING_FIX}"
+                f"{name(plan_sources[index])}'s cache (plan.kv_sharing): {fix}"
             )
