@@ -54,3 +54,14 @@ def test_overheads_follow_the_architecture_then_the_kind_then_the_parallelism() 
     dense = estimate_overheads({"architectures": ["NewForCausalLM"]}, tp=1, pp=2)
     assert dense.activation_bytes == round(2.0 * GIB)
     assert dense.non_torch_bytes == round(0.07 * GIB)
+
+
+def test_each_catalog_figure_cites_where_it_was_read_unless_said_unpinned() -> None:
+    raw = json.loads(resources.files("kvspec_core.deployment").joinpath("gpus.json").read_text())
+    unpinned = {"h200", "b200"}  # the catalog's "about" says these are not pinned here
+    assert all(name.upper() in raw["about"] for name in unpinned)
+    for name, gpu in gpu_catalog().items():
+        assert (" github.com/" in gpu.source or "(github.com/" in gpu.source) != (
+            name in unpinned
+        ), name
+        assert f"{raw['gpus'][name]['memory_mib']}MiB" in gpu.source
