@@ -100,6 +100,14 @@ def test_the_breakdown_adds_up_to_the_gpu_memory(
             + stage["reserved_bytes"]
         )
         assert parts == gpu_catalog()[gpu].memory_bytes
+        # The parts that are not remainders: each rank holds at least its 1/TP of the
+        # checkpoint (replicated norms, padded vocabulary), and no more than a few percent
+        # over it for this model; the KV cache is whole blocks, leaving less than one.
+        checkpoint = report["weights"]["checkpoint_bytes"]
+        assert checkpoint <= stage["weights_bytes"] * int(tp) <= checkpoint * 1.01
+        blocks = sum(pool["num_blocks"] * pool["block_bytes"] for pool in report["pools"])
+        assert stage["kv_bytes_allocated"] == blocks
+        assert 0 <= stage["free_bytes"] < max(pool["block_bytes"] for pool in report["pools"])
         assert stage["free_bytes"] >= 0 and stage["kv_bytes_allocated"] <= stage["kv_budget_bytes"]
 
 
