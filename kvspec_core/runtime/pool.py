@@ -397,8 +397,10 @@ class BlockPool:
         cached already moves to the new block, a copy a request has just computed again (in
         a hybrid model: a group's own hit went further than the common one), so the hash
         lives as long as its newest copy, as in vLLM; the old copy leaves the cache (once
-        free, it is handed out before any cached block). Returns how many blocks were
-        newly cached."""
+        free, it is handed out before any cached block), where vLLM 0.32 keeps every copy
+        cached and a hit takes the oldest (kvspec-vllm's shadow mode counts the resulting
+        free-block differences as expected, reason ``copies``). Returns how many blocks
+        were newly cached."""
         cache = self.caches[gid]
         block_hash = self._block_hash
         block_group = self._block_group
