@@ -44,6 +44,7 @@ from kvspec_core.deployment.gpu_budget import (
     WeightsSource,
     gpu_budget,
     tp_candidates,
+    tp_refusal,
     weights_do_not_fit,
     weights_source,
 )
@@ -250,6 +251,12 @@ def plan_on_gpu(
     manager: PluginManager,
 ) -> tuple[PipelinePlan, dict[str, Any]]:
     """Every stage planned within what its GPU has left, and the ``--json`` keys above."""
+    refusal = tp_refusal(resolved.config, args.tp)
+    if refusal is not None:
+        accepted = ", ".join(map(str, tp_candidates(resolved.config)))
+        raise ConfigError(
+            f"--tp {args.tp}: vLLM refuses it for this model ({refusal}); it accepts {accepted}"
+        )
     memory, gpu = _memory(args)
     options = _budget_options(args, memory)
     source = model_weights_source(resolved, config)

@@ -204,30 +204,34 @@ def _int_field(fields: Mapping[str, Any], name: str) -> int | None:
     return value if type(value) is int and value > 0 else None
 
 
-def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
-    """TP sizes vLLM accepts for the model (up to 64): each divides its attention heads
-    (an encoder-decoder's encoder and decoder heads), divides or is a multiple of its KV
-    heads (``QKVParallelLinear``), and for a Mamba-2 mixer divides its heads and its groups
-    unless there is one group (``MambaMixer2``'s asserts)."""
+def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
+    """Why vLLM refuses ``tp`` for the model, or ``None`` when it accepts it: TP must divide
+    the attention heads (an encoder-decoder's encoder and decoder heads), divide or be a
+    multiple of the KV heads (``QKVParallelLinear``), and for a Mamba-2 mixer divide its
+    heads and its groups unless there is one group (``MambaMixer2``'s asserts)."""
     text = raw.get("text_config")
     fields = text if isinstance(text, Mapping) else raw
-    divides = [
-        heads
-        for name in ("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads")
-        if (heads := _int_field(fields, name)) is not None
-    ]
-    mamba_heads = _int_field(fields, "mamba_num_heads")
-    groups = _int_field(fields, "n_groups")
-    if mamba_heads is not None:
-        divides.append(mamba_heads)
+    for name in (
+        "num_attention_heads",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "mamba_num_heads",
+    ):
+        count = _int_field(fields, name)
+        if count is not None and count % tp:
+            return f"TP {tp} does not divide {name} {count}"
     kv_heads = _int_field(fields, "num_key_value_heads")
-    return [
-        tp
-        for tp in _TP_CANDIDATES
-        if all(count % tp == 0 for count in divides)
-        and (kv_heads is None or kv_heads % tp == 0 or tp % kv_heads == 0)
-        and (mamba_heads is None or groups is None or groups == 1 or groups % tp == 0)
-    ]
+    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+        return f"TP {tp} neither divides nor is a multiple of num_key_value_heads {kv_heads}"
+    groups = _int_field(fields, "n_groups")
+    if _int_field(fields, "mamba_num_heads") and groups not in (None, 1) and groups % tp:
+        return f"TP {tp} does not divide the Mamba-2 mixer's n_groups {groups}"
+    return None
+
+
+def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
+    """The TP sizes up to 64 (powers of two) vLLM accepts for the model (:func:`tp_refusal`)."""
+    return [tp for tp in _TP_CANDIDATES if tp_refusal(raw, tp) is None]
 
 
 def weights_do_not_fit(

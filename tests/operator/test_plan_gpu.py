@@ -149,6 +149,9 @@ def test_the_tp_search_only_names_tps_vllm_accepts(capsys: pytest.CaptureFixture
     assert tp_candidates(load_preset("whisper-large-v3")) == [1, 2, 4]
     # Qwen2.5-7B: 28 heads, 4 KV heads.
     assert tp_candidates(load_preset("qwen2.5-7b")) == [1, 2, 4]
+    # A --tp vLLM refuses is refused too, naming why and the TPs it takes.
+    err = fails(capsys, "nemotron-h-56b", "--gpu", "h100-80gb", "--tp", "16")
+    assert "--tp 16: vLLM refuses it" in err and "n_groups 8" in err and "1, 2, 4, 8" in err
 
 
 def test_overheads_larger_than_the_gpu_are_not_met_with_more_gpus(
