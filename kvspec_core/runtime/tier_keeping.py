@@ -3,16 +3,19 @@ device's prefix cache, and the families' rules of which blocks are worth keeping
 tiers. Part of :class:`~kvspec_core.runtime.offloading.TierManager` (see ``tier_state.py``).
 
 **Write-through** (``OffloadTier.write_policy="write_through"`` on the tier a pool's device
-blocks go to). A block enters the prefix cache in ``allocate_slots``, before the step's
-forward writes it, and ``take_transfers()`` is run before that forward: so the blocks a
-step cached are noted by the step's ``take_transfers()`` (from the running requests'
-cached-block progress, which the compiled kernels advance too) and copied by the next one,
-once that forward wrote them. A noted block is copied only if it is still cached under the
-same hash then (one evicted meanwhile was stored as the eviction's victim, which reads it
-before it is overwritten). A block the engine declares never written
-(``discard_uncomputed``) is no longer copied; if its copy was recorded already, the copy
-caches nothing of it, and a tier that holds it from that copy forgets it: a block uncached
-on the device never becomes a tier hit through write-through.
+blocks go to). A block enters the prefix cache in ``allocate_slots``, before the forward
+that writes it, and ``take_transfers()`` is run before that forward: so a take notes the
+blocks cached since the last one (from the running requests' cached-block progress, which
+the compiled kernels advance too), each with its request and the request's computed tokens
+then, and a note is copied only once the engine shows that forward ran: the request was
+allocated again (its computed tokens moved: an engine schedules a request again only after
+its forward) or freed. Nothing assumes how often the engine takes: several takes in one
+step (transfers run after each admission) copy nothing early. A noted block is copied only
+if it is still cached under the same hash then (one evicted meanwhile was stored as the
+eviction's victim, which reads it before it is overwritten). A block the engine declares
+never written (``discard_uncomputed``) is no longer copied; if its copy was recorded
+already, the copy caches nothing of it, and a tier that holds it from that copy forgets
+it: a block uncached on the device never becomes a tier hit through write-through.
 
 **Keep rules** (``OffloadTier.keep="family_rules"`` on the tier a pool's device blocks go
 to, and a group whose rules define the optional ``offload_range``, see
@@ -93,8 +96,10 @@ class TierKeeping(TierStoring):
         ]
         #: Per running request id: (its running state, per group the table entries noted).
         self._through_marks = {}
-        #: Per group, the blocks the last take noted and their hashes: copied by the next.
-        self._through_ready = {}
+        #: The blocks takes noted, not copied yet: ``(request id, its running state, its
+        #: computed tokens when noted, group, blocks, their hashes)``, copied by the first
+        #: take after the request was allocated again or freed (its forward then ran).
+        self._through_ready = []
         #: Per device pool: block -> the hash a write-through copy of it was recorded for
         #: (what discard_uncomputed takes back from the tiers).
         self._through_from = [{} for _ in self.device_pools]
@@ -163,14 +168,27 @@ class TierKeeping(TierStoring):
 
     # ----------------------------------------------------------------- write-through
     def _write_through(self, running: Mapping[str | int, Any]) -> None:
-        """Record the copies of the blocks the last take noted (still cached under their
-        hash), then note the blocks cached since (see the module docstring)."""
-        ready = self._through_ready
+        """Record the copies of the noted blocks whose forward has run (still cached under
+        their hash), then note the blocks cached since (see the module docstring)."""
         pool_of = self.pool_of_group
         pools = self.device_pools
-        if ready:
-            self._through_ready = {}
-            for gid, (blocks, hashes) in ready.items():
+        if self._through_ready:
+            due: dict[int, tuple[list[int], list[bytes]]] = {}
+            waiting: list[tuple[str | int, Any, int, int, list[int], list[bytes]]] = []
+            for note in self._through_ready:
+                request_id, state, computed, gid, blocks, hashes = note
+                if state.computed == computed and running.get(request_id) is state:
+                    # No allocation since the note: its forward may not have run yet.
+                    waiting.append(note)
+                    continue
+                batch = due.get(gid)
+                if batch is None:
+                    due[gid] = (list(blocks), list(hashes))
+                else:
+                    batch[0].extend(blocks)
+                    batch[1].extend(hashes)
+            self._through_ready = waiting
+            for gid, (blocks, hashes) in due.items():
                 pool = pool_of[gid]
                 now = list(map(pools[pool]._block_hash.__getitem__, blocks))
                 if now != hashes:
@@ -214,12 +232,8 @@ class TierKeeping(TierStoring):
                         ]
                         table = [block for block, _ in kept]
                         found = [digest for _, digest in kept]
-                    batch = noted.get(gid)
-                    if batch is None:
-                        noted[gid] = (table, found)
-                    else:
-                        batch[0].extend(table)
-                        batch[1].extend(found)
+                    if table:
+                        noted.append((request_id, state, state.computed, gid, table, found))
             fresh[request_id] = (state, upto)
         self._through_marks = fresh
 
@@ -232,14 +246,24 @@ class TierKeeping(TierStoring):
         if not self._through[pool]:
             return
         gone = dict(zip(blocks, digests, strict=True))
-        batch = self._through_ready.get(gid)
-        if batch is not None:
-            kept = [
-                (block, digest)
-                for block, digest in zip(*batch, strict=True)
-                if gone.get(block) != digest
-            ]
-            self._through_ready[gid] = ([block for block, _ in kept], [d for _, d in kept])
+        notes = self._through_ready
+        for index, (request_id, state, computed, noted_gid, noted, hashes) in enumerate(notes):
+            if noted_gid == gid and any(
+                gone.get(block) == digest for block, digest in zip(noted, hashes, strict=True)
+            ):
+                kept = [
+                    (block, digest)
+                    for block, digest in zip(noted, hashes, strict=True)
+                    if gone.get(block) != digest
+                ]
+                notes[index] = (
+                    request_id,
+                    state,
+                    computed,
+                    gid,
+                    [block for block, _ in kept],
+                    [digest for _, digest in kept],
+                )
         written = self._through_from[pool]
         unwritten = set()
         for block, digest in gone.items():
@@ -262,7 +286,7 @@ class TierKeeping(TierStoring):
                     drop_cached(slots, gid, digest, slot)
 
     def _reset_keeping(self) -> None:
-        self._through_ready = {}
+        self._through_ready = []
         for written in self._through_from:
             written.clear()
         for kept in self._kept:

@@ -7,6 +7,8 @@ the allocator is (see ``base.py``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.rules import HitScan
 from kvspec_core.runtime.tier_view import TieredView
@@ -101,7 +103,7 @@ class TierState:
     # write-through and the families' keep rules (tier_keeping.py)
     _through: list[bool]
     _through_marks: dict[str | int, tuple[object, list[int]]]
-    _through_ready: dict[int, tuple[list[int], list[bytes]]]
+    _through_ready: list[tuple[str | int, Any, int, int, list[int], list[bytes]]]
     _through_from: list[dict[int, bytes]]
     _keep_rules: dict[int, object]
     _kept: list[dict[int, bytes]]

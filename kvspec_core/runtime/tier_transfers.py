@@ -42,9 +42,10 @@ class TierTransfers(Freeing, AllocatorBase):
         (all before the forward of the step whose ``allocate_slots`` recorded them): loads
         of admitted tier hits, and stores of blocks the step evicted (device -> first tier,
         tier -> next tier). With a write-through tier (``OffloadTier.write_policy``), also
-        the copies of the blocks the previous step cached: call it once per engine step,
-        after the step's ``allocate_slots`` calls and before its forward (the copies it
-        records read blocks the previous forward wrote). Empty without tiers."""
+        the copies of blocks cached by requests allocated again or freed since (their
+        forward ran: the copies read what it wrote). Call it after the step's
+        ``allocate_slots`` calls and before its forward, once per step or after each
+        admission. Empty without tiers."""
         if self._tiers is None:
             return []
         return self._tiers.take(self._running)

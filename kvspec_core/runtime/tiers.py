@@ -56,9 +56,10 @@ class OffloadTier:
     * :data:`WRITE_BACK` (``"write_back"``, the default): when the device evicts a cached
       block;
     * :data:`WRITE_THROUGH` (``"write_through"``): when a block enters the device's prefix
-      cache; the copy is recorded by the first ``take_transfers()`` after the step that
-      cached it (the step whose forward writes it), so it runs once its content is
-      written, and a later eviction of a block the tier holds copies nothing.
+      cache; the copy is recorded by the first ``take_transfers()`` after the request
+      that cached it was allocated again or freed (so the forward that writes it ran,
+      however often the engine takes transfers), and a later eviction of a block the tier
+      holds copies nothing.
 
     ``keep`` (for the same pools) says which of the device's blocks come here at all:
     :data:`KEEP_EVERYTHING` (``"everything"``, the default) or :data:`KEEP_FAMILY_RULES`

@@ -32,7 +32,7 @@ def through(num_blocks=6, host=9, disk=0, **options):
 
 
 def admit(allocator, rid, tokens):
-    request = Request(rid, tokens)
+    request = Request(rid, list(tokens))  # a copy: decode appends to it
     prefix = allocator.find_cached_prefix(request)
     assert allocator.allocate_slots(request, len(tokens) - prefix.num_tokens, prefix=prefix)
     return prefix
@@ -44,6 +44,14 @@ def step(allocator, ok=True):
     allocator.complete_transfers([t.transfer_id for t in transfers], ok=ok)
     allocator.check_invariants()
     return transfers
+
+
+def decode(allocator, rid, token=0):
+    """The engine schedules ``rid`` again (so the forward of its last step ran): one
+    decode token."""
+    request = allocator._running[rid].request
+    request.append_token(token)
+    assert allocator.allocate_slots(request, 1)
 
 
 def stores(transfers):
@@ -63,14 +71,19 @@ def test_a_cached_block_is_copied_after_its_forward_and_its_eviction_copies_noth
     # The step that cached a's blocks: their forward has not run yet, nothing is copied.
     assert stores(step(allocator)) == []
     blocks = allocator.block_ids("a")[0][:4]
-    # The next step copies them (its transfers run after that forward).
+    # A take before a is scheduled again copies nothing: its forward may not have run.
+    assert stores(step(allocator)) == []
+    # The step after that forward copies them (a's next allocation says it ran).
+    decode(allocator, "a")
     assert stores(step(allocator)) == [(0, 1, tuple(blocks))]
-    assert stores(step(allocator)) == []  # copied once
+    fifth = allocator.block_ids("a")[0][4]  # cached by the decode, copied once a is freed
     allocator.free("a")
+    assert stores(step(allocator)) == [(0, 1, (fifth,))]
+    assert stores(step(allocator)) == []  # copied once
     admit(allocator, "b", PROMPT_B)  # evicts a's blocks: the host holds them already
     assert stores(step(allocator)) == []
     assert host_hit(allocator, PROMPT_A) == 8
-    assert allocator._tiers.blocks_moved == {(0, 1): 4}
+    assert allocator._tiers.blocks_moved == {(0, 1): 5}
 
 
 def test_write_back_stays_the_default() -> None:
@@ -130,6 +143,7 @@ def test_a_failed_copy_loses_nothing_the_eviction_stores_it() -> None:
     allocator = through()
     admit(allocator, "a", PROMPT_A)
     step(allocator)
+    decode(allocator, "a")
     assert len(stores(step(allocator, ok=False))) == 1
     assert host_hit(allocator, PROMPT_A) == 0  # no false hit: the copy failed
     allocator.free("a")
@@ -142,9 +156,9 @@ def test_a_copy_in_flight_is_no_hit_and_not_evictable() -> None:
     allocator = through(host=5)  # four slots: exactly a's blocks
     admit(allocator, "a", PROMPT_A)
     step(allocator)
+    allocator.free("a")  # freed: its forward ran
     (copy,) = allocator.take_transfers()
     assert host_hit(allocator, PROMPT_A) == 0
-    allocator.free("a")
     admit(allocator, "b", PROMPT_B)
     # b's eviction of a's blocks finds them in flight: nothing more is stored, and the
     # slots being written are not taken from under the copy.
@@ -185,6 +199,7 @@ def test_a_discarded_block_cached_again_by_another_request_is_not_copied_early()
     admit(allocator, "c", PROMPT_A)
     assert set(allocator.block_ids("c")[0][:4]) & set(noted)  # the case this test is about
     assert stores(step(allocator)) == []  # c's forward has not run
+    decode(allocator, "c")
     assert [kind[:2] for kind in stores(step(allocator))] == [(0, 1)]  # now it has
 
 
@@ -192,6 +207,7 @@ def test_a_block_discarded_while_its_copy_is_in_flight_is_no_tier_hit() -> None:
     allocator = through()
     admit(allocator, "a", PROMPT_A)
     step(allocator)
+    decode(allocator, "a")
     (copy,) = allocator.take_transfers()  # the engine runs it...
     allocator.discard_uncomputed("a", 4)  # ...then learns the forward wrote 4 tokens only
     allocator.complete_transfers([copy.transfer_id])
@@ -205,6 +221,7 @@ def test_a_block_discarded_after_its_copy_was_confirmed_leaves_the_tiers_too() -
     allocator = through(disk=9)
     admit(allocator, "a", PROMPT_A)
     step(allocator)
+    decode(allocator, "a")
     step(allocator)  # copied and confirmed
     assert host_hit(allocator, PROMPT_A) == 0  # a device hit: the device holds them
     allocator.discard_uncomputed("a", 2)
@@ -212,3 +229,24 @@ def test_a_block_discarded_after_its_copy_was_confirmed_leaves_the_tiers_too() -
     prefix = allocator.find_cached_prefix(Request("probe", PROMPT_A))
     assert prefix.num_tokens == 2  # the first block, on the device; nothing after it
     assert allocator._tiers.tier_pools[0][0].num_cached_blocks == 1
+
+
+# ------------------------------------------------------------------ the engine's cadence
+def test_transfers_taken_after_each_admission_copy_no_block_before_its_forward() -> None:
+    # An engine that runs the transfers after each allocate_slots (kvspec-transformers,
+    # the simulator) takes several times before one forward: a take must not copy a block
+    # an earlier take of the same step noted, whose forward has not run.
+    allocator = through(num_blocks=12, host=12)
+    admit(allocator, "a", PROMPT_A)
+    assert stores(step(allocator)) == []  # notes a's blocks
+    admit(allocator, "b", PROMPT_B)
+    assert stores(step(allocator)) == []  # a's forward has not run: nothing copied
+    assert host_hit(allocator, PROMPT_A) == 0
+    # The next step: a, then b, scheduled again (their forward ran): each is copied by
+    # the take after its own allocation.
+    a_blocks = tuple(allocator.block_ids("a")[0][:4])
+    b_blocks = tuple(allocator.block_ids("b")[0][:4])
+    decode(allocator, "a")
+    assert stores(step(allocator)) == [(0, 1, a_blocks)]
+    decode(allocator, "b")
+    assert stores(step(allocator)) == [(0, 1, b_blocks)]
