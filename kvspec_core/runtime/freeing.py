@@ -3,9 +3,13 @@ the blocks it never wrote) and ``reset_prefix_cache``."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.base import AllocatorBase
 from kvspec_core.runtime.events import AllBlocksCleared
+from kvspec_core.runtime.running import _Running
+from kvspec_core.runtime.tier_keeping import TierKeeping
 
 #: Request ids remembered after ``free`` so a second ``free`` says "already freed".
 _FREED_MEMORY = 4096
@@ -18,12 +22,23 @@ class Freeing(AllocatorBase):
         """Release every block of a request; blocks holding cached prefixes stay findable
         until evicted (its last blocks are evicted first). With offload tiers, a group
         whose rules say which blocks are worth keeping below the device (``offload_range``)
-        marks those now. Refuses unknown ids and double frees with
-        :class:`AllocatorError`, changing nothing."""
+        marks those now. Refuses unknown ids, double frees and a keep rule's bad answer
+        with :class:`AllocatorError`, changing nothing."""
         state = self._state(request_id)
+        self._release(request_id, state, self._keep_marks(state))
+
+    def _keep_marks(self, state: _Running) -> list[Any] | None:
+        """What the keep rules mark when ``state`` is freed (see ``TierKeeping``), asked
+        before anything changes; None without keep rules."""
         tiers = self._tiers
-        if tiers is not None and tiers._keep_rules:
-            tiers.keep_on_free(state)
+        if tiers is None or not tiers._keep_rules:
+            return None
+        return tiers.keep_marks(state)
+
+    def _release(self, request_id: str | int, state: _Running, marks: list[Any] | None) -> None:
+        """Free ``state``, setting the keep ``marks`` (from :meth:`_keep_marks`) first."""
+        if marks:
+            TierKeeping.mark_kept(marks)
         # A running request's tables hold each block once, with a reference of its own
         # (check_invariants), so the pools' release checks cannot fire here. Each table is
         # released last block first, groups in order: the order one list per pool gives.
@@ -47,10 +62,9 @@ class Freeing(AllocatorBase):
         with the compiled kernels and in pure Python (it changes the pools' Python-side
         maps, which both read). A running request that already reused such a block keeps
         it, uncached. Refuses unknown ids, double frees and a count that is not an int in
-        ``[0, num_computed_tokens]`` with :class:`AllocatorError`, changing nothing.
+        ``[0, num_computed_tokens]``, and a keep rule's bad answer (``offload_range``),
+        with :class:`AllocatorError`, changing nothing.
         """
-        from kvspec_core.runtime.events import BlockRemoved
-
         state = self._state(request_id)
         if num_valid_tokens.__class__ is not int or not 0 <= num_valid_tokens <= state.computed:
             raise AllocatorError(
@@ -58,6 +72,19 @@ class Freeing(AllocatorBase):
                 f"{num_valid_tokens!r} must be an int in [0, {state.computed}]: the tokens "
                 "whose K/V or state the engine wrote before it stopped"
             )
+        self._discard(request_id, state, num_valid_tokens, self._keep_marks(state))
+
+    def _discard(
+        self,
+        request_id: str | int,
+        state: _Running,
+        num_valid_tokens: int,
+        marks: list[Any] | None,
+    ) -> None:
+        """:meth:`discard_uncomputed` once checked, with the keep ``marks`` asked already:
+        nothing here can be refused."""
+        from kvspec_core.runtime.events import BlockRemoved
+
         for gid in self._holding:
             pool = self._group_pools[gid]
             cache = self._caches[gid]
@@ -81,7 +108,7 @@ class Freeing(AllocatorBase):
                     self._events.append(BlockRemoved(group=gid, block_hashes=tuple(removed)))
                 if self._tiers is not None:
                     self._tiers.forget_unwritten(gid, removed, removed_blocks)
-        self.free(request_id)
+        self._release(request_id, state, marks)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, in every offload tier too (running requests keep

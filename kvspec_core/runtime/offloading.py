@@ -211,18 +211,8 @@ class TierManager(TierKeeping, TierLookup):
         id, running state, first token position whose content did not arrive)`` per load
         (the caller discards those requests). Refuses unknown, repeated or not yet handed
         out ids with :class:`AllocatorError`, changing nothing."""
-        if ok.__class__ is not bool:
-            raise AllocatorError(f"complete_transfers: ok={ok!r} must be True or False")
         ids = list(transfer_ids)
-        for transfer_id in ids:
-            pending = self._pending.get(transfer_id) if transfer_id.__class__ is int else None
-            if pending is None or not pending.taken:
-                raise AllocatorError(
-                    f"complete_transfers: {transfer_id!r} is not the id of a transfer "
-                    "take_transfers() handed out and not completed yet"
-                )
-        if len(set(ids)) != len(ids):
-            raise AllocatorError("complete_transfers: a transfer id is given twice")
+        self.check_completion(ids, ok)
         failed_loads: list[tuple[str | int, object, int]] = []
         for transfer_id in ids:
             pending = self._pending.pop(transfer_id)
@@ -236,6 +226,27 @@ class TierManager(TierKeeping, TierLookup):
             if ok:
                 key = (pending.source_tier, pending.destination_tier)
                 self.blocks_moved[key] = self.blocks_moved.get(key, 0) + len(pending.source)
+        return failed_loads
+
+    def check_completion(
+        self, transfer_ids: Sequence[int], ok: bool
+    ) -> list[tuple[str | int, object, int]]:
+        """Check :meth:`complete`'s arguments, changing nothing; returns the failed loads
+        it would return."""
+        if ok.__class__ is not bool:
+            raise AllocatorError(f"complete_transfers: ok={ok!r} must be True or False")
+        failed_loads: list[tuple[str | int, object, int]] = []
+        for transfer_id in transfer_ids:
+            pending = self._pending.get(transfer_id) if transfer_id.__class__ is int else None
+            if pending is None or not pending.taken:
+                raise AllocatorError(
+                    f"complete_transfers: {transfer_id!r} is not the id of a transfer "
+                    "take_transfers() handed out and not completed yet"
+                )
+            if not ok and pending.kind == LOAD and pending.request_id is not None:
+                failed_loads.append((pending.request_id, pending.request, pending.first_position))
+        if len(set(transfer_ids)) != len(transfer_ids):
+            raise AllocatorError("complete_transfers: a transfer id is given twice")
         return failed_loads
 
     def _finish_store(self, pending: PendingTransfer, cache: bool) -> None:

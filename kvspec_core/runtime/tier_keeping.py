@@ -133,17 +133,28 @@ class TierKeeping(TierStoring):
 
         return evicted
 
-    def keep_on_free(self, state: Any) -> None:
-        """Ask each keep rule which entries of the freed request's table are worth keeping
-        below the device, and mark those blocks (before the caller releases anything: a
-        rule's bad answer refuses the free, changing nothing)."""
+    def keep_marks(self, state: Any) -> list[tuple[dict[int, bytes], BlockPool, list[int]]]:
+        """Ask each keep rule which entries of a request's table are worth keeping below
+        the device, changing nothing: the marks :meth:`mark_kept` sets when the request is
+        freed. Every path that frees (``free``, ``discard_uncomputed``, failed loads) asks
+        before it changes anything, so a rule's bad answer, or its exception, refuses the
+        call with nothing half-applied."""
         marks: list[tuple[dict[int, bytes], BlockPool, list[int]]] = []
         for gid, group_rules in self._keep_rules.items():
             table = state.blocks[gid]
             if not table:
                 continue
             num_cached = state.num_cached[gid]
-            answer = group_rules.offload_range(num_cached)  # type: ignore[attr-defined]
+            asked = (
+                f"group {gid}'s rules ({type(group_rules).__name__}.offload_range({num_cached}))"
+            )
+            try:
+                answer = group_rules.offload_range(num_cached)  # type: ignore[attr-defined]
+            except Exception as error:
+                raise AllocatorError(
+                    f"{asked} raised {type(error).__name__}: {error}; nothing was freed; fix "
+                    "the plugin's offload_range"
+                ) from error
             if (
                 answer.__class__ is not tuple
                 or len(answer) != 2
@@ -151,13 +162,18 @@ class TierKeeping(TierStoring):
                 or not 0 <= answer[0] <= answer[1] <= num_cached
             ):
                 raise AllocatorError(
-                    f"group {gid}'s rules ({type(group_rules).__name__}.offload_range"
-                    f"({num_cached})) answered {answer!r}: it must be a (start, stop) tuple of "
+                    f"{asked} answered {answer!r}: it must be a (start, stop) tuple of "
                     f"ints with 0 <= start <= stop <= {num_cached} (the cached entries); fix "
                     "the plugin's offload_range"
                 )
             pool = self.pool_of_group[gid]
             marks.append((self._kept[pool], self.device_pools[pool], table[answer[0] : answer[1]]))
+        return marks
+
+    @staticmethod
+    def mark_kept(marks: list[tuple[dict[int, bytes], BlockPool, list[int]]]) -> None:
+        """Mark the blocks :meth:`keep_marks` named with the hash each is cached under now
+        (one uncached since, by ``discard_uncomputed``, is not marked)."""
         for kept, device, blocks in marks:
             block_hash = device._block_hash
             for block in blocks:

@@ -61,7 +61,8 @@ class TierTransfers(Freeing, AllocatorBase):
         was discarded (``discard_uncomputed`` from the first position whose content did
         not arrive: no block after it stays cached) and freed. The engine must not run
         their forward in this step and may admit them again (``find_cached_prefix``).
-        Refuses ids not handed out by :meth:`take_transfers`, or completed already, with
+        Refuses ids not handed out by :meth:`take_transfers`, or completed already, and a
+        keep rule's bad answer for a request to discard (``offload_range``), with
         :class:`AllocatorError`, changing nothing."""
         if self._tiers is None:
             ids = list(transfer_ids)
@@ -71,13 +72,20 @@ class TierTransfers(Freeing, AllocatorBase):
                     f"ids ({ids[:3]!r}...) to complete"
                 )
             return ()
-        failed = self._tiers.complete(list(transfer_ids), ok)
+        ids = list(transfer_ids)
         first_lost: dict[str | int, int] = {}
-        for request_id, state, position in failed:
+        for request_id, state, position in self._tiers.check_completion(ids, ok):
             if self._running.get(request_id) is state:
                 first_lost[request_id] = min(position, first_lost.get(request_id, position))
+        # Every discard's keep marks are asked before anything changes: a keep rule's bad
+        # answer refuses the call with the loads still pending and every request running.
+        marks = {
+            request_id: self._keep_marks(self._running[request_id]) for request_id in first_lost
+        }
+        self._tiers.complete(ids, ok)
         for request_id, position in first_lost.items():
-            self.discard_uncomputed(request_id, min(position, self._running[request_id].computed))
+            state = self._running[request_id]
+            self._discard(request_id, state, min(position, state.computed), marks[request_id])
         return tuple(first_lost)
 
     # ----------------------------------------------------------------- remote blocks

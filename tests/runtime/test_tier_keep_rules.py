@@ -108,3 +108,92 @@ def test_a_bad_offload_range_refuses_the_free_changing_nothing(answer) -> None:
 def test_a_bad_keep_is_refused_naming_the_field(tiers, match) -> None:
     with pytest.raises(AllocatorError, match=match):
         make_allocator([full(2)], 6, offload_tiers=tiers)
+
+
+# ------------------------------------------------------------------ every path that frees
+def snapshot(allocator):
+    """What a refused call must leave as it was."""
+    return (
+        [dict(cache) for cache in allocator._caches],
+        [list(pool._block_hash) for pool in allocator.pools],
+        [list(pool.ref_counts) for pool in allocator.pools],
+        sorted(map(str, allocator._running)),
+        sorted(allocator._tiers._pending),
+        [dict(kept) for kept in allocator._tiers._kept],
+    )
+
+
+def plugin_bug(num_cached):
+    raise ZeroDivisionError("a plugin's bug")
+
+
+@pytest.mark.parametrize("rule", [lambda num_cached: (0, 99), plugin_bug])
+def test_a_bad_offload_range_refuses_discard_uncomputed_changing_nothing(rule) -> None:
+    allocator = hybrid(KEEP_FAMILY_RULES)
+    assert allocator.allocate_slots(Request("a", PROMPT), len(PROMPT))
+    good = allocator._tiers._keep_rules[1].offload_range
+    allocator._tiers._keep_rules[1].offload_range = rule
+    before = snapshot(allocator)
+    with pytest.raises(AllocatorError, match=r"group 1's rules \(.*offload_range\(6\)\)"):
+        allocator.discard_uncomputed("a", 4)
+    assert snapshot(allocator) == before  # nothing uncached, the request still runs
+    allocator.check_invariants()
+    allocator._tiers._keep_rules[1].offload_range = good
+    allocator.discard_uncomputed("a", 4)
+    assert not allocator.is_running("a")
+    assert allocator.find_cached_prefix(Request("p", PROMPT)).num_tokens == 4
+
+
+def loads_failing_for_two_requests():
+    """Two requests admitted with loads from the host (their transfers taken, the stores
+    confirmed): the loads, not completed yet."""
+    allocator = make_allocator(
+        SPECS, 30, offload_tiers=(OffloadTier("host", 80, keep="family_rules"),)
+    )
+    prompts = {"r1": list(range(13)), "r2": list(range(300, 313))}
+    for rid, tokens in [("p1", prompts["r1"]), ("p2", prompts["r2"])] + [
+        (f"f{i}", list(range(1000 + 100 * i, 1013 + 100 * i))) for i in range(6)
+    ]:
+        run(allocator, rid, tokens, 13)
+    transfers = allocator.take_transfers()
+    allocator.complete_transfers([t.transfer_id for t in transfers])
+    for rid, tokens in prompts.items():
+        request = Request(rid, tokens + [50])
+        prefix = allocator.find_cached_prefix(request)
+        assert prefix.tokens_by_tier[1] > 0
+        assert allocator.allocate_slots(
+            request, len(request.token_ids) - prefix.num_tokens, prefix=prefix
+        )
+    transfers = allocator.take_transfers()
+    allocator.complete_transfers([t.transfer_id for t in transfers if t.kind != "load"])
+    loads = [t.transfer_id for t in transfers if t.kind == "load"]
+    assert {t.request_id for t in transfers if t.kind == "load"} == {"r1", "r2"}
+    return allocator, loads
+
+
+@pytest.mark.parametrize("rule", [lambda num_cached: (0, 99), plugin_bug])
+def test_a_bad_offload_range_refuses_failed_loads_changing_nothing(rule) -> None:
+    allocator, loads = loads_failing_for_two_requests()
+    good = allocator._tiers._keep_rules[1].offload_range
+    allocator._tiers._keep_rules[1].offload_range = rule
+    before = snapshot(allocator)
+    with pytest.raises(AllocatorError, match=r"group 1's rules"):
+        allocator.complete_transfers(loads, ok=False)
+    # Nothing half-applied: the loads are still pending (the engine can report them
+    # again), both requests still run, nothing was uncached.
+    assert snapshot(allocator) == before
+    allocator.check_invariants()
+    allocator._tiers._keep_rules[1].offload_range = good
+    assert sorted(allocator.complete_transfers(loads, ok=False)) == ["r1", "r2"]
+    assert not allocator.is_running("r1") and not allocator.is_running("r2")
+    allocator.check_invariants()
+
+
+def test_an_offload_range_that_raises_refuses_the_free_naming_the_group() -> None:
+    allocator = hybrid(KEEP_FAMILY_RULES)
+    assert allocator.allocate_slots(Request("a", PROMPT), len(PROMPT))
+    allocator._tiers._keep_rules[1].offload_range = plugin_bug
+    with pytest.raises(AllocatorError, match=r"group 1's rules .* raised ZeroDivisionError"):
+        allocator.free("a")
+    assert allocator.is_running("a")
+    allocator.check_invariants()
