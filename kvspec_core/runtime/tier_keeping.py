@@ -82,6 +82,16 @@ class TierKeeping(TierStoring):
             and (first := first_tier[self.pool_of_group[gid]]) is not None
             and self.tiers[first].keep == KEEP_FAMILY_RULES
         }
+        for gid, group_rules in self._keep_rules.items():
+            offload_range = group_rules.offload_range  # type: ignore[attr-defined]
+            if not callable(offload_range):
+                raise AllocatorError(
+                    f"group {gid}'s rules ({type(group_rules).__name__}): offload_range="
+                    f"{offload_range!r} is not callable (the tier's keep='family_rules' asks "
+                    "it which blocks a freed request keeps); define it as a method "
+                    "offload_range(num_cached) -> (start, stop), or leave it out to keep "
+                    "everything"
+                )
         #: Per device pool: block -> the hash it was cached under when a free marked it
         #: worth keeping below the device (groups with keep rules only).
         self._kept = [{} for _ in self.device_pools]

@@ -197,3 +197,18 @@ def test_an_offload_range_that_raises_refuses_the_free_naming_the_group() -> Non
         allocator.free("a")
     assert allocator.is_running("a")
     allocator.check_invariants()
+
+
+def test_an_offload_range_that_is_not_a_method_is_refused_when_the_allocator_is_built(
+    monkeypatch,
+) -> None:
+    rules_class = type(hybrid(KEEP_FAMILY_RULES)._tiers._keep_rules[1])
+    monkeypatch.setattr(rules_class, "offload_range", (0, 1))  # an attribute, not a method
+    with pytest.raises(
+        AllocatorError,
+        match=rf"group 1's rules \({rules_class.__name__}\): offload_range=\(0, 1\) is not "
+        r"callable.*define it as a method",
+    ):
+        hybrid(KEEP_FAMILY_RULES)
+    # Not asked with the default keep: not checked either.
+    hybrid(KEEP_EVERYTHING)
