@@ -15,10 +15,12 @@ A copy is *pending* from the moment it is recorded until the engine confirms it
 (``complete_transfers``): its destination holds a reference (never evicted, never handed
 out) and is not cached (never a hit). A load also holds a reference on its source slots.
 Confirmed, the destination enters its cache; failed, it returns to the free blocks
-uncached. A store's source is not held: it was evicted and is handed out right away, which
-is why the engine runs the transfers, in order, before the step's forward overwrites it (a
-write-through copy reads a block still cached; one evicted before the copy is recorded is
-stored as the eviction's victim instead).
+uncached. An eviction's store does not hold its source: it was evicted and is handed out
+right away, which is why the engine runs the transfers, in order, before the step's forward
+overwrites it. A write-through copy reads a block still cached and holds a reference on it
+until it completes (one evicted before the copy is recorded is stored as the eviction's
+victim instead): the device cannot evict it meanwhile, so a failed copy leaves it cached,
+to be stored at its eviction.
 """
 
 from __future__ import annotations
@@ -264,6 +266,10 @@ class TierManager(TierKeeping, TierLookup):
         if cache:
             slots.cache_blocks(pending.group, *_still_valid(pending))
         slots._release_unchecked(pending.destination)
+        if pending.held is not None:
+            # A write-through copy's device blocks: evictable again (failed, one is stored
+            # at its eviction).
+            self.device_pools[pending.pool]._release_unchecked(pending.held)
 
     def _finish_load(
         self, pending: PendingTransfer, cache: bool, ok: bool
@@ -300,12 +306,14 @@ class TierManager(TierKeeping, TierLookup):
         self._reset_keeping()
 
     def pending_device_refs(self) -> list[dict[int, int]]:
-        """Per pool, the references pending loads hold on device blocks (invariants)."""
+        """Per pool, the references transfers in flight hold on device blocks (loads on
+        their destinations, write-through copies on their sources; invariants)."""
         refs: list[dict[int, int]] = [{} for _ in self.device_pools]
         for pending in self._pending.values():
-            if pending.kind == LOAD:
+            blocks = pending.destination if pending.kind == LOAD else pending.held
+            if blocks:
                 held = refs[pending.pool]
-                for block in pending.destination:
+                for block in blocks:
                     held[block] = held.get(block, 0) + 1
         return refs
 

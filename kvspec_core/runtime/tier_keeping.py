@@ -227,7 +227,9 @@ class TierKeeping(TierStoring):
                     blocks = [block for block, _ in kept]
                     hashes = [digest for _, digest in kept]
                 if blocks:
+                    queued = {id(pending): len(pending.source) for pending in self._queue}
                     self._store(0, pool, [gid] * len(blocks), hashes, DEVICE_TIER, blocks)
+                    self._hold_sources(pool, queued)
                     # What discard_uncomputed takes back from the tiers. A block the tier
                     # held already (refreshed) is named too: its copy there may then be
                     # dropped needlessly, never kept wrongly.
@@ -262,6 +264,32 @@ class TierKeeping(TierStoring):
                         noted.append((request_id, state, state.computed, gid, table, found))
             fresh[request_id] = (state, upto)
         self._through_marks = fresh
+
+    def _hold_sources(self, pool: int, queued: dict[int, int]) -> None:
+        """Reference the device blocks the copies just recorded read (``queued``: the
+        sources each transfer queued before had), until each copy completes: so a failed
+        copy leaves its block on the device, to be stored at its eviction."""
+        device = self.device_pools[pool]
+        refs = device.ref_counts
+        reused = device._reused
+        for pending in self._queue:
+            if pending.source_tier != DEVICE_TIER or pending.pool != pool:
+                continue
+            new = pending.source[queued.get(id(pending), 0) :]
+            if not new:
+                continue
+            for block in new:
+                if not refs[block]:
+                    # A cached free block leaves the eviction order while the copy reads it.
+                    if reused[block]:
+                        del device._protected[block]
+                    else:
+                        del device._evictable[block]
+                refs[block] += 1
+            if pending.held is None:
+                pending.held = list(new)
+            else:
+                pending.held.extend(new)
 
     def forget_unwritten(self, gid: int, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``discard_uncomputed`` took ``blocks`` of group ``gid`` (cached under

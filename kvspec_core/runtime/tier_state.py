@@ -26,6 +26,7 @@ class PendingTransfer:
         "generation",
         "group",
         "hashes",
+        "held",
         "kind",
         "pool",
         "request",
@@ -66,6 +67,10 @@ class PendingTransfer:
         # Hashes whose content turned out never written (discard_uncomputed after the copy
         # was recorded): confirmed, the copy caches the others only.
         self.dropped: set[bytes] | None = None
+        # The device blocks a write-through copy reads, referenced until it completes: the
+        # device cannot evict one meanwhile (its eviction would skip the store, the hash
+        # being in flight, and a failed copy would then lose it).
+        self.held: list[int] | None = None
 
     def record(self) -> Transfer:
         return Transfer(

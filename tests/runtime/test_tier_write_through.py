@@ -152,19 +152,41 @@ def test_a_failed_copy_loses_nothing_the_eviction_stores_it() -> None:
     assert host_hit(allocator, PROMPT_A) == 8
 
 
-def test_a_copy_in_flight_is_no_hit_and_not_evictable() -> None:
+def test_a_copy_in_flight_is_no_hit_and_its_device_blocks_are_not_evictable() -> None:
     allocator = through(host=5)  # four slots: exactly a's blocks
     admit(allocator, "a", PROMPT_A)
     step(allocator)
     allocator.free("a")  # freed: its forward ran
     (copy,) = allocator.take_transfers()
     assert host_hit(allocator, PROMPT_A) == 0
-    admit(allocator, "b", PROMPT_B)
-    # b's eviction of a's blocks finds them in flight: nothing more is stored, and the
-    # slots being written are not taken from under the copy.
-    assert stores(allocator.take_transfers()) == []
+    # The copy holds a's device blocks until it completes: b cannot evict them.
+    request = Request("b", list(PROMPT_B))
+    assert not allocator.allocate_slots(request, len(PROMPT_B))
     allocator.check_invariants()
     allocator.complete_transfers([copy.transfer_id])
+    assert host_hit(allocator, PROMPT_A) == 0  # still a device hit
+    admit(allocator, "b", PROMPT_B)  # evicts a's blocks: the host holds them already
+    assert stores(step(allocator)) == []
+    assert host_hit(allocator, PROMPT_A) == 8
+
+
+def test_a_copy_that_fails_after_its_request_was_freed_loses_nothing() -> None:
+    # The copy is run but confirmed later; meanwhile a is freed and b needs its blocks.
+    # The device keeps them for the copy, so its failure leaves them cached there, and
+    # b's eviction stores them (before: evicted with the store skipped, the hash being in
+    # flight, then lost with the failed copy).
+    allocator = through(host=9)
+    admit(allocator, "a", PROMPT_A)
+    step(allocator)
+    decode(allocator, "a")
+    (copy,) = allocator.take_transfers()
+    allocator.free("a")
+    assert not allocator.allocate_slots(Request("b", list(PROMPT_B)), len(PROMPT_B))
+    allocator.complete_transfers([copy.transfer_id], ok=False)
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(Request("probe", PROMPT_A)).num_tokens == 8
+    admit(allocator, "b", PROMPT_B)
+    assert [kind[:2] for kind in stores(step(allocator))] == [(0, 1)]  # stored at eviction
     assert host_hit(allocator, PROMPT_A) == 8
 
 
