@@ -132,7 +132,11 @@ def episode(seed: int, configs: list[str], number: int) -> tuple[dict[str, Any],
     random program, from ``seed`` and ``number`` alone (a child makes the same ones)."""
     rng = random.Random(f"{seed}:{number}")
     setup = random_setup(rng, configs[number % len(configs)])
-    return setup, Generator(rng).program(rng.randrange(20, 61))
+    tiered = "tiers" in setup["config"]
+    # With tiers longer: a tier hit needs an eviction, its store completed, then a lookup.
+    return setup, Generator(rng, tiered).program(
+        rng.randrange(40, 121) if tiered else rng.randrange(20, 61)
+    )
 
 
 def _in_child(work: Callable[[Callable[[str], None]], None]) -> tuple[list[str], int, str]:

@@ -265,7 +265,7 @@ def features(op: dict[str, Any]) -> list[str]:
     for entry in op.get("append", []) + op.get("tokens", []):
         if not isinstance(entry, int):
             tags.add("token:" + entry[1])
-    for name in ("prefix", "target", "count", "valid", "lookahead"):
+    for name in ("prefix", "target", "count", "valid", "lookahead", "ids"):
         value = op.get(name)
         if isinstance(value, (list, str)) and value not in ("find", "none", "rest"):
             tags.add(f"{name}:{value[0] if isinstance(value, list) else value}")
@@ -310,7 +310,7 @@ def simplified(op: dict[str, Any]) -> list[dict[str, Any]]:
         variant(lambda o: o.update(target=0))
     if isinstance(op.get("prefix"), list):
         variant(lambda o: o.update(prefix="find"))
-    for field, plain in (("count", 1), ("lookahead", 0), ("valid", "zero")):
+    for field, plain in (("count", 1), ("lookahead", 0), ("valid", "zero"), ("ids", None)):
         if isinstance(op.get(field), list):
             variant(lambda o, f=field, v=plain: o.update({f: v}))
     return variants

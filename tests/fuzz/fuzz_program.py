@@ -40,7 +40,10 @@ from kvspec_core.runtime import (
     CachedPrefix,
     KVCacheAllocator,
     NotNow,
+    OffloadTier,
     Request,
+    TieredPrefix,
+    Transfer,
 )
 from kvspec_core.runtime import (
     native as native_switch,
@@ -86,6 +89,13 @@ FORGERIES = (
     "bools",
     "other",
 )
+#: Edits of a :class:`TieredPrefix`'s tier loads (allocators with offload tiers): another
+#: slot, a tier that does not exist, a position the group's table holds already, a load
+#: dropped (its null entry then claims nothing), and the tiers' epochs (a staleness hint,
+#: like ``epochs``: the allocator may only look again).
+TIER_FORGERIES = ("tier_slot", "tier_number", "load_position", "load_dropped", "tier_epochs")
+#: Bad ``transfer_ids`` entries for ``complete_transfers``.
+BAD_TRANSFER_IDS = ("unknown", "twice", "bool", "str", "int_sub", "negative")
 
 
 # ----------------------------------------------------------------- allocators
@@ -125,13 +135,61 @@ CONFIGS: dict[str, Callable[[], tuple[list[KVSpec], Any, list[int] | None, dict[
     "mla": lambda: ([_mla(4), _mla(4, window=8)], 64, None, {}),
     "two-pools": lambda: ([_full(4), _sliding(4, 8)], [36, 36], [0, 1], {}),
     "two-pools-mamba": lambda: ([_full(4), _mamba(4)], [36, 20], [0, 1], {}),
+    # Offload tiers, small so that evictions and demotions are frequent.
+    "full-tiers": lambda: ([_full(4)], 16, None, {"offload_tiers": (OffloadTier("host", 12),)}),
+    "full-tiers-disk": lambda: (
+        [_full(4)],
+        16,
+        None,
+        {
+            "offload_tiers": (
+                OffloadTier("host", 6, "segmented", "write_through"),
+                OffloadTier("disk", 12),
+            )
+        },
+    ),
+    "sliding-tiers": lambda: (
+        [_sliding(4, 8), _full(4)],
+        28,
+        None,
+        {
+            "offload_tiers": (
+                OffloadTier("host", 12, keep="family_rules"),
+                OffloadTier("disk", 10, "segmented"),
+            )
+        },
+    ),
+    "two-pools-tiers": lambda: (
+        [_full(4), _sliding(4, 8)],
+        [16, 16],
+        [0, 1],
+        {"offload_tiers": (OffloadTier("host", (12, 8), write_policy="write_through"),)},
+    ),
+    # As full-tiers-disk, with an eviction hook that replaces the pool's containers by
+    # copies (same content) after the tiers' own hook ran: what the kernels read across the
+    # hook's call must be held, not borrowed from the pool.
+    "tiers-hostile-hook": lambda: (
+        [_full(4)],
+        20,
+        None,
+        {"offload_tiers": (OffloadTier("host", 4), OffloadTier("disk", 5, "segmented"))},
+    ),
+}
+#: The groups of each tiered configuration whose every hit block is needed (full
+#: attention): an edited load there must be refused (a window group may skip a load).
+FULL_GROUPS: dict[str, tuple[int, ...]] = {
+    "full-tiers": (0,),
+    "full-tiers-disk": (0,),
+    "sliding-tiers": (1,),
+    "two-pools-tiers": (0,),
+    "tiers-hostile-hook": (0,),
 }
 
 
 def build_allocator(config: str, eviction: str, events: bool) -> KVCacheAllocator:
     specs, blocks, pools, options = CONFIGS[config]()
     ctx = SizingContext(max_model_len=64, max_in_flight_tokens=16, mamba_cache_mode="align")
-    return KVCacheAllocator(
+    allocator = KVCacheAllocator(
         specs,
         blocks,
         ctx,
@@ -142,6 +200,65 @@ def build_allocator(config: str, eviction: str, events: bool) -> KVCacheAllocato
         enable_kv_events=events,
         **options,
     )
+    if config in CRASH_ONLY_CONFIGS:
+        for pool in allocator.pools:
+            _hostile_eviction_hook(pool, allocator)
+    return allocator
+
+
+#: Configurations whose allocators are tampered with through private API (a hostile
+#: eviction hook): the pure-Python code, the reference, does not promise sensible answers
+#: then, so the sides are not compared; the kernels must only not crash (any Python
+#: exception is fine).
+CRASH_ONLY_CONFIGS = frozenset({"tiers-hostile-hook"})
+#: What the hostile eviction hook does, call after call, after the tiers' hook ran: replace
+#: one of the pool's containers the kernels read (``pool_access.c``) by a copy (the old one
+#: freed), empty the pool's prefix cache, free a running request (maybe the one the kernel
+#: is allocating for), take the transfers, or raise.
+_HOOK_ACTIONS = (
+    "ref_counts",
+    "_evictable",
+    "caches",
+    "_block_hash",
+    "_fresh",
+    "_protected",
+    "_reused",
+    "reset",
+    "free",
+    "take",
+    "raise",
+)
+
+
+def _hostile_eviction_hook(pool: Any, allocator: KVCacheAllocator) -> None:
+    """Wrap ``pool``'s eviction hook (the tiers') with one that then mutates the pool or
+    the allocator (:data:`_HOOK_ACTIONS`, in turn)."""
+    import copy
+
+    inner = pool._on_evict
+    if inner is None:
+        return
+    calls = [0]
+
+    def hook(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+        inner(groups, hashes, blocks)
+        action = _HOOK_ACTIONS[calls[0] % len(_HOOK_ACTIONS)]
+        calls[0] += 1
+        if action == "reset":
+            pool.reset_prefix_cache(record_event=False)
+        elif action == "free":
+            running = list(allocator._running)
+            if running:
+                allocator.free(running[-1])
+        elif action == "take":
+            allocator.take_transfers()
+        elif action == "raise":
+            raise RuntimeError("hostile eviction hook")
+        else:
+            old = getattr(pool, action)
+            setattr(pool, action, dict(old) if action == "caches" else copy.copy(old))
+
+    pool._on_evict = hook
 
 
 _taking_kernels: tuple[int, list[Any]] = (-1, [])
@@ -180,8 +297,11 @@ def kernels_off() -> Iterator[None]:
 class Generator:
     """Random operations over a few shared token stems (so prefixes hit)."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, tiered: bool = False) -> None:
         self.rng = rng
+        #: Offload tiers: transfers taken and completed, and tier loads forged too (the
+        #: other configurations' programs stay what they were for a seed).
+        self.tiered = tiered
         self.next_id = 0
         self.stems = [[rng.randrange(50_000) for _ in range(40)] for _ in range(3)]
 
@@ -198,6 +318,8 @@ class Generator:
             + ["events"] * 3
             + ["query"] * 6
         )
+        if self.tiered:
+            kinds += ["take"] * 14 + ["complete"] * 12 + ["free"] * 8 + ["find"] * 4
         return [getattr(self, self.rng.choice(kinds))() for _ in range(length)]
 
     def _hostile(self, share: float = 0.3) -> bool:
@@ -210,7 +332,11 @@ class Generator:
 
     def tokens(self) -> list[Any]:
         rng = self.rng
-        stem = rng.choice(self.stems)[: rng.randrange(0, 41)]
+        # With tiers, mostly long stem prefixes: a tier hit needs a prefix's first blocks.
+        cut = (
+            rng.randrange(0, 41) if not self.tiered or rng.random() < 0.3 else rng.randrange(24, 41)
+        )
+        stem = rng.choice(self.stems)[:cut]
         tokens: list[Any] = stem + [rng.randrange(50_000) for _ in range(rng.randrange(0, 21))]
         if rng.random() < 0.05:
             # Past max_model_len (64), and now and then a long prompt (lookups of any length).
@@ -250,7 +376,7 @@ class Generator:
         self.next_id += 1
         if self._hostile(0.04):
             return ["dup", rng.randrange(8)]
-        if not self._hostile(0.15):
+        if not self._hostile(0.05 if self.tiered else 0.15):
             return ["str", f"r{self.next_id}"] if rng.random() < 0.7 else ["int", self.next_id]
         if rng.random() < 0.5:
             return [*self.hook("hash", "hash", "eq"), rng.random() < 0.5]
@@ -260,7 +386,7 @@ class Generator:
     def salt(self) -> list[Any] | None:
         rng = self.rng
         roll = rng.random()
-        if roll < 0.6:
+        if roll < 0.6 or (self.tiered and rng.random() < 0.6):
             return None
         if roll < 0.75:
             return ["str", rng.choice("ab")]
@@ -302,6 +428,8 @@ class Generator:
         prefix: Any = rng.choice(("find", "find", "find", "none"))
         if self._hostile(0.12):
             prefix = ["forge", rng.choice(FORGERIES)]
+        elif self.tiered and self._hostile(0.3):
+            prefix = ["forge", rng.choice(TIER_FORGERIES)]
         count: Any = rng.choice(("rest", "rest", rng.randrange(1, 17)))
         return {
             "op": "admit",
@@ -363,6 +491,21 @@ class Generator:
     def query(self) -> Op:
         return {"op": "query", "target": self.target()}
 
+    def take(self) -> Op:
+        return {"op": "take"}
+
+    def complete(self) -> Op:
+        """Complete some of the pending transfers (by their place in the pending list, any
+        order), confirmed or failed; now and then with a bad id among them."""
+        rng = self.rng
+        picks: Any = (
+            "all"
+            if rng.random() < 0.5
+            else [rng.randrange(8) for _ in range(rng.choice((1, 2, 3)))]
+        )
+        ids: Any = ["bad", rng.choice(BAD_TRANSFER_IDS)] if self._hostile(0.06) else None
+        return {"op": "complete", "picks": picks, "ok": rng.random() < 0.75, "ids": ids}
+
 
 # ----------------------------------------------------------------- one side
 def show(value: Any) -> str:
@@ -370,6 +513,19 @@ def show(value: Any) -> str:
     has its own object)."""
     if isinstance(value, BaseException):
         return f"raise {type(value).__name__}"
+    if isinstance(value, TieredPrefix):
+        return (
+            f"tiered {value.num_tokens} {value.block_ids} {value.epochs} "
+            f"{value.checkpoint_at} loads={value.loads} by_tier={value.tokens_by_tier} "
+            f"tier_epochs={value.tier_epochs}"
+        )
+    if isinstance(value, Transfer):
+        return (
+            f"transfer {value.transfer_id} {value.kind} g{value.group} p{value.pool} "
+            f"{value.source_tier}->{value.destination_tier} {value.source_blocks}->"
+            f"{value.destination_blocks} for {_request_name(value.request_id)} "
+            f"hashes={len(value.block_hashes)}"
+        )
     if isinstance(value, CachedPrefix):
         return f"prefix {value.num_tokens} {value.block_ids} {value.epochs} {value.checkpoint_at}"
     if isinstance(value, Allocated):
@@ -382,6 +538,13 @@ def show(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(show(item) for item in value) + "]"
     return repr(value)
+
+
+def _request_name(rid: Any) -> str:
+    """A request id as both sides would print it (a hostile id is each side's own object)."""
+    if rid is None or type(rid) in (str, int):
+        return repr(rid)
+    return type(rid).__name__
 
 
 def tenant(request: Request) -> tuple[Any, ...]:
@@ -422,6 +585,9 @@ class Side:
         self.allocator = self.call(lambda: build_allocator(config, eviction, events))
         self.running: list[Request] = []
         self.freed: list[Any] = []
+        #: Transfer ids taken and not yet completed, oldest first.
+        self.pending: list[int] = []
+        self.config = config
         # (tenant, tokens) of every request the allocator gave slots to: what a cached
         # block can hold.
         self.seen: set[tuple[Any, ...]] = set()
@@ -506,7 +672,7 @@ class Side:
                 # look again. Every other edit claims blocks or tokens it was not given.
                 forged = (
                     not _same_prefix(prefix, found)
-                    and op["prefix"][1] != "epochs"
+                    and op["prefix"][1] not in ("epochs", "tier_epochs")
                     and not self.same_content_as_other(op["prefix"][1], request, found)
                 )
                 answers.append("forged" if forged else "forgery equals the prefix")
@@ -548,6 +714,8 @@ class Side:
         others = [self.allocator.block_ids(r.request_id) for r in self.running[:1]]
         other = others[0] if others else tuple((1, 2) for _ in genuine.block_ids)
         evolve = attrs.evolve
+        if how in TIER_FORGERIES:
+            return self.forge_loads(how, genuine)
         if how == "negative":
             return evolve(genuine, num_tokens=-16, block_ids=other)
         if how == "others_blocks":
@@ -592,6 +760,40 @@ class Side:
             lora_name=request.lora_name,
         )
         return evolve(self.call(lambda: self.allocator.find_cached_prefix(twin)), request_id="twin")
+
+    def forge_loads(self, how: str, genuine: CachedPrefix) -> Any:
+        """``genuine`` with the last tier load of each full-attention group edited (the
+        prefix itself when it loads nothing there: no edit to make)."""
+        if not isinstance(genuine, TieredPrefix):
+            return genuine
+        if how == "tier_epochs":
+            return attrs.evolve(
+                genuine, tier_epochs=tuple(tuple(e + 1 for e in row) for row in genuine.tier_epochs)
+            )
+        full = FULL_GROUPS.get(self.config, ())
+        loads = [list(group) for group in genuine.loads]
+        block_ids = list(genuine.block_ids)
+        edited = False
+        for gid, group in enumerate(loads):
+            if gid not in full or not group:
+                continue
+            index, tier, slot = group[-1]
+            edited = True
+            if how == "tier_slot":
+                group[-1] = (index, tier, slot + 1)
+            elif how == "tier_number":
+                group[-1] = (index, len(genuine.tier_epochs) + 1, slot)
+            elif how == "load_position":
+                held = [i for i, block in enumerate(block_ids[gid]) if block]
+                if not held:
+                    edited = False
+                    continue
+                group[-1] = (held[-1], tier, slot)
+            else:  # load_dropped: the null entry stays, nothing loads it
+                del group[-1]
+        if not edited:
+            return genuine
+        return attrs.evolve(genuine, loads=tuple(tuple(group) for group in loads))
 
     def count(self, spec: Any, request: Request, prefix: Any) -> Any:
         if isinstance(spec, int):
@@ -697,6 +899,40 @@ class Side:
             show(self.attempt(lambda: allocator.is_running(rid))),
         ]
 
+    def op_take(self, op: Op) -> list[str]:
+        answer = self.attempt(self.allocator.take_transfers)
+        if isinstance(answer, list):
+            self.pending += [transfer.transfer_id for transfer in answer]
+        return [show(answer)]
+
+    def op_complete(self, op: Op) -> list[str]:
+        if not self.pending:
+            return ["skip"]
+        chosen: list[Any] = []
+        for pick in range(len(self.pending)) if op["picks"] == "all" else op["picks"]:
+            transfer_id = self.pending[pick % len(self.pending)]
+            if transfer_id not in chosen:
+                chosen.append(transfer_id)
+        if isinstance(op["ids"], list):
+            chosen.append(
+                {
+                    "unknown": 10**9,
+                    "twice": chosen[0],
+                    "bool": True,
+                    "str": str(chosen[0]),
+                    "int_sub": IntSub(chosen[0]),
+                    "negative": -1,
+                }[op["ids"][1]]
+            )
+        answer = self.attempt(lambda: self.allocator.complete_transfers(chosen, op["ok"]))
+        if not isinstance(answer, BaseException):
+            done = set(chosen)
+            self.pending = [tid for tid in self.pending if tid not in done]
+            for rid in answer:  # failed loads' requests were discarded and freed
+                self.forget(rid)
+            return [f"({', '.join(_request_name(rid) for rid in answer)})"]
+        return [show(answer)]
+
     # -- checks after each operation
     def state(self) -> list[str]:
         """Usage, running requests with their tables, and check_invariants."""
@@ -737,12 +973,13 @@ class Side:
 def _same_prefix(first: Any, second: CachedPrefix) -> bool:
     """Field by field, without running a hostile request id's ``__eq__``."""
     return (
-        type(first) is CachedPrefix
+        type(first) is type(second)
         and first.request_id is second.request_id
         and all(
             type(getattr(first, name)) is type(getattr(second, name))
             and getattr(first, name) == getattr(second, name)
             for name in ("num_tokens", "block_ids", "epochs", "checkpoint_at")
+            + (("loads", "tokens_by_tier", "tier_epochs") if type(second) is TieredPrefix else ())
         )
     )
 
@@ -794,10 +1031,13 @@ def run_program(
     from fuzz_hostile import features
 
     first, second = sides(setup["config"], setup["eviction"], setup["events"])
+    crash_only = setup["config"] in CRASH_ONLY_CONFIGS
     for index, op in enumerate(ops):
         progress(index)
         answers = [first.apply(op), second.apply(op)]
         states = [first.state(), second.state()]
+        if crash_only:
+            continue
         tags = ",".join(features(op))
         where = f"{op['op']}[{tags}]" if tags else op["op"]
         if answers[0] != answers[1]:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import Counter
 
 import pytest
 from allocator_fuzz import CONFIGS, fuzz, run_in_child
-from fuzz_program import Side, make_sides, run_program
+from fuzz_program import TIER_FORGERIES, Side, make_sides, run_program
 
 from kvspec_core.runtime import CachedPrefix, Request
 from kvspec_core.runtime.native import native
@@ -87,3 +88,51 @@ def test_a_hit_no_earlier_request_of_the_tenant_backs_is_a_false_hit() -> None:
     side.check_hit(Request("y", [1, 2, 3, 4, 9], cache_salt=b"a"), hit)  # another tenant
     side.check_hit(Request("z", [1, 2, 3, 7, 9], cache_salt="a"), hit)  # other tokens
     assert len(side.notes) == 2 and all(note.startswith("false hit") for note in side.notes)
+
+
+TIERED = [name for name in CONFIGS if "tiers" in name]
+
+
+def test_tiered_programs_reach_tier_hits_loads_failed_transfers_and_forged_loads() -> None:
+    """The tiered configurations are not fuzzed in name only: their programs find prefixes
+    in the offload tiers, admit them (loads), take stores and demotions, complete transfers
+    confirmed and failed, and the allocator refuses edited tier loads."""
+    from allocator_fuzz import episode
+
+    seen: Counter[str] = Counter()
+
+    class Counting(Side):
+        def apply(self, op: dict) -> list[str]:
+            answers = super().apply(op)
+            if self.kernels:
+                text = " ".join(answers)
+                seen["tier hit"] += text.startswith("tiered")
+                seen["load"] += " load " in text
+                seen["demotion"] += "1->2" in text
+                if op["op"] == "complete" and answers != ["skip"]:
+                    seen[f"completed ok={op['ok']}"] += not text.startswith("raise")
+                prefix = op.get("prefix")
+                if isinstance(prefix, list) and prefix[1] in TIER_FORGERIES:
+                    seen["forged load refused"] += answers[1:2] == ["forged"] and (
+                        answers[-1].startswith("raise")
+                    )
+            return answers
+
+    def counting(config: str, eviction: str, events: bool) -> tuple[Side, Side]:
+        return (
+            Counting("kernels", True, config, eviction, events),
+            Counting("python", False, config, eviction, events),
+        )
+
+    for number in range(2 * len(TIERED) * 20):
+        setup, ops = episode(5, TIERED, number)
+        assert run_program(setup, ops, sides=counting)[1] is None
+    for what in (
+        "tier hit",
+        "load",
+        "demotion",
+        "completed ok=True",
+        "completed ok=False",
+        "forged load refused",
+    ):
+        assert seen[what] >= 3, seen
