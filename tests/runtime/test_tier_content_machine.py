@@ -19,7 +19,8 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from runtime_testkit import full, machine_test_cases, make_allocator, mamba, sliding
+from runtime_testkit import full, machine_test_cases, make_allocator
+from test_tiered_state_machine import CONFIGS as TIERED_CONFIGS
 
 from kvspec_core.runtime import NotNow, Request
 from kvspec_core.runtime.tiers import (
@@ -32,13 +33,9 @@ from kvspec_core.runtime.tiers import (
     TieredPrefix,
 )
 
-#: name -> (specs, device blocks per pool, pool of each group, (host, disk) slots).
-CONFIGS = {
-    "full": ([full(2)], 10, None, (4, 6)),
-    "full_small": ([full(2)], 7, None, (3, 3)),
-    "full+sliding": ([full(2), sliding(2, 5)], 16, None, (6, 8)),
-    "full+mamba": ([full(4), mamba(4)], [10, 8], [0, 1], ((4, 4), (6, 0))),
-}
+#: name -> (specs, device blocks per pool, pool of each group, (host, disk) slots): the
+#: random tiered machine's, and a tight full attention.
+CONFIGS = {**TIERED_CONFIGS, "full_small": ([full(2)], 7, None, (3, 3))}
 PREFIXES = (
     [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 5, 6],
     [7, 7, 7, 7, 7, 7, 7, 7],
