@@ -201,8 +201,11 @@ def build_allocator(config: str, eviction: str, events: bool) -> KVCacheAllocato
         **options,
     )
     if config in CRASH_ONLY_CONFIGS:
-        for pool in allocator.pools:
-            _hostile_eviction_hook(pool, allocator)
+        tiers = allocator._tiers
+        tier_pools = [pool for row in tiers.tier_pools for pool in row] if tiers else []
+        for pool in [*allocator.pools, *tier_pools]:
+            if pool is not None:
+                _hostile_eviction_hook(pool, allocator)
     return allocator
 
 
@@ -231,12 +234,13 @@ _HOOK_ACTIONS = (
 
 
 def _hostile_eviction_hook(pool: Any, allocator: KVCacheAllocator) -> None:
-    """Wrap ``pool``'s eviction hook (the tiers') with one that then mutates the pool or
-    the allocator (:data:`_HOOK_ACTIONS`, in turn)."""
+    """Wrap ``pool``'s eviction hook (the tiers': a device pool's, or a tier pool's that
+    demotes to the tier below) with one that then mutates the pool or the allocator
+    (:data:`_HOOK_ACTIONS`, in turn)."""
     import copy
 
     inner = pool._on_evict
-    if inner is None:
+    if inner is None:  # the last tier's pools: their evictions drop, no hook to call
         return
     calls = [0]
 
