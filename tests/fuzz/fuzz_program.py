@@ -217,7 +217,7 @@ CRASH_ONLY_CONFIGS = frozenset({"tiers-hostile-hook"})
 #: What the hostile eviction hook does, call after call, after the tiers' hook ran: replace
 #: one of the pool's containers the kernels read (``pool_access.c``) by a copy (the old one
 #: freed), empty the pool's prefix cache, free a running request (maybe the one the kernel
-#: is allocating for), take the transfers, or raise.
+#: is allocating for), take the transfers, raise, or retype a container (:data:`_RETYPED`).
 _HOOK_ACTIONS = (
     "ref_counts",
     "_evictable",
@@ -230,25 +230,47 @@ _HOOK_ACTIONS = (
     "free",
     "take",
     "raise",
+    "retype",
+)
+#: ``retype``: a container of the pool replaced by one of another type with the same
+#: entries (each in turn), put back at the hook's next call.
+_RETYPED = (
+    ("ref_counts", tuple),
+    ("_block_hash", tuple),
+    ("_fresh", list),
+    ("_evictable", dict),
+    ("caches", lambda old: tuple(old.items())),
+    ("_reused", bytes),
 )
 
 
 def _hostile_eviction_hook(pool: Any, allocator: KVCacheAllocator) -> None:
     """Wrap ``pool``'s eviction hook (the tiers': a device pool's, or a tier pool's that
     demotes to the tier below) with one that then mutates the pool or the allocator
-    (:data:`_HOOK_ACTIONS`, in turn)."""
+    (one of :data:`_HOOK_ACTIONS` per call)."""
     import copy
 
     inner = pool._on_evict
     if inner is None:  # the last tier's pools: their evictions drop, no hook to call
         return
     calls = [0]
+    retyped: list[tuple[str, Any]] = []
 
     def hook(groups: list[int], hashes: list[bytes], blocks: list[int]) -> None:
+        while retyped:
+            name, old = retyped.pop()
+            setattr(pool, name, old)
         inner(groups, hashes, blocks)
-        action = _HOOK_ACTIONS[calls[0] % len(_HOOK_ACTIONS)]
+        # Chosen by the call count and the victims (varied, and the same in a replay).
+        choice = calls[0] + sum(blocks) + len(hashes)
+        action = _HOOK_ACTIONS[choice % len(_HOOK_ACTIONS)]
         calls[0] += 1
-        if action == "reset":
+        if action == "retype":
+            name, kind = _RETYPED[choice % len(_RETYPED)]
+            old = getattr(pool, name)
+            retyped.append((name, old))
+            setattr(pool, name, kind(old))
+        elif action == "reset":
             pool.reset_prefix_cache(record_event=False)
         elif action == "free":
             running = list(allocator._running)
