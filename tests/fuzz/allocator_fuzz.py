@@ -1,7 +1,10 @@
 """Differential fuzzer of the public allocator API: the compiled kernels against the pure-Python
 code they mirror (``KVSPEC_PURE_PYTHON=1``'s path), in one process, on full-attention,
-sliding-window, Mamba, chunked-local, MLA and two-pool allocators, with hostile token ids,
-request ids, salts, counts and forged prefixes (see ``fuzz_program.py``)::
+sliding-window, Mamba, chunked-local, MLA and two-pool allocators, and on allocators with
+small offload tiers (transfers taken and completed or failed, tier hits, forged tier loads),
+with hostile token ids, request ids, salts, counts and forged prefixes, and one tiered
+configuration whose eviction hooks tamper with the pools (only a crash is a finding there;
+see ``fuzz_program.py``)::
 
     .venv/bin/python tests/fuzz/allocator_fuzz.py --seconds 60 --seed 1
     scripts/asan-kernels .venv/bin/python tests/fuzz/allocator_fuzz.py --seconds 150
