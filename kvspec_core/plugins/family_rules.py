@@ -55,7 +55,11 @@ class FamilyRules(Protocol):
     hit needs is still decided by :meth:`longest_hit` over what the tiers hold, so a rule
     that keeps too little loses hits but never makes a false one. The core's trailing
     window keeps a freed request's last window (what resuming at its end needs); state
-    checkpoints keep the default (every state they cache is a checkpoint).
+    checkpoints keep the default (every state they cache is a checkpoint). It must be a
+    method (one that is not callable is refused when the allocator is built); it is asked
+    before a free, a ``discard_uncomputed`` or a failed load's discard changes anything,
+    so an answer out of range, or an exception, refuses that call with
+    :class:`~kvspec_core.errors.AllocatorError` naming the group, changing nothing.
     """
 
     block_tokens: int
