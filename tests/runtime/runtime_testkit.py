@@ -9,6 +9,7 @@ import importlib
 import math
 import pkgutil
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -308,3 +309,41 @@ def machine_test_cases(machine: type, *, max_examples: int) -> tuple[type, type]
 
     PurePython.__name__ = PurePython.__qualname__ = f"{machine.__name__}PurePython"
     return compiled, PurePython
+
+
+#: The replay benchmark, which tests load as a module (it is a script, not a package).
+REPLAY_TRACE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_trace.py"
+
+
+def load_replay_trace(module_name: str) -> ModuleType:
+    """``benchmarks/replay_trace.py`` loaded as a fresh module named ``module_name``."""
+    spec = importlib.util.spec_from_file_location(module_name, REPLAY_TRACE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_forward(
+    content: dict[tuple[int, int, int], tuple],
+    allocator: KVCacheAllocator,
+    request: Request,
+    start: int,
+    end: int,
+) -> None:
+    """What an engine's forward over tokens ``[start, end)`` of ``request`` writes, for the
+    tiered state machines: ``content[(0, pool, block)] = (group, tokens it covers)`` for
+    each device block it writes (a Mamba group writes only the state block where it ends)."""
+    tokens_now = tuple(request.token_ids)
+    for gid, table in enumerate(allocator.block_ids(request.request_id)):
+        size = allocator._block_tokens[gid]
+        pool = allocator._pool_of[gid]
+        if allocator.specs[gid].kind == "mamba":
+            index = (end - 1) // size
+            if end > start and index < len(table) and table[index]:
+                content[(0, pool, table[index])] = (gid, tokens_now[:end])
+            continue
+        for index, block in enumerate(table):
+            if block and index * size < end and (index + 1) * size > start:
+                covered = min((index + 1) * size, end)
+                content[(0, pool, block)] = (gid, tokens_now[:covered])

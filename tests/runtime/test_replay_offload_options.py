@@ -4,28 +4,22 @@ reach the allocator, and the flags need a host tier."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from runtime_testkit import REPLAY_TRACE_SCRIPT as SCRIPT
+from runtime_testkit import load_replay_trace
 
 from kvspec_core.runtime import chat_trace
 from kvspec_core.runtime.tiers import KEEP_EVERYTHING, KEEP_FAMILY_RULES, WRITE_BACK, WRITE_THROUGH
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_trace.py"
-
 
 @pytest.fixture(scope="module")
 def replay_trace() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("replay_trace_options_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_replay_trace("replay_trace_options_under_test")
 
 
 def test_eviction_applies_to_the_device_and_every_tier(replay_trace: ModuleType) -> None:

@@ -3,26 +3,20 @@ transfers confirmed at once) and chunked prefill (``--hybrid`` on long prompts).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from runtime_testkit import REPLAY_TRACE_SCRIPT as SCRIPT
+from runtime_testkit import load_replay_trace
 
 from kvspec_core.runtime import chat_trace
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_trace.py"
 
 
 @pytest.fixture(scope="module")
 def replay_trace() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("replay_trace_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_replay_trace("replay_trace_under_test")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from runtime_testkit import full, machine_test_cases, make_allocator
+from runtime_testkit import full, machine_test_cases, make_allocator, write_forward
 from test_tiered_state_machine import CONFIGS as TIERED_CONFIGS
 
 from kvspec_core.runtime import NotNow, Request
@@ -87,20 +87,9 @@ class ContentMachine(RuleBasedStateMachine):
         for index, digest in enumerate(hasher.hashes(probe, len(probe.token_ids))):
             self.tokens_of[digest] = tuple(probe.token_ids[: (index + 1) * size])
 
-    def _forward(self, request, start, end):
-        allocator = self.allocator
-        now = tuple(request.token_ids)
-        for gid, table in enumerate(allocator.block_ids(request.request_id)):
-            size = allocator._block_tokens[gid]
-            if allocator.specs[gid].kind == "mamba":
-                index = (end - 1) // size
-                if end > start and index < len(table) and table[index]:
-                    self.content[(0, self._pool(gid), table[index])] = (gid, now[:end])
-                continue
-            for index, block in enumerate(table):
-                if block and index * size < end and (index + 1) * size > start:
-                    covered = now[: min((index + 1) * size, end)]
-                    self.content[(0, self._pool(gid), block)] = (gid, covered)
+    def _forward(self, request: Request, start: int, end: int) -> None:
+        """Write what a forward over tokens ``[start, end)`` writes."""
+        write_forward(self.content, self.allocator, request, start, end)
 
     def _run_transfers(self, fail=0, defer=0):
         """Take the transfers and run them in order; returns the requests to drop."""

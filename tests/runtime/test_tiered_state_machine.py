@@ -23,7 +23,15 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
-from runtime_testkit import full, machine_test_cases, make_allocator, mamba, needed_indices, sliding
+from runtime_testkit import (
+    full,
+    machine_test_cases,
+    make_allocator,
+    mamba,
+    needed_indices,
+    sliding,
+    write_forward,
+)
 
 from kvspec_core.runtime import NotNow, Request
 from kvspec_core.runtime.tiers import (
@@ -91,19 +99,7 @@ class TieredMachine(RuleBasedStateMachine):
 
     def _forward(self, request: Request, start: int, end: int) -> None:
         """Write what a forward over tokens ``[start, end)`` writes."""
-        allocator = self.allocator
-        tokens_now = tuple(request.token_ids)
-        for gid, table in enumerate(allocator.block_ids(request.request_id)):
-            size = allocator._block_tokens[gid]
-            if allocator.specs[gid].kind == "mamba":
-                index = (end - 1) // size
-                if end > start and index < len(table) and table[index]:
-                    self.content[(0, self._pool(gid), table[index])] = (gid, tokens_now[:end])
-                continue
-            for index, block in enumerate(table):
-                if block and index * size < end and (index + 1) * size > start:
-                    covered = min((index + 1) * size, end)
-                    self.content[(0, self._pool(gid), block)] = (gid, tokens_now[:covered])
+        write_forward(self.content, self.allocator, request, start, end)
 
     def _run_transfers(self, fail: int, defer: int) -> None:
         """Copy content ids as the engine would, in order, before the forward; confirm,
