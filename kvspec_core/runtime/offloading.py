@@ -33,12 +33,13 @@ from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.rules import FamilyRules, FullAttentionRules, HitScan
 from kvspec_core.runtime.tier_keeping import TierKeeping, drop_cached
 from kvspec_core.runtime.tier_lookup import TierLookup
+from kvspec_core.runtime.tier_remote import TierRemote
 from kvspec_core.runtime.tier_state import PendingTransfer
 from kvspec_core.runtime.tier_view import TieredView, full_scan_across_tiers
 from kvspec_core.runtime.tiers import DEVICE_TIER, LOAD, STORE, OffloadTier, Transfer
 
 
-class TierManager(TierKeeping, TierLookup):
+class TierManager(TierKeeping, TierLookup, TierRemote):
     """Offload tiers of one allocator (see the module docstring).
 
     Args:
