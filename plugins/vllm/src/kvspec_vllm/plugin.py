@@ -4,17 +4,25 @@ vLLM calls :func:`register` in every process it starts (the front end, the engin
 workers). With ``KVSPEC_VLLM=1`` it checks the vLLM version and replaces
 ``get_kv_cache_configs`` in ``vllm.v1.core.kv_cache_utils`` and in ``vllm.v1.engine.core``
 (which imported it by name). With ``KVSPEC_VLLM_SHADOW=1`` it wraps the KV-cache manager
-the scheduler builds in a kvspec shadow (:mod:`kvspec_vllm.shadow`). Without either switch
-it changes nothing.
+the scheduler builds in a kvspec shadow (:mod:`kvspec_vllm.shadow`). With
+``KVSPEC_VLLM_ALLOCATOR=1`` the scheduler builds kvspec's manager instead of vLLM's
+(:mod:`kvspec_vllm.scheduler_seam`); it and shadow mode exclude each other. Without any
+switch it changes nothing.
 """
 
 from __future__ import annotations
 
-from kvspec_vllm import shadow
+from kvspec_vllm import scheduler_seam, shadow
 from kvspec_vllm.errors import KVSpecVLLMError
 from kvspec_vllm.planning import planned_by_kvspec
 from kvspec_vllm.specs import vllm_module
-from kvspec_vllm.switch import plugin_enabled, shadow_enabled
+from kvspec_vllm.switch import (
+    ALLOCATOR_SWITCH,
+    SHADOW_SWITCH,
+    allocator_enabled,
+    plugin_enabled,
+    shadow_enabled,
+)
 from kvspec_vllm.version import check_vllm_version
 
 #: Modules holding the name ``get_kv_cache_configs`` that vLLM's engine core calls.
@@ -23,15 +31,23 @@ PATCHED_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.engine.core")
 
 def register() -> None:
     """Install kvspec's planning into vLLM when ``KVSPEC_VLLM`` is on, the shadow when
-    ``KVSPEC_VLLM_SHADOW`` is (idempotent)."""
-    planning, shadowing = plugin_enabled(), shadow_enabled()
-    if not (planning or shadowing):
+    ``KVSPEC_VLLM_SHADOW`` is, kvspec's allocator behind the scheduler when
+    ``KVSPEC_VLLM_ALLOCATOR`` is (idempotent)."""
+    planning, shadowing, allocating = plugin_enabled(), shadow_enabled(), allocator_enabled()
+    if not (planning or shadowing or allocating):
         return
+    if shadowing and allocating:
+        raise KVSpecVLLMError(
+            f"kvspec-vllm: {SHADOW_SWITCH}=1 mirrors vLLM's own KV-cache manager into kvspec's "
+            f"allocator, {ALLOCATOR_SWITCH}=1 replaces that manager by kvspec's: set one of them"
+        )
     check_vllm_version(vllm_module("vllm").__version__)
     if planning:
         install()
     if shadowing:
         shadow.install()
+    if allocating:
+        scheduler_seam.install()
 
 
 def install() -> None:

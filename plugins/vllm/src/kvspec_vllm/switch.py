@@ -1,5 +1,7 @@
 """The plugin's switches: ``KVSPEC_VLLM`` (vLLM's KV-cache config comes from kvspec's
-planner) and ``KVSPEC_VLLM_SHADOW`` (kvspec's allocator shadows vLLM's KV-cache manager)."""
+planner), ``KVSPEC_VLLM_SHADOW`` (kvspec's allocator shadows vLLM's KV-cache manager) and
+``KVSPEC_VLLM_ALLOCATOR`` (kvspec's allocator replaces vLLM's KV-cache manager behind the
+scheduler)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from kvspec_vllm.errors import KVSpecVLLMError
 SWITCH = "KVSPEC_VLLM"
 #: The environment variable that turns shadow mode on (:mod:`kvspec_vllm.shadow`).
 SHADOW_SWITCH = "KVSPEC_VLLM_SHADOW"
+#: The environment variable that puts kvspec's allocator behind vLLM's scheduler
+#: (:mod:`kvspec_vllm.scheduler_seam`).
+ALLOCATOR_SWITCH = "KVSPEC_VLLM_ALLOCATOR"
 
 _ON = frozenset({"1", "true", "on", "yes"})
 _OFF = frozenset({"", "0", "false", "off", "no"})
@@ -27,6 +32,11 @@ def plugin_enabled(environ: Mapping[str, str] | None = None) -> bool:
 def shadow_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``KVSPEC_VLLM_SHADOW`` is on (same values as :func:`plugin_enabled`)."""
     return switch_on(SHADOW_SWITCH, environ)
+
+
+def allocator_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``KVSPEC_VLLM_ALLOCATOR`` is on (same values as :func:`plugin_enabled`)."""
+    return switch_on(ALLOCATOR_SWITCH, environ)
 
 
 def switch_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
