@@ -14,11 +14,12 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
   are read back from that tier and put to the store under the block's hash.
 * **Fetching.** ``fetch`` asks the store how many of the request's blocks after its local
   hit it has, gets them (a miss or a corrupt value ends the run there: never a partial
-  block), reserves slots for them in a local tier
-  (``KVCacheAllocator.reserve_remote_blocks``: pending, never a hit until written), writes
-  the pages and confirms: they are then tier entries, cached under the very hashes they were
-  fetched by, that the next ``find_cached_prefix`` loads like any tier hit. A failed write
-  frees the slots uncached.
+  block), reserves slots for them in the first local tier (host memory;
+  ``KVCacheAllocator.reserve_remote_blocks``: pending, never a hit until written), runs the
+  demotions of the entries those slots evicted to the tier below, writes the pages and
+  confirms: they are then tier entries, cached under the very hashes they were fetched by,
+  that the next ``find_cached_prefix`` loads like any tier hit. A failed write frees the
+  slots uncached.
 * **Failures.** A server that is down or slow costs misses within the store's timeouts (the
   store counts them; see ``remote_store.py``); nothing raises into the step.
 
@@ -41,6 +42,7 @@ from kvspec_core.runtime.remote_store import RemoteBlockStore
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.rules import FullAttentionRules
 from kvspec_core.runtime.tier_copy import TransferRunner
+from kvspec_core.runtime.tier_remote import RemoteReservation
 from kvspec_core.runtime.tiers import DEVICE_TIER, STORE, Transfer
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ class RemoteTierCounters:
     publish_failures: int = 0
     #: Fetched runs whose write into the local tier failed (their slots freed uncached).
     write_failures: int = 0
+    #: Tier entries the fetched blocks' slots evicted, copied to the tier below first.
+    demoted: int = 0
 
 
 class RemoteTier:
@@ -147,19 +151,32 @@ class RemoteTier:
         run = self.store.contained_prefix_length(wanted)
         if run == 0:
             return 0
-        transfer = None
+        pages = self.store.get_many(wanted[:run])
+        good = next((i for i, page in enumerate(pages) if page is None), run)
+        self.counters.fetch_misses += run - good
+        if good == 0:
+            return 0
+        reservation = allocator.reserve_remote_blocks(
+            self.group, wanted[:good], local_hit=hashes[:start]
+        )
+        if reservation is None:
+            return 0
+        return self._write(reservation, pages)
+
+    def _write(self, reservation: RemoteReservation, pages: list[bytes | None]) -> int:
+        """Run the reservation's demotions, then write the fetched pages into its slots and
+        confirm them (see ``tier_remote.py`` for why in this order); returns the blocks
+        cached (0 when the write failed: the slots are freed uncached)."""
+        allocator = self.allocator
+        transfer = reservation.transfer
         try:
-            pages = self.store.get_many(wanted[:run])
-            good = next((i for i, page in enumerate(pages) if page is None), run)
-            self.counters.fetch_misses += run - good
-            if good == 0:
-                return 0
-            transfer = allocator.reserve_remote_blocks(self.group, wanted[:good])
-            if transfer is None:
-                return 0
+            if reservation.demotions:
+                # They read the very slots the pages go to: run and complete them first
+                # (a failed one loses its block from the tiers, nothing else).
+                self.runner.run_and_complete(allocator, list(reservation.demotions))
             block_bytes = self.runner.block_bytes(transfer.destination_tier, transfer.pool)
             fetched = [pages[i] for i in transfer.source_blocks]
-            if any(len(page) != block_bytes for page in fetched):  # type: ignore[arg-type]
+            if any(page is None or len(page) != block_bytes for page in fetched):
                 # Another layout under this namespace: the caller's namespace is wrong.
                 self.counters.fetch_misses += transfer.num_blocks
                 allocator.complete_transfers([transfer.transfer_id], ok=False)
@@ -172,17 +189,15 @@ class RemoteTier:
                 transfer.destination_tier, transfer.pool, transfer.destination_blocks, rows
             )
         except (OSError, RuntimeError, IndexError, AllocatorError):
-            if transfer is None:
-                raise
             allocator.complete_transfers([transfer.transfer_id], ok=False)
             self.counters.write_failures += 1
             return 0
         except BaseException:
-            if transfer is not None:
-                allocator.complete_transfers([transfer.transfer_id], ok=False)
+            allocator.complete_transfers([transfer.transfer_id], ok=False)
             raise
         allocator.complete_transfers([transfer.transfer_id], ok=True)
         self.counters.fetched += transfer.num_blocks
+        self.counters.demoted += sum(demotion.num_blocks for demotion in reservation.demotions)
         return transfer.num_blocks
 
     # ----------------------------------------------------------------- publishing

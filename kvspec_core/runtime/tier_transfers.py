@@ -25,6 +25,7 @@ from kvspec_core.runtime.base import AllocatorBase
 from kvspec_core.runtime.freeing import Freeing
 from kvspec_core.runtime.hashing import DIGEST_SIZE
 from kvspec_core.runtime.request import Request
+from kvspec_core.runtime.tier_remote import RemoteReservation
 from kvspec_core.runtime.tiers import Transfer
 
 
@@ -104,15 +105,23 @@ class TierTransfers(Freeing, AllocatorBase):
         fine = self._hasher.hashes(request, max_tokens)[: max_tokens // self.hash_block_size]
         return tuple(fine[stride - 1 :: stride])
 
-    def reserve_remote_blocks(self, group: int, block_hashes: Sequence[bytes]) -> Transfer | None:
-        """Reserve tier slots for blocks of ``group`` fetched from a remote store under
-        ``block_hashes`` (a chain in order; see ``TierManager.reserve_remote``): the
-        returned transfer's ``destination_blocks`` are slots of its ``destination_tier``
-        for the leading ``block_hashes`` it names (it stops at a hash a tier holds or has
-        in flight, and at the free slots). Pending, they are no hit: write the pages there,
-        then ``complete_transfers([transfer.transfer_id], ok=...)`` (``ok=True`` caches them
-        under these hashes, ``ok=False`` frees them uncached). None when nothing is
-        reserved."""
+    def reserve_remote_blocks(
+        self, group: int, block_hashes: Sequence[bytes], local_hit: Sequence[bytes] = ()
+    ) -> RemoteReservation | None:
+        """Reserve slots of the first offload tier with slots for ``group``'s pool for blocks
+        fetched from a remote store under ``block_hashes`` (a chain in order; see
+        ``tier_remote.py``). The reservation's ``transfer.destination_blocks`` are the slots
+        for the leading ``block_hashes`` it names (it stops at a hash the device or a tier
+        holds or has in flight, and at the tier's free or evictable slots); its
+        ``demotions`` copy the entries it evicted to the tiers below. In this order: run
+        the demotions and complete them (``ok`` or not), write the pages into the slots,
+        then ``complete_transfers([reservation.transfer.transfer_id], ok=...)`` (``ok=True``
+        caches them under these hashes, ``ok=False`` frees them uncached). Pending, the
+        slots are neither hits nor evictable. None when nothing is reserved (no new hash,
+        or a copy out of that tier is still pending: run the step's transfers first).
+        ``local_hit``: the chain's hashes before ``block_hashes`` (the request's local hit);
+        the reservation evicts none of the tier's entries for them, so the fetched run still
+        continues that hit."""
         self._check_group(group, "reserve_remote_blocks")
         if self._tiers is None:
             raise AllocatorError(
@@ -120,14 +129,15 @@ class TierTransfers(Freeing, AllocatorBase):
                 "offload_tiers=(OffloadTier('host', n),) to hold blocks fetched remotely"
             )
         hashes = list(block_hashes)
-        for index, digest in enumerate(hashes):
-            if digest.__class__ is not bytes or len(digest) != DIGEST_SIZE:
-                raise AllocatorError(
-                    f"reserve_remote_blocks: block_hashes[{index}] must be {DIGEST_SIZE} bytes "
-                    "(a hash of block_hashes()), not "
-                    f"{type(digest).__name__}"
-                )
-        return self._tiers.reserve_remote(group, hashes)
+        local = list(local_hit)
+        for name, values in (("block_hashes", hashes), ("local_hit", local)):
+            for index, digest in enumerate(values):
+                if digest.__class__ is not bytes or len(digest) != DIGEST_SIZE:
+                    raise AllocatorError(
+                        f"reserve_remote_blocks: {name}[{index}] must be {DIGEST_SIZE} bytes "
+                        f"(a hash of block_hashes()), not {type(digest).__name__}"
+                    )
+        return self._tiers.reserve_remote(group, hashes, local)
 
     def _check_group(self, group: object, method: str) -> None:
         if group.__class__ is not int or not 0 <= group < len(self.specs):

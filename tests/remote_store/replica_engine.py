@@ -32,22 +32,37 @@ class Replica:
     """One engine process's allocator, storage and remote tier."""
 
     def __init__(
-        self, port: int, salt: bytes = SALT, parts: dict[str, Any] = LLAMA, **config: Any
+        self,
+        port: int,
+        salt: bytes = SALT,
+        parts: dict[str, Any] = LLAMA,
+        *,
+        host_blocks: int = HOST_BLOCKS,
+        disk_blocks: int = 0,
+        remote: dict[str, Any] | None = None,
+        **config: Any,
     ) -> None:
+        tiers = [OffloadTier("host", host_blocks)]
+        if disk_blocks:
+            tiers.append(OffloadTier("disk", disk_blocks))
         self.allocator = KVCacheAllocator(
             [FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)],
             DEVICE_BLOCKS,
             SizingContext(max_model_len=64, max_in_flight_tokens=8),
             manager=PluginManager(),
             hash_salt=salt,
-            offload_tiers=(OffloadTier("host", HOST_BLOCKS),),
+            offload_tiers=tuple(tiers),
         )
-        self.device, self.host = pool_views(DEVICE_BLOCKS), pool_views(HOST_BLOCKS)
-        self.runner = TransferRunner({0: [self.device], 1: [self.host]})
+        self.device, self.host = pool_views(DEVICE_BLOCKS), pool_views(host_blocks)
+        storage = {0: [self.device], 1: [self.host]}
+        if disk_blocks:
+            self.disk = pool_views(disk_blocks)
+            storage[2] = [self.disk]
+        self.runner = TransferRunner(storage)
         self.store = RemoteBlockStore(
             BlockNamespace.of(**parts), RemoteStoreConfig(port=port, **config)
         )
-        self.remote = RemoteTier(self.allocator, self.runner, self.store)
+        self.remote = RemoteTier(self.allocator, self.runner, self.store, **(remote or {}))
 
     def admit(self, rid: str, tokens: list[int], seed: int | None = None) -> Any:
         """Fetch, look up, admit and run the step's transfers; with ``seed``, the forward

@@ -133,8 +133,10 @@ def test_reserved_slots_are_no_hit_until_confirmed_and_a_failure_caches_nothing(
     request = Request("r", PROMPT)
     hashes = allocator.block_hashes(request, 0)
     assert len(hashes) == 5
-    transfer = allocator.reserve_remote_blocks(0, hashes[:3])
-    assert transfer is not None and transfer.source_tier == REMOTE_TIER
+    reservation = allocator.reserve_remote_blocks(0, hashes[:3])
+    assert reservation is not None and reservation.demotions == ()
+    transfer = reservation.transfer
+    assert transfer.source_tier == REMOTE_TIER
     assert transfer.block_hashes == hashes[:3] and transfer.destination_tier == 1
     allocator.check_invariants()
     assert allocator.find_cached_prefix(request).num_tokens == 0  # pending: no hit
@@ -142,9 +144,9 @@ def test_reserved_slots_are_no_hit_until_confirmed_and_a_failure_caches_nothing(
     allocator.complete_transfers([transfer.transfer_id], ok=False)
     allocator.check_invariants()
     assert allocator.find_cached_prefix(request).num_tokens == 0
-    transfer = allocator.reserve_remote_blocks(0, hashes[:3])
-    assert transfer is not None
-    allocator.complete_transfers([transfer.transfer_id], ok=True)
+    reservation = allocator.reserve_remote_blocks(0, hashes[:3])
+    assert reservation is not None
+    allocator.complete_transfers([reservation.transfer.transfer_id], ok=True)
     assert allocator.find_cached_prefix(request).num_tokens == 3 * BLOCK
     # Held hashes end a later run: a reservation never caches a hash twice.
     assert allocator.reserve_remote_blocks(0, hashes[:4]) is None
@@ -192,3 +194,82 @@ def test_a_failed_write_or_a_page_of_another_size_caches_nothing(
     assert replica_2.remote.counters.fetch_misses == 5
     replica_2.allocator.check_invariants()
     assert replica_2.allocator.find_cached_prefix(request).num_tokens == 0
+
+
+OTHER = list(range(500, 500 + 5 * BLOCK + 1))
+
+
+def test_fetched_blocks_land_in_the_first_tier_and_its_victims_are_demoted_intact(
+    valkey: ServerProcess,
+) -> None:
+    """With host and disk tiers, fetched blocks go to the host (the next lookup loads from
+    there), and the host entries their slots evict move to the disk first: the demotions
+    read those slots before the fetched pages overwrite them, so the disk holds the evicted
+    blocks' own pages."""
+    remote_pages, _ = published_by_replica_1(valkey.port)
+    replica_2 = Replica(valkey.port, host_blocks=6, disk_blocks=16)  # 5 host slots
+    replica_2.admit("other", OTHER, seed=5)
+    other_pages = replica_2.pages("other", 5)
+    replica_2.allocator.free("other")
+    replica_2.admit("filler", FILLER, seed=6)  # the device evicts "other" to the host
+    other = Request("other again", OTHER)
+    assert replica_2.allocator.find_cached_prefix(other).tokens_by_tier == (0, 5 * BLOCK, 0)
+
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 5
+    assert replica_2.remote.counters.demoted == 5
+    replica_2.allocator.check_invariants()
+    assert replica_2.allocator.take_transfers() == []  # the demotions ran, handed out once
+    prefix = replica_2.allocator.find_cached_prefix(Request("b", PROMPT))
+    assert prefix.tokens_by_tier == (0, 5 * BLOCK, 0)  # host, not disk
+    assert replica_2.allocator.find_cached_prefix(other).tokens_by_tier == (0, 0, 5 * BLOCK)
+
+    replica_2.allocator.free("filler")
+    replica_2.admit("b", PROMPT)
+    assert replica_2.pages("b", 5) == remote_pages
+    replica_2.allocator.free("b")
+    assert replica_2.admit("other again", OTHER).tokens_by_tier == (0, 0, 5 * BLOCK)
+    assert replica_2.pages("other again", 5) == other_pages
+    assert replica_2.allocator._tiers.blocks_moved[(1, 2)] >= 5
+    assert replica_2.allocator._tiers.blocks_moved[(REMOTE_TIER, 1)] == 5
+
+
+def test_a_reservation_waits_for_the_copies_out_of_its_tier() -> None:
+    """A copy out of the first tier that the engine took but has not run reads a slot that
+    is free again: no reservation may hand it out meanwhile."""
+    allocator = allocator_with_host_tier(
+        offload_tiers=(OffloadTier("host", 6), OffloadTier("disk", 16))
+    )
+    for rid, prompt in (("other", OTHER), ("filler", FILLER)):
+        request = Request(rid, prompt)
+        assert allocator.allocate_slots(request, len(prompt))
+        for transfer in allocator.take_transfers():
+            allocator.complete_transfers([transfer.transfer_id])
+        if rid == "other":
+            allocator.free(rid)
+    allocator.free("filler")  # its 6 full blocks enter the prefix cache on the device
+    third = Request("third", list(range(700, 700 + 7 * BLOCK - 3)))
+    assert allocator.allocate_slots(third, len(third.token_ids))
+    taken = allocator.take_transfers()  # device -> host stores evicting host -> disk
+    assert any(t.source_tier == 1 and t.destination_tier == 2 for t in taken)
+    hashes = allocator.block_hashes(Request("b", PROMPT), 0)
+    assert allocator.reserve_remote_blocks(0, hashes) is None
+    allocator.complete_transfers([t.transfer_id for t in taken], ok=True)
+    reservation = allocator.reserve_remote_blocks(0, hashes)
+    assert reservation is not None and reservation.transfer.destination_tier == 1
+    assert all(d.source_tier == 1 and d.destination_tier == 2 for d in reservation.demotions)
+    assert reservation.demotions
+    # Handed out with the reservation (taken), never by take_transfers.
+    assert allocator.take_transfers() == []
+    allocator.check_invariants()
+    # The write given up before the demotions ran: its slots are free again, but the
+    # demotions still have to read them, so a second reservation waits.
+    allocator.complete_transfers([reservation.transfer.transfer_id], ok=False)
+    assert allocator.reserve_remote_blocks(0, hashes) is None
+    allocator.complete_transfers([d.transfer_id for d in reservation.demotions], ok=True)
+    allocator.check_invariants()
+    again = allocator.reserve_remote_blocks(0, hashes)
+    assert again is not None
+    allocator.complete_transfers([d.transfer_id for d in again.demotions], ok=True)
+    allocator.complete_transfers([again.transfer.transfer_id], ok=True)
+    allocator.check_invariants()
+    assert allocator.find_cached_prefix(Request("b", PROMPT)).tokens_by_tier[1] > 0
