@@ -290,6 +290,7 @@ class RemoteBlockStore:
         self._ttl_ms = None if cfg.ttl_s is None else max(1, round(cfg.ttl_s * 1000))
         self._counters = RemoteStoreCounters()
         self._breaker = _Breaker(cfg.failures_to_open, cfg.open_for_s, clock)
+        self._answered = False
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -297,6 +298,13 @@ class RemoteBlockStore:
     def counters(self) -> RemoteStoreCounters:
         """A copy of the counters so far."""
         return RemoteStoreCounters(**vars(self._counters))
+
+    @property
+    def last_call_answered(self) -> bool:
+        """Whether the last call reached the server and read its whole answer (False: it
+        failed, timed out or the breaker kept it from the server, so its misses say nothing
+        about what the server holds)."""
+        return self._answered
 
     @property
     def breaker_open(self) -> bool:
@@ -318,7 +326,10 @@ class RemoteBlockStore:
             _encode_value(key, _checked_payload(payload, index))
             for index, (key, payload) in enumerate(keyed)
         ]
-        if not values or not self._breaker_allows():
+        if not values:
+            self._answered = True  # nothing to ask
+            return 0
+        if not self._breaker_allows():
             return 0
 
         def run(pipe: Any) -> list[Any]:
@@ -347,12 +358,14 @@ class RemoteBlockStore:
             for index, block_hash in enumerate(block_hashes)
         ]
         if not keys:
+            self._answered = True
             return []
         if not self._breaker_allows():
             self._counters.misses += len(keys)
             return [None] * len(keys)
         values = self._pipelined(lambda pipe: pipe.mget(keys).execute()[0])
         if values is None or len(values) != len(keys):
+            self._answered = False
             self._counters.misses += len(keys)
             return [None] * len(keys)
         found: list[bytes | None] = []
@@ -378,7 +391,10 @@ class RemoteBlockStore:
             self._key_prefix + self._checked_hash(block_hash, "contains_many", index)
             for index, block_hash in enumerate(block_hashes)
         ]
-        if not keys or not self._breaker_allows():
+        if not keys:
+            self._answered = True
+            return []
+        if not self._breaker_allows():
             return [False] * len(keys)
 
         def run(pipe: Any) -> list[Any]:
@@ -388,6 +404,7 @@ class RemoteBlockStore:
 
         replies = self._pipelined(run)
         if replies is None or len(replies) != len(keys):
+            self._answered = False
             return [False] * len(keys)
         return [reply == 1 for reply in replies]
 
@@ -417,6 +434,7 @@ class RemoteBlockStore:
         return block_hash
 
     def _breaker_allows(self) -> bool:
+        self._answered = False
         if self._breaker.allows():
             return True
         self._counters.skipped += 1
@@ -436,6 +454,7 @@ class RemoteBlockStore:
             self._failed()
             return None
         self._breaker.succeeded()
+        self._answered = True
         return result
 
     def _failed(self) -> None:

@@ -22,6 +22,11 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
   slots uncached.
 * **Failures.** A server that is down or slow costs misses within the store's timeouts (the
   store counts them; see ``remote_store.py``); nothing raises into the step.
+* **Recent misses.** A hash the server answered it had no valid value for is remembered
+  for ``miss_ttl_s`` (1 s; at most ``miss_capacity``, 4,096): fetches meanwhile end their
+  run before it without asking. Failed calls are never remembered, entries expire (a block
+  another replica publishes later is found after the expiry), and publishing a hash
+  forgets it (``remote_misses.py``).
 
 Replicas share blocks only if they hash alike: give every replica's allocator the same
 ``hash_salt`` (and the same model, layout and block size; the store's namespace keeps
@@ -32,12 +37,18 @@ blocks, so fetching for those families is refused rather than guessed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.remote_misses import (
+    DEFAULT_MISS_CAPACITY,
+    DEFAULT_MISS_TTL_S,
+    RecentMisses,
+)
 from kvspec_core.runtime.remote_store import RemoteBlockStore
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.rules import FullAttentionRules
@@ -70,6 +81,13 @@ class RemoteTierCounters:
     write_failures: int = 0
     #: Tier entries the fetched blocks' slots evicted, copied to the tier below first.
     demoted: int = 0
+    #: Hashes remembered as missed (the server answered it had no valid value for them).
+    misses_remembered: int = 0
+    #: Fetches whose run ended at a remembered miss (so the server was asked about fewer
+    #: blocks: see ``remote_misses.py``).
+    remembered_miss_hits: int = 0
+    #: Of those, fetches that did not ask the server at all.
+    fetches_not_asked: int = 0
 
 
 class RemoteTier:
@@ -83,6 +101,9 @@ class RemoteTier:
         store: the store of that group's blocks (its namespace names the model, layout,
             group, pool and rank: see ``BlockNamespace``).
         max_fetch_blocks: blocks one :meth:`fetch` asks for at most.
+        miss_ttl_s / miss_capacity: how long a miss is remembered, and how many at most
+            (:class:`~kvspec_core.runtime.remote_misses.RecentMisses`; 0 remembers none).
+        clock: the misses' clock (seconds, monotonic); tests pass their own.
     """
 
     def __init__(
@@ -92,6 +113,9 @@ class RemoteTier:
         store: RemoteBlockStore,
         *,
         max_fetch_blocks: int = DEFAULT_MAX_FETCH_BLOCKS,
+        miss_ttl_s: float = DEFAULT_MISS_TTL_S,
+        miss_capacity: int = DEFAULT_MISS_CAPACITY,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if not isinstance(store, RemoteBlockStore):
             raise AllocatorError(
@@ -132,6 +156,8 @@ class RemoteTier:
         self.store = store
         self.group = group
         self.max_fetch_blocks = max_fetch_blocks
+        #: Hashes the store recently answered it did not have (``remote_misses.py``).
+        self.misses = RecentMisses(miss_ttl_s, miss_capacity, clock)
         self.counters = RemoteTierCounters()
 
     # ----------------------------------------------------------------- fetching
@@ -146,14 +172,25 @@ class RemoteTier:
         local = allocator.find_cached_prefix(request).num_tokens
         start = local // allocator.rules[self.group].block_tokens
         wanted = list(hashes[start : start + self.max_fetch_blocks])
+        remembered = self.misses.first_missed(wanted)
+        if remembered < len(wanted):
+            # Missed a moment ago: the run ends there without asking the server again.
+            self.counters.remembered_miss_hits += 1
+            self.counters.fetches_not_asked += remembered == 0
+            del wanted[remembered:]
         if not wanted:
             return 0
-        run = self.store.contained_prefix_length(wanted)
+        store = self.store
+        run = store.contained_prefix_length(wanted)
+        if run < len(wanted) and store.last_call_answered:
+            self._remember_miss(wanted[run])
         if run == 0:
             return 0
-        pages = self.store.get_many(wanted[:run])
+        pages = store.get_many(wanted[:run])
         good = next((i for i, page in enumerate(pages) if page is None), run)
         self.counters.fetch_misses += run - good
+        if good < run and store.last_call_answered:
+            self._remember_miss(wanted[good])  # gone since, or a corrupt value
         if good == 0:
             return 0
         reservation = allocator.reserve_remote_blocks(
@@ -162,6 +199,9 @@ class RemoteTier:
         if reservation is None:
             return 0
         return self._write(reservation, pages)
+
+    def _remember_miss(self, digest: bytes) -> None:
+        self.counters.misses_remembered += self.misses.remember([digest])
 
     def _write(self, reservation: RemoteReservation, pages: list[bytes | None]) -> int:
         """Run the reservation's demotions, then write the fetched pages into its slots and
@@ -243,6 +283,7 @@ class RemoteTier:
             )
         if not blocks:
             return 0
+        self.misses.forget(digest for digest, _ in blocks)
         stored = self.store.put_many(blocks)
         self.counters.published += stored
         self.counters.publish_failures += len(blocks) - stored

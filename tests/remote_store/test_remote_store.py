@@ -156,6 +156,7 @@ def test_any_bytes_round_trip(valkey: ServerProcess, payloads: list[bytes]) -> N
     assert store.get_many(hashes) == payloads
 
 
+@settings(deadline=None)  # a shared 2-core machine: no per-example deadline
 @given(payload=st.binary(max_size=300), data=st.data())
 def test_no_truncation_or_bit_flip_of_a_value_decodes(payload: bytes, data: st.DataObject) -> None:
     key = b"kvspec/1/" + bytes(48)
@@ -177,6 +178,7 @@ NAMESPACE_PARTS = st.dictionaries(
 )
 
 
+@settings(deadline=None)  # a shared 2-core machine: no per-example deadline
 @given(first=NAMESPACE_PARTS, second=NAMESPACE_PARTS)
 def test_namespaces_are_equal_exactly_when_their_parts_are(first: dict, second: dict) -> None:
     same = first.keys() == second.keys() and all(
