@@ -15,7 +15,7 @@ import pytest
 from model_testkit import type_string, typed
 
 from kvspec_core.errors import ConfigError
-from kvspec_core.models import layer_typing, model_code_cache, model_code_check
+from kvspec_core.models import layer_mixers, layer_typing, model_code_cache, model_code_check
 from kvspec_core.models.catalog import load_preset, preset_names
 from kvspec_core.models.encoder_decoder import is_encoder_decoder
 from kvspec_core.models.layer_typing import decoder_layer_slots, num_layers
@@ -222,7 +222,7 @@ def test_mutation_a_field_kvspec_ignores_is_refused(monkeypatch: pytest.MonkeyPa
     def ignoring_indices(config: Any, count: int) -> list[str | None]:
         return ["attention"] * count
 
-    monkeypatch.setattr(layer_typing, "_from_attn_layer_indices", ignoring_indices)
+    monkeypatch.setattr(layer_mixers, "_from_attn_layer_indices", ignoring_indices)
     with pytest.raises(
         ConfigError,
         match=(
@@ -237,9 +237,9 @@ def test_mutation_a_field_kvspec_ignores_is_refused(monkeypatch: pytest.MonkeyPa
 def test_mutation_a_misread_sliding_layer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """kvspec reading Gemma-2's global layers as sliding ones."""
     monkeypatch.setattr(
-        layer_typing,
+        layer_mixers,
         "LAYER_TYPE_ALIASES",
-        {**layer_typing.LAYER_TYPE_ALIASES, "full_attention": "sliding_attention"},
+        {**layer_mixers.LAYER_TYPE_ALIASES, "full_attention": "sliding_attention"},
     )
     with pytest.raises(
         ConfigError,
@@ -256,7 +256,7 @@ def test_without_transformers_the_check_is_skipped_and_plans_as_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(
-        layer_typing, "_from_attn_layer_indices", lambda config, count: ["attention"] * count
+        layer_mixers, "_from_attn_layer_indices", lambda config, count: ["attention"] * count
     )
     config = {k: v for k, v in bamba_9b().items()}
     assert type_string(config) == "F" * 32  # the misreading is not caught without transformers
