@@ -14,8 +14,10 @@ is ``schedule()`` then ``update_from_output()`` with the token a model would hav
 (a fixed function of the request and position, so both managers see the same tokens and
 the same schedules); only those two calls are timed (``time.perf_counter``), nothing of a
 model. Both managers run alternately ``--repeat`` times on fresh schedulers; per manager,
-the step times of all its runs are pooled (median and p90 in microseconds), with the prefix
-hit tokens vLLM's ``PrefixCacheStats`` counted and the preemptions.
+the step times of all its runs are pooled: median and p90 in microseconds of CPU time
+(``time.process_time``, steadier on a shared machine) and of wall time; per run, the median
+CPU time and the mean wall time; with the prefix hit tokens vLLM's ``PrefixCacheStats``
+counted and the preemptions.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -115,7 +118,7 @@ def workload(num_requests: int, families: int, shared: int, seed: int = 0) -> li
 
 def sampled(request_id: str, position: int) -> int:
     """The token "the model" samples at ``position`` (the same under both managers)."""
-    return (hash((request_id, position)) & 0x7FFFFFFF) % (VOCAB - 1) + 1
+    return zlib.crc32(f"{request_id}:{position}".encode()) % (VOCAB - 1) + 1
 
 
 def run(
@@ -158,10 +161,12 @@ def run(
             )
         )
     times: list[float] = []
+    cpu_times: list[float] = []
     hits = queries = preemptions = 0
     tokens: dict[str, list[int]] = {}
     while scheduler.has_unfinished_requests():
         start = time.perf_counter()
+        cpu_start = time.process_time()
         out = scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
         sampled_ids = []
@@ -177,6 +182,7 @@ def run(
         )
         engine_outputs = scheduler.update_from_output(out, runner_output)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         preemptions += len(out.preempted_req_ids)
         for outputs in engine_outputs.values():
             for item in outputs.outputs:
@@ -187,6 +193,7 @@ def run(
                 queries += stats.prefix_cache_stats.queries
     return {
         "times": times,
+        "cpu_times": cpu_times,
         "hits": hits,
         "queries": queries,
         "preemptions": preemptions,
@@ -263,6 +270,9 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             "median_us": statistics.median(times) * 1e6,
             "p90_us": percentile(times, 0.9) * 1e6,
             "total_s": sum(times) / len(runs),
+            "cpu_s": statistics.median(sum(one["cpu_times"]) for one in runs),
+            "cpu_median_us": statistics.median(t for one in runs for t in one["cpu_times"]) * 1e6,
+            "cpu_p90_us": percentile([t for one in runs for t in one["cpu_times"]], 0.9) * 1e6,
             "hit_tokens": runs[0]["hits"],
             "query_tokens": runs[0]["queries"],
             "preemptions": runs[0]["preemptions"],
@@ -296,8 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("vllm", "kvspec"):
         row = summary[name]
         print(
-            f"  {name:6s} ({row['manager']}): {row['steps']} steps, median {row['median_us']:.0f} "
-            f"us, p90 {row['p90_us']:.0f} us, {row['total_s'] * 1e3:.0f} ms per run; "
+            f"  {name:6s} ({row['manager']}): {row['steps']} steps; per step CPU median "
+            f"{row['cpu_median_us']:.0f} us, p90 {row['cpu_p90_us']:.0f} us (wall median "
+            f"{row['median_us']:.0f}, p90 {row['p90_us']:.0f}); per run CPU "
+            f"{row['cpu_s'] * 1e3:.0f} ms (wall {row['total_s'] * 1e3:.0f}); "
             f"hits {row['hit_tokens']} of {row['query_tokens']} tokens, "
             f"{row['preemptions']} preemptions"
         )
