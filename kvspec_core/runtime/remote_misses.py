@@ -85,6 +85,10 @@ class RecentMisses:
         self._expire(self._clock())
         return next((i for i, digest in enumerate(hashes) if digest in expiry), len(hashes))
 
+    def remembers(self, digest: bytes) -> bool:
+        """Whether ``digest`` is remembered as missed (and not expired)."""
+        return self.first_missed((digest,)) == 0
+
     def forget(self, hashes: Iterable[bytes]) -> None:
         """Forget ``hashes`` (the store has them now)."""
         expiry = self._expiry

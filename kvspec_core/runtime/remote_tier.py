@@ -28,16 +28,21 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
   another replica publishes later is found after the expiry), and publishing a hash
   forgets it (``remote_misses.py``).
 
+* **Hybrids** (full attention + sliding window). One store per caching group, each of its
+  own namespace. ``fetch`` asks each store which of its group's blocks around the local hit
+  it has, and ``KVCacheAllocator.plan_remote_fetch`` lets the hybrid coordinator find the
+  hit every group could resume from with those blocks added: only the remote blocks that
+  hit needs are fetched (a sliding window: its window's), all or nothing.
+
 Replicas share blocks only if they hash alike: give every replica's allocator the same
 ``hash_salt`` (and the same model, layout and block size; the store's namespace keeps
-other models apart). Only allocators whose one caching group is full attention are
-accepted: what a sliding window or a Mamba group needs to resume is not a run of leading
-blocks, so fetching for those families is refused rather than guessed.
+other models apart). Groups other than full attention and sliding window are refused; a
+Mamba group by name (see ``_refusal``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -51,7 +56,7 @@ from kvspec_core.runtime.remote_misses import (
 )
 from kvspec_core.runtime.remote_store import RemoteBlockStore
 from kvspec_core.runtime.request import Request
-from kvspec_core.runtime.rules import FullAttentionRules
+from kvspec_core.runtime.rules import FullAttentionRules, TrailingWindowRules
 from kvspec_core.runtime.tier_copy import TransferRunner
 from kvspec_core.runtime.tier_remote import RemoteReservation
 from kvspec_core.runtime.tiers import DEVICE_TIER, STORE, Transfer
@@ -91,16 +96,18 @@ class RemoteTierCounters:
 
 
 class RemoteTier:
-    """The shared remote store of ``allocator``'s one full-attention group, written and read
-    through ``runner``'s storage of the local tiers (see the module docstring).
+    """The shared remote store of ``allocator``'s groups, written and read through
+    ``runner``'s storage of the local tiers (see the module docstring).
 
     Args:
-        allocator: an allocator with offload tiers, prefix caching and one caching group
-            of full attention (others are refused with :class:`AllocatorError`).
+        allocator: an allocator with offload tiers and prefix caching whose caching groups
+            are full attention or sliding window (others are refused with
+            :class:`AllocatorError`).
         runner: the engine's transfer runner over the device and tier storage.
-        store: the store of that group's blocks (its namespace names the model, layout,
-            group, pool and rank: see ``BlockNamespace``).
-        max_fetch_blocks: blocks one :meth:`fetch` asks for at most.
+        store: the store of the one caching group's blocks, or per caching group (a
+            hybrid) its own store, each of its own namespace (which names the model,
+            layout, group, pool and rank: see ``BlockNamespace``).
+        max_fetch_blocks: blocks one :meth:`fetch` asks for at most (per group).
         miss_ttl_s / miss_capacity: how long a miss is remembered, and how many at most
             (:class:`~kvspec_core.runtime.remote_misses.RecentMisses`; 0 remembers none).
         clock: the misses' clock (seconds, monotonic); tests pass their own.
@@ -110,17 +117,13 @@ class RemoteTier:
         self,
         allocator: KVCacheAllocator,
         runner: TransferRunner,
-        store: RemoteBlockStore,
+        store: RemoteBlockStore | Mapping[int, RemoteBlockStore],
         *,
         max_fetch_blocks: int = DEFAULT_MAX_FETCH_BLOCKS,
         miss_ttl_s: float = DEFAULT_MISS_TTL_S,
         miss_capacity: int = DEFAULT_MISS_CAPACITY,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if not isinstance(store, RemoteBlockStore):
-            raise AllocatorError(
-                f"RemoteTier: store must be a RemoteBlockStore, not {type(store).__name__}"
-            )
         if not isinstance(runner, TransferRunner):
             raise AllocatorError(
                 f"RemoteTier: runner must be a TransferRunner, not {type(runner).__name__}"
@@ -131,18 +134,17 @@ class RemoteTier:
                 "through a local one (offload_tiers=(OffloadTier('host', n),))"
             )
         holding = [gid for gid, cap in enumerate(allocator.admission_caps) if cap > 0]
-        if not allocator.enable_prefix_caching or len(holding) != 1:
+        if not allocator.enable_prefix_caching or not holding:
             raise AllocatorError(
-                "RemoteTier: needs prefix caching and exactly one caching KV-cache group; "
-                f"this allocator has {len(holding)} (hybrid models are not supported yet)"
+                "RemoteTier: needs prefix caching and a KV-cache group that caches blocks"
             )
-        (group,) = holding
-        if type(allocator.rules[group]) is not FullAttentionRules:
-            raise AllocatorError(
-                f"RemoteTier: group {group} is {allocator.specs[group].kind}; only full "
-                "attention is supported (a window or state group does not resume from a run "
-                "of leading blocks)"
-            )
+        for gid in holding:
+            refusal = _refusal(allocator.rules[gid])
+            if refusal is not None:
+                raise AllocatorError(
+                    f"RemoteTier: group {gid} ({allocator.specs[gid].kind}) {refusal}"
+                )
+        self.stores = _stores_by_group(store, holding)
         if (
             isinstance(max_fetch_blocks, bool)
             or not isinstance(max_fetch_blocks, int)
@@ -153,11 +155,16 @@ class RemoteTier:
             )
         self.allocator = allocator
         self.runner = runner
-        self.store = store
-        self.group = group
+        #: The first caching group and its store (the only ones without a hybrid).
+        self.group = holding[0]
+        self.store = self.stores[self.group]
         self.max_fetch_blocks = max_fetch_blocks
-        #: Hashes the store recently answered it did not have (``remote_misses.py``).
-        self.misses = RecentMisses(miss_ttl_s, miss_capacity, clock)
+        #: Per group, hashes its store recently answered it did not have
+        #: (``remote_misses.py``).
+        self.misses_by_group = {
+            gid: RecentMisses(miss_ttl_s, miss_capacity, clock) for gid in self.stores
+        }
+        self.misses = self.misses_by_group[self.group]
         self.counters = RemoteTierCounters()
 
     # ----------------------------------------------------------------- fetching
@@ -168,6 +175,8 @@ class RemoteTier:
         allocator = self.allocator
         if allocator.is_running(request.request_id):
             return 0
+        if len(self.stores) > 1:
+            return self._fetch_for_hybrid(request)
         hashes = allocator.block_hashes(request, self.group)
         local = allocator.find_cached_prefix(request).num_tokens
         start = local // allocator.rules[self.group].block_tokens
@@ -202,6 +211,66 @@ class RemoteTier:
 
     def _remember_miss(self, digest: bytes) -> None:
         self.counters.misses_remembered += self.misses.remember([digest])
+
+    def _fetch_for_hybrid(self, request: Request) -> int:
+        """:meth:`fetch` for several groups: ask each group's store which of its blocks
+        around the local hit it has, let the groups' rules find the hit those would give
+        (``plan_remote_fetch``: every group resumes there), and fetch only what that hit
+        needs (a sliding window: its window's blocks). Any block missing or refused ends
+        the fetch with nothing written: fetched blocks that no common hit uses are not
+        kept."""
+        allocator = self.allocator
+        local = allocator.find_cached_prefix(request).num_tokens
+        chains = {gid: allocator.block_hashes(request, gid) for gid in self.stores}
+        available: dict[int, set[bytes]] = {}
+        for gid, chain in chains.items():
+            block_tokens = allocator.rules[gid].block_tokens
+            first = max(0, local // block_tokens - self.max_fetch_blocks)
+            asked = list(chain[first : local // block_tokens + self.max_fetch_blocks])
+            misses = self.misses_by_group[gid]
+            known = misses.first_missed(asked)
+            if known < len(asked):
+                self.counters.remembered_miss_hits += 1
+                asked = [digest for digest in asked if not misses.remembers(digest)]
+            store = self.stores[gid]
+            present = store.contains_many(asked)
+            if store.last_call_answered:
+                absent = [digest for digest, has in zip(asked, present, strict=True) if not has]
+                self.counters.misses_remembered += misses.remember(absent)
+            available[gid] = {digest for digest, has in zip(asked, present, strict=True) if has}
+        hit, wanted = allocator.plan_remote_fetch(request, available)
+        if hit <= local or not wanted:
+            return 0
+        pages_by_group: dict[int, list[bytes | None]] = {}
+        for gid, hashes in wanted.items():
+            store = self.stores[gid]
+            pages = store.get_many(hashes)
+            missing = [digest for digest, page in zip(hashes, pages, strict=True) if page is None]
+            if missing:
+                self.counters.fetch_misses += len(missing)
+                if store.last_call_answered:
+                    self.counters.misses_remembered += self.misses_by_group[gid].remember(missing)
+                return 0
+            pages_by_group[gid] = pages
+        # Held while the others are reserved: every block the hit needs, local or fetched.
+        needed = {
+            gid: chain[: hit // allocator.rules[gid].block_tokens] for gid, chain in chains.items()
+        }
+        fetched = 0
+        for gid, hashes in wanted.items():
+            index_of = {digest: index for index, digest in enumerate(hashes)}
+            group_pages = pages_by_group[gid]
+            # One reservation per run of consecutive blocks (a reservation is a run).
+            for run in _consecutive_runs(hashes, chains[gid]):
+                reservation = allocator.reserve_remote_blocks(gid, run, local_hit=needed)
+                if reservation is None:
+                    return fetched
+                run_pages = [group_pages[index_of[digest]] for digest in run]
+                written = self._write(reservation, run_pages)
+                fetched += written
+                if written < len(run):
+                    return fetched
+        return fetched
 
     def _write(self, reservation: RemoteReservation, pages: list[bytes | None]) -> int:
         """Run the reservation's demotions, then write the fetched pages into its slots and
@@ -255,16 +324,19 @@ class RemoteTier:
                 if transfer.transfer_id in ran
                 and transfer.kind == STORE
                 and transfer.source_tier == DEVICE_TIER
-                and transfer.group == self.group
+                and transfer.group in self.stores
             ]
         )
         return dropped
 
     def publish(self, stores: list[Transfer]) -> int:
-        """Put the pages of completed device -> tier stores to the store under their
-        blocks' hashes (read back from the tier); returns how many the server took."""
-        blocks: list[tuple[bytes, bytes]] = []
+        """Put the pages of completed device -> tier stores to their group's store under
+        their blocks' hashes (read back from the tier); returns how many the servers took.
+        Groups without a store are skipped."""
+        by_group: dict[int, list[tuple[bytes, bytes]]] = {}
         for transfer in stores:
+            if transfer.group not in self.stores:
+                continue
             if len(transfer.block_hashes) != transfer.num_blocks:
                 raise AllocatorError(
                     f"RemoteTier.publish: transfer {transfer.transfer_id} names "
@@ -278,13 +350,83 @@ class RemoteTier:
                 self.counters.publish_failures += transfer.num_blocks
                 continue
             data = rows.contiguous().numpy()
-            blocks.extend(
+            by_group.setdefault(transfer.group, []).extend(
                 (digest, data[row].tobytes()) for row, digest in enumerate(transfer.block_hashes)
             )
-        if not blocks:
-            return 0
-        self.misses.forget(digest for digest, _ in blocks)
-        stored = self.store.put_many(blocks)
-        self.counters.published += stored
-        self.counters.publish_failures += len(blocks) - stored
-        return stored
+        total = 0
+        for gid, blocks in by_group.items():
+            self.misses_by_group[gid].forget(digest for digest, _ in blocks)
+            stored = self.stores[gid].put_many(blocks)
+            self.counters.published += stored
+            self.counters.publish_failures += len(blocks) - stored
+            total += stored
+        return total
+
+
+def _refusal(rules: object) -> str | None:
+    """Why the remote tier cannot serve a group of these rules, or None if it can."""
+    if getattr(rules, "resumes_at_checkpoints", False):
+        return (
+            "resumes only from a state checkpoint saved where a step ended (Mamba): the "
+            "remote tier does not fetch state checkpoints yet (the state at a candidate "
+            "position would be one block, but publishing and fetching states is not "
+            "tested against a real model here), so a hybrid with such a group is refused"
+        )
+    if type(rules) is FullAttentionRules or isinstance(rules, TrailingWindowRules):
+        return None
+    return (
+        f"has rules {type(rules).__name__}; the remote tier serves full attention and "
+        "sliding window (trailing-window) groups only"
+    )
+
+
+def _stores_by_group(
+    store: RemoteBlockStore | Mapping[int, RemoteBlockStore], holding: list[int]
+) -> dict[int, RemoteBlockStore]:
+    """``store`` as one store per caching group, checked."""
+    if isinstance(store, RemoteBlockStore):
+        if len(holding) != 1:
+            raise AllocatorError(
+                f"RemoteTier: the allocator has {len(holding)} caching groups {holding}; give "
+                "store={group: RemoteBlockStore} with one store per group, each of its own "
+                "namespace (the groups' blocks differ, their hashes may not)"
+            )
+        return {holding[0]: store}
+    if not isinstance(store, Mapping):
+        raise AllocatorError(
+            "RemoteTier: store must be a RemoteBlockStore or a mapping group -> "
+            f"RemoteBlockStore, not {type(store).__name__}"
+        )
+    if sorted(store) != holding:
+        raise AllocatorError(
+            f"RemoteTier: store names groups {sorted(store)}; give one store for each "
+            f"caching group, {holding}"
+        )
+    for gid, group_store in store.items():
+        if not isinstance(group_store, RemoteBlockStore):
+            raise AllocatorError(
+                f"RemoteTier: store[{gid}] must be a RemoteBlockStore, not "
+                f"{type(group_store).__name__}"
+            )
+    namespaces = [group_store.namespace for group_store in store.values()]
+    if len(set(namespaces)) != len(namespaces):
+        raise AllocatorError(
+            "RemoteTier: two groups' stores share a namespace; give each group its own "
+            "(e.g. BlockNamespace.of(..., group=gid)): groups of one block size hash "
+            "alike, so one group's pages would be read as another's"
+        )
+    return {gid: store[gid] for gid in holding}
+
+
+def _consecutive_runs(hashes: list[bytes], chain: Sequence[bytes]) -> list[list[bytes]]:
+    """``hashes`` (in chain order) split where they skip a block of ``chain``."""
+    position = {digest: index for index, digest in enumerate(chain)}
+    runs: list[list[bytes]] = []
+    previous = -2
+    for digest in hashes:
+        index = position[digest]
+        if index != previous + 1 or not runs:
+            runs.append([])
+        runs[-1].append(digest)
+        previous = index
+    return runs

@@ -24,7 +24,7 @@ evicted, so it is free, and a reservation could hand it out before that copy ran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -57,16 +57,16 @@ class TierRemote(TierState):
     """Reserving tier slots for remote blocks."""
 
     def reserve_remote(
-        self, gid: int, hashes: Sequence[bytes], local: Sequence[bytes] = ()
+        self, gid: int, hashes: Sequence[bytes], local: Mapping[int, Sequence[bytes]]
     ) -> RemoteReservation | None:
         """Reserve slots for blocks of group ``gid`` fetched from a remote store under
         ``hashes`` (a chain, in order) in the first tier with slots for the group's pool
         (see the module docstring for the order the caller keeps). The run stops before
         the first hash the device or any tier holds or has in flight, and at the tier's
-        free (or evictable) slots. The tier's entries for ``local`` (the chain's hashes
-        before ``hashes``: the request's local hit) are not evicted for it: the fetched run
-        must continue that hit. None when nothing is reserved: no tier holds the pool, no
-        hash is new, or a copy out of that tier is still pending."""
+        free (or evictable) slots. The tiers' entries for ``local`` (per group, hashes the
+        request's hit needs: its local hit, blocks fetched for it already) are not evicted
+        for it: the fetched blocks must continue that hit. None when nothing is reserved:
+        no tier holds the pool, no hash is new, or a copy out of that tier is pending."""
         pool = self.pool_of_group[gid]
         index = next(
             (number for number, row in enumerate(self.tier_pools) if row[pool] is not None),
@@ -88,9 +88,13 @@ class TierRemote(TierState):
         for row in self.tier_pools:
             tier_slots = row[pool]
             if tier_slots is not None:
-                cache = tier_slots.caches[gid]
-                found = list(dict.fromkeys(map(cache.get, local)))
-                kept_slots = [slot for slot in found if slot is not None]
+                found = [
+                    slot
+                    for group, group_hashes in local.items()
+                    if (cache := tier_slots.caches.get(group)) is not None
+                    for slot in map(cache.get, group_hashes)
+                ]
+                kept_slots = [slot for slot in dict.fromkeys(found) if slot is not None]
                 tier_slots.touch(kept_slots, known_cached=True)
                 held.append((tier_slots, kept_slots))
         try:

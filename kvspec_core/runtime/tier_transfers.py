@@ -18,7 +18,7 @@ A transfer not confirmed is pending: its destination is neither a hit nor evicta
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.base import AllocatorBase
@@ -106,7 +106,10 @@ class TierTransfers(Freeing, AllocatorBase):
         return tuple(fine[stride - 1 :: stride])
 
     def reserve_remote_blocks(
-        self, group: int, block_hashes: Sequence[bytes], local_hit: Sequence[bytes] = ()
+        self,
+        group: int,
+        block_hashes: Sequence[bytes],
+        local_hit: Sequence[bytes] | Mapping[int, Sequence[bytes]] = (),
     ) -> RemoteReservation | None:
         """Reserve slots of the first offload tier with slots for ``group``'s pool for blocks
         fetched from a remote store under ``block_hashes`` (a chain in order; see
@@ -119,9 +122,10 @@ class TierTransfers(Freeing, AllocatorBase):
         caches them under these hashes, ``ok=False`` frees them uncached). Pending, the
         slots are neither hits nor evictable. None when nothing is reserved (no new hash,
         or a copy out of that tier is still pending: run the step's transfers first).
-        ``local_hit``: the chain's hashes before ``block_hashes`` (the request's local hit);
-        the reservation evicts none of the tier's entries for them, so the fetched run still
-        continues that hit."""
+        ``local_hit``: the chain's hashes before ``block_hashes`` (the request's local hit),
+        or per group the hashes the request's hit needs (a hybrid: every group's local and
+        fetched blocks); the reservation evicts none of the tiers' entries for them, so the
+        fetched blocks still continue that hit."""
         self._check_group(group, "reserve_remote_blocks")
         if self._tiers is None:
             raise AllocatorError(
@@ -129,8 +133,16 @@ class TierTransfers(Freeing, AllocatorBase):
                 "offload_tiers=(OffloadTier('host', n),) to hold blocks fetched remotely"
             )
         hashes = list(block_hashes)
-        local = list(local_hit)
-        for name, values in (("block_hashes", hashes), ("local_hit", local)):
+        local = (
+            {gid: list(values) for gid, values in local_hit.items()}
+            if isinstance(local_hit, Mapping)
+            else {group: list(local_hit)}
+        )
+        checked = [("block_hashes", hashes)]
+        for gid, values in local.items():
+            self._check_group(gid, "reserve_remote_blocks (local_hit)")
+            checked.append((f"local_hit[{gid}]", values))
+        for name, values in checked:
             for index, digest in enumerate(values):
                 if digest.__class__ is not bytes or len(digest) != DIGEST_SIZE:
                     raise AllocatorError(
@@ -139,8 +151,80 @@ class TierTransfers(Freeing, AllocatorBase):
                     )
         return self._tiers.reserve_remote(group, hashes, local)
 
+    def plan_remote_fetch(
+        self, request: Request, remote: Mapping[int, Collection[bytes]]
+    ) -> tuple[int, dict[int, list[bytes]]]:
+        """The hit ``request`` would find if the blocks a remote store has were local, and
+        what to fetch for it: ``(hit tokens, {group: hashes to fetch, in block order}))``.
+
+        ``remote`` names, per group, hashes of :meth:`block_hashes` the store has. The
+        groups' rules decide over their device and tier entries and those hashes together
+        (the coordinator's fixed point, as :meth:`find_cached_prefix` does), so every group
+        can resume at the hit from what is local or fetched; the hashes to fetch are the
+        remote-only blocks the hit needs (a sliding window: its window's, not the blocks
+        before it). A hit no longer than the local one asks for nothing."""
+        if self._tiers is None:
+            raise AllocatorError(
+                "plan_remote_fetch: this allocator has no offload tiers to fetch into"
+            )
+        if request.request_id in self._running:
+            raise AllocatorError(
+                f"plan_remote_fetch: request {request.request_id!r} is already running"
+            )
+        max_tokens = len(request.token_ids) - 1
+        if not self._cacheable or max_tokens < self.hash_block_size:
+            return 0, {}
+        fine = self._hasher.hashes(request, max_tokens)
+        views = [
+            _WithRemote(view, remote.get(gid, ())) for gid, view in enumerate(self._tiers.views)
+        ]
+        hit, found, _ = self._coordinator.find(fine, max_tokens, views, self._coordinator.hit_scans)
+        wanted: dict[int, list[bytes]] = {}
+        for gid, blocks in found.items():
+            stride = self._hash_stride[gid]
+            hashes = [
+                fine[(index + 1) * stride - 1]
+                for index, block in enumerate(blocks[: hit // self._block_tokens[gid]])
+                if block == _REMOTE
+            ]
+            if hashes:
+                wanted[gid] = hashes
+        return hit, wanted
+
     def _check_group(self, group: object, method: str) -> None:
         if group.__class__ is not int or not 0 <= group < len(self.specs):
             raise AllocatorError(
                 f"{method}: group={group!r} must be a group index 0..{len(self.specs) - 1}"
             )
+
+
+#: What a :class:`_WithRemote` view gives for a hash only the remote store has: no block id
+#: (those are below 2**32) and no tier code (negative).
+_REMOTE = 1 << 62
+
+
+class _WithRemote(Mapping[bytes, int]):
+    """A group's tiered view plus the hashes a remote store has (:data:`_REMOTE`)."""
+
+    __slots__ = ("remote", "view")
+
+    def __init__(self, view: Mapping[bytes, int], remote: Collection[bytes]) -> None:
+        self.view = view
+        self.remote = remote
+
+    def __getitem__(self, digest: bytes) -> int:
+        found = self.view.get(digest)
+        if found is not None:
+            return found
+        if digest in self.remote:
+            return _REMOTE
+        raise KeyError(digest)
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.view
+        for digest in self.remote:
+            if digest not in self.view:
+                yield digest
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -76,15 +76,21 @@ class Replica:
         assert result, result
         assert self.remote.run_pending() == ()
         if seed is not None:
-            generator = torch.Generator().manual_seed(seed)
-            computed = list(self.allocator.block_ids(rid)[0][prefix.num_tokens // BLOCK :])
-            ids = torch.tensor(computed, dtype=torch.long)
-            for tensor in self.device:
-                fresh = torch.randint(-100, 100, (len(computed), *tensor.shape[1:]),
-                                      generator=generator).to(tensor.dtype)  # fmt: skip
-                tensor.index_copy_(0, ids, fresh)
+            self.write_forward(rid, prefix.num_tokens, seed)
         self.allocator.check_invariants()
         return prefix
+
+    def write_forward(self, rid: str, start: int, seed: int) -> None:
+        """The forward: random pages into the blocks of every group from token ``start`` on
+        (a null entry, a block a sliding window skips, is not written)."""
+        generator = torch.Generator().manual_seed(seed)
+        tables = self.allocator.block_ids(rid)
+        blocks = [block for table in tables for block in table[start // BLOCK :] if block]
+        ids = torch.tensor(blocks, dtype=torch.long)
+        for tensor in self.device:
+            fresh = torch.randint(-100, 100, (len(blocks), *tensor.shape[1:]),
+                                  generator=generator).to(tensor.dtype)  # fmt: skip
+            tensor.index_copy_(0, ids, fresh)
 
     def pages(self, rid: str, num_blocks: int) -> list[bytes]:
         """The device pages of the request's first ``num_blocks`` blocks."""
@@ -104,3 +110,52 @@ def compute_and_publish(port: int, tokens: list[int], filler: list[int], out: An
     replica.admit("filler", filler, seed=2)
     replica.store.close()
     out.put((pages, replica.remote.counters.published))
+
+
+WINDOW = 6  # tokens: a hit past the first window needs the 2 blocks before it
+HYBRID_DEVICE_BLOCKS = 24
+
+
+def sliding_window_manager() -> PluginManager:
+    """A fresh plugin manager with the sliding-window family."""
+    from kvspec_sliding_window import plugin as sliding_plugin
+
+    manager = PluginManager()
+    manager.register(sliding_plugin, "sliding_window")
+    return manager
+
+
+class HybridReplica(Replica):
+    """A replica of a full attention + sliding window model (one shared pool), with a store
+    per group."""
+
+    def __init__(self, port: int, parts: dict[str, Any] = LLAMA, **config: Any) -> None:
+        from kvspec_sliding_window.specs import SlidingWindowSpec
+
+        head = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+        self.allocator = KVCacheAllocator(
+            [
+                FullAttentionSpec(block_size=BLOCK, **head),
+                SlidingWindowSpec(block_size=BLOCK, sliding_window=WINDOW, **head),
+            ],
+            HYBRID_DEVICE_BLOCKS,
+            SizingContext(max_model_len=64, max_in_flight_tokens=32),
+            manager=sliding_window_manager(),
+            hash_salt=SALT,
+            offload_tiers=(OffloadTier("host", 64),),
+        )
+        self.device, self.host = pool_views(HYBRID_DEVICE_BLOCKS), pool_views(64)
+        self.runner = TransferRunner({0: [self.device], 1: [self.host]})
+        self.stores = {
+            gid: RemoteBlockStore(
+                BlockNamespace.of(**parts, group=gid), RemoteStoreConfig(port=port, **config)
+            )
+            for gid in (0, 1)
+        }
+        self.store = self.stores[0]
+        self.remote = RemoteTier(self.allocator, self.runner, self.stores)
+
+    def group_pages(self, rid: str, group: int, indices: list[int]) -> list[bytes]:
+        table = self.allocator.block_ids(rid)[group]
+        rows = self.runner.read_blocks(0, 0, [table[i] for i in indices])
+        return [rows[row].numpy().tobytes() for row in range(len(indices))]

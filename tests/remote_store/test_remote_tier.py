@@ -169,8 +169,12 @@ def test_what_the_remote_tier_refuses(valkey: ServerProcess) -> None:
         manager=PluginManager(),
         offload_tiers=(OffloadTier("host", 16),),
     )
-    with pytest.raises(AllocatorError, match="exactly one caching KV-cache group"):
+    with pytest.raises(AllocatorError, match=r"one store per group"):
         RemoteTier(two_groups, runner, replica.store)
+    with pytest.raises(AllocatorError, match="share a namespace"):
+        RemoteTier(two_groups, runner, {0: replica.store, 1: replica.store})
+    with pytest.raises(AllocatorError, match=r"give one store for each caching group, \[0, 1\]"):
+        RemoteTier(two_groups, runner, {0: replica.store})
     with pytest.raises(AllocatorError, match="max_fetch_blocks"):
         RemoteTier(replica.allocator, runner, replica.store, max_fetch_blocks=0)
 
