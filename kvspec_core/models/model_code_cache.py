@@ -4,7 +4,7 @@ Importing transformers' modeling code is most of what the model-code check costs
 second; building the model on the meta device takes a tenth of that), so ``kvspec plan`` of a
 config it has checked before reads the reading back instead. An entry is keyed by the config
 text, the layer count, the installed transformers version and the text of the check's own
-rules (:mod:`kvspec_core.models.model_code_check`), so a new transformers or changed rules
+rules (:mod:`kvspec_core.models.model_code_reader`), so a new transformers or changed rules
 read the model code again. An entry that cannot be read or does not have the expected shape
 is ignored and rebuilt; a cache that cannot be written is skipped (it only saves time).
 

@@ -327,7 +327,7 @@ def test_a_reading_is_read_back_from_disk_without_building_the_model(
     def no_build(config_json: str, count: int) -> None:
         raise AssertionError("the model was built again")
 
-    monkeypatch.setattr(model_code_check, "_build_reading", no_build)
+    monkeypatch.setattr(model_code_check, "build_reading", no_build)
     assert readings(load_preset("nemotron-h-56b"))[1] == built
 
 
