@@ -264,10 +264,31 @@ def test_scheduler_ran_on_kvspecs_allocator(runs: dict[str, Any]) -> None:
     assert after_reset == (0, 96, 0)
 
 
-def test_tiny_benchmark_same_tokens_hits_and_preemptions(tmp_path: Path) -> None:
-    """The step benchmark on a real vLLM scheduler (no engine), small: both managers give the
-    same tokens, hits and preemptions (64 blocks for 24 requests preempt some)."""
-    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64, max_num_seqs=24)
+@pytest.mark.parametrize(
+    ("model", "options", "hits", "preempted"),
+    [
+        ("llama", {}, True, True),
+        ("llama", {"enable_prefix_caching": False}, False, True),
+        # Chunked prefill (128-token chunks of ~200-token prompts) and vLLM's full-sequence
+        # gate, over a sliding window and Gemma 2's two groups.
+        ("mistral", {"max_num_batched_tokens": 128, "window": 64}, True, None),
+        ("gemma2", {"max_num_batched_tokens": 128, "window": 64}, None, True),
+    ],
+)
+def test_scheduler_steps_as_on_vllms_manager(
+    tmp_path: Path,
+    model: str,
+    options: dict[str, Any],
+    hits: bool | None,
+    preempted: bool | None,
+) -> None:
+    """The step benchmark's harness, small: a real vLLM scheduler (no engine) on each
+    manager, 24 requests of 4 families in 64 blocks: the same tokens, prefix hits and
+    preemptions (``hits`` / ``preempted``: whether there are some, where the case is
+    meant to show it)."""
+    config = vllm_scheduler_step.vllm_config_for(
+        model, tmp_path, blocks=64, max_num_seqs=24, **options
+    )
     prompts = vllm_scheduler_step.workload(24, 4, 96)
     results = {
         name: vllm_scheduler_step.run(config, prompts, 64, 24, kvspec=name == "kvspec")
@@ -277,8 +298,12 @@ def test_tiny_benchmark_same_tokens_hits_and_preemptions(tmp_path: Path) -> None
     assert kvspec_result["manager"] == "KVSpecKVCacheManager"
     assert kvspec_result["tokens"] == vllm_result["tokens"]
     assert all(len(tokens) == 24 for tokens in kvspec_result["tokens"].values())
-    assert kvspec_result["hits"] == vllm_result["hits"] > 0
-    assert kvspec_result["preemptions"] == vllm_result["preemptions"] > 0
+    assert kvspec_result["hits"] == vllm_result["hits"]
+    assert kvspec_result["preemptions"] == vllm_result["preemptions"]
+    if hits is not None:
+        assert (kvspec_result["hits"] > 0) == hits
+    if preempted is not None:
+        assert (kvspec_result["preemptions"] > 0) == preempted
 
 
 # ----------------------------------------------------------------------------- refusals
