@@ -316,8 +316,15 @@ class RemoteTier:
         stores wrote from the device into a tier. Call it before the step's forward."""
         taken = self.allocator.take_transfers()
         done, _, dropped = self.runner.run_and_complete(self.allocator, taken)
+        self.publish_completed(taken, done)
+        return dropped
+
+    def publish_completed(self, taken: Sequence[Transfer], done: Sequence[int]) -> int:
+        """:meth:`publish` the stores from the device among ``taken`` (a step's transfers)
+        whose ids are in ``done`` (those that ran and were confirmed): for an engine that
+        runs its transfers itself. Returns how many blocks the servers took."""
         ran = set(done)
-        self.publish(
+        return self.publish(
             [
                 transfer
                 for transfer in taken
@@ -327,7 +334,6 @@ class RemoteTier:
                 and transfer.group in self.stores
             ]
         )
-        return dropped
 
     def publish(self, stores: list[Transfer]) -> int:
         """Put the pages of completed device -> tier stores to their group's store under

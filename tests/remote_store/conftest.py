@@ -12,7 +12,7 @@ _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from valkey_server import NO_SERVER, ServerProcess, free_port, server_binary  # noqa: E402
+from valkey_server import NO_SERVER, ServerProcess, running_server, server_binary  # noqa: E402
 
 
 @pytest.fixture
@@ -22,15 +22,5 @@ def valkey(tmp_path: Path) -> Iterator[ServerProcess]:
     binary = server_binary()
     if binary is None or not binary.exists():
         pytest.skip(NO_SERVER)
-    for attempt in range(3):
-        server = ServerProcess(binary, free_port(), tmp_path)
-        try:
-            server.start()
-            break
-        except RuntimeError:
-            if attempt == 2:  # not a port another process took meanwhile: say why
-                raise
-    try:
+    with running_server(tmp_path) as server:
         yield server
-    finally:
-        server.stop()

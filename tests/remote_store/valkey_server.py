@@ -3,11 +3,13 @@ fetches the binary into .cache/remote-store/; KVSPEC_REMOTE_STORE_SERVER names a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,3 +105,23 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+@contextlib.contextmanager
+def running_server(workdir: Path) -> Iterator[ServerProcess]:
+    """A server on 127.0.0.1 on a free port, no persistence, stopped on exit (also when the
+    body fails). The caller skips when :func:`server_binary` finds none."""
+    binary = server_binary()
+    assert binary is not None
+    for attempt in range(3):
+        server = ServerProcess(binary, free_port(), workdir)
+        try:
+            server.start()
+            break
+        except RuntimeError:
+            if attempt == 2:  # not a port another process took meanwhile: say why
+                raise
+    try:
+        yield server
+    finally:
+        server.stop()

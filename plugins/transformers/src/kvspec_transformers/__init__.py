@@ -22,6 +22,7 @@ from kvspec_transformers.layer_adapters import (
 )
 from kvspec_transformers.models import build_model, read_config, shrink_config
 from kvspec_transformers.paged_attention import ATTENTION_NAME, paged_attention_forward
+from kvspec_transformers.remote import RemoteOptions
 from kvspec_transformers.step import StepContext
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "LayerBinding",
     "MLALatentLayer",
     "PagedAttentionLayer",
+    "RemoteOptions",
     "StepContext",
     "StepDriven",
     "TransformersEngine",

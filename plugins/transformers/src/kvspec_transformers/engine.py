@@ -38,6 +38,7 @@ from kvspec_core.planner.views import KVCacheBuffers
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, Request
+from kvspec_core.runtime.remote_tier import RemoteTier
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.tiers import TieredPrefix, tiers_from_plan
 from kvspec_core.specs.base import KVSpec
@@ -59,6 +60,7 @@ from kvspec_transformers.paged_attention import (
     register_paged_attention,
 )
 from kvspec_transformers.prompts import prompt_token_ids_of, token_id_of
+from kvspec_transformers.remote import RemoteOptions, remote_tier
 from kvspec_transformers.step import StepContext
 
 #: Default cache budget: a few hundred-token requests of the shrunk test models.
@@ -89,6 +91,10 @@ class TransformersEngine:
         disk_offload_bytes / disk_path: a disk tier below the host one: bytes, and an
             existing directory the engine creates its files in (one per pool; refused if
             one is there already; :meth:`close` removes them). Both or neither.
+        remote: share prefix blocks with other replicas through a Redis/Valkey server
+            (:class:`~kvspec_transformers.remote.RemoteOptions`; ``None``: no sharing).
+            Needs the host tier: fetched blocks land there. ``engine.remote.counters``
+            and ``engine.remote.store.counters`` say what it did.
     """
 
     def __init__(
@@ -104,7 +110,18 @@ class TransformersEngine:
         host_offload_bytes: int | None = None,
         disk_offload_bytes: int | None = None,
         disk_path: str | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
+        if remote is not None and not isinstance(remote, RemoteOptions):
+            raise EngineError(
+                f"remote must be a kvspec_transformers.RemoteOptions, not {type(remote).__name__}"
+            )
+        if remote is not None and host_offload_bytes is None:
+            raise EngineError(
+                "remote needs a host tier (blocks fetched from other replicas land there, and "
+                "the blocks published are those the device writes back to it): give "
+                "host_offload_bytes"
+            )
         if not enable_prefix_caching and (
             host_offload_bytes is not None or disk_offload_bytes is not None
         ):
@@ -147,9 +164,16 @@ class TransformersEngine:
             self.manager,
             enable_prefix_caching=enable_prefix_caching,
             offload_tiers=tiers_from_plan(self.plan),
+            hash_salt=None if remote is None else remote.hash_salt,
         )
         #: Runs the allocator's copies between the tiers before each forward.
         self.transfers = StepTransfers(self.allocator, tier_storage(self.buffers))
+        #: Fetches other replicas' blocks before each lookup, and publishes this one's
+        #: (``None`` without ``remote``).
+        self.remote: RemoteTier | None = None
+        if remote is not None:
+            self.remote = remote_tier(remote, self.plan, self.allocator, self.transfers.runner)
+            self.transfers.remote = self.remote
         self.bindings = self._bind(prepared.model.layers, prepared.specs)
         self.cache = KVSpecCache(self._layers())
         if self.allocator.enable_prefix_caching:
@@ -240,8 +264,12 @@ class TransformersEngine:
 
     def close(self) -> None:
         """Remove the disk tier's files (the engine made them; a new engine refuses a
-        directory holding them). The engine must not be used afterwards."""
+        directory holding them) and close the remote stores' connections. The engine must
+        not be used afterwards."""
         with self._lock:
+            if self.remote is not None:
+                for store in self.remote.stores.values():
+                    store.close()
             for tier in self.buffers.tiers.values():
                 for path in tier.files.values():
                     if os.path.exists(path):
@@ -304,6 +332,10 @@ class TransformersEngine:
                 # the tier copy that failed), so each retry finds a shorter prefix: the
                 # loop ends, at the latest when no tier hit is left.
                 request = Request(rid, list(prompt))
+                if self.remote is not None:
+                    # Other replicas' blocks after the local hit -> the host tier (bounded
+                    # waits; a server down or slow costs misses only).
+                    self.remote.fetch(request)
                 prefix = self.allocator.find_cached_prefix(request)
                 step_ends = self._prefill_step_ends(prefix, len(prompt))
                 written = prefix.num_tokens

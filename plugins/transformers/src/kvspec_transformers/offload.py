@@ -21,6 +21,7 @@ import torch
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.views import KVCacheBuffers
 from kvspec_core.runtime import KVCacheAllocator
+from kvspec_core.runtime.remote_tier import RemoteTier
 from kvspec_core.runtime.tier_copy import TransferRunner
 from kvspec_core.runtime.tiers import DEVICE_TIER
 
@@ -75,6 +76,9 @@ class StepTransfers:
         self.runner = TransferRunner(storage)
         self.completed = 0
         self.failed = 0
+        #: The remote tier the blocks written back from the device are published to
+        #: (:mod:`kvspec_transformers.remote`), if any.
+        self.remote: RemoteTier | None = None
 
     def run(self) -> tuple[str | int, ...]:
         """Take the allocator's transfers, run them in order, confirm those that ran and
@@ -93,6 +97,8 @@ class StepTransfers:
             raise
         self.completed += len(done)
         self.failed += len(failed)
+        if self.remote is not None:
+            self.remote.publish_completed(transfers, done)
         return dropped
 
     def abandon(self) -> None:

@@ -1,0 +1,110 @@
+"""Replicas sharing prefix blocks through a Redis/Valkey server: the engine's remote tier.
+
+``TransformersEngine(..., host_offload_bytes=..., remote=RemoteOptions(...))`` publishes the
+blocks its device writes back to the host tier, and before each request's lookup fetches
+the blocks after its local hit that another replica published (into the host tier, from
+where the lookup loads them like any tier hit). The runtime's
+:class:`~kvspec_core.runtime.remote_tier.RemoteTier` does the work; this module builds it
+for an engine:
+
+* **What is shared, under which keys.** One store per caching group, its namespace made
+  of the plan's checksums of what fixes a block's bytes (``layout``, ``context``,
+  ``memoryless_layers``, each group's ``layers`` and ``spec``; not the budgets or block
+  counts: a replica with more memory stores the same bytes), the group, its pool, and
+  ``weights_id``. The plan only knows shapes: two models of one architecture with other
+  weights compute other K/V for the same tokens, so ``weights_id`` (the checkpoint and its
+  revision) is required and must differ between them.
+* **Hashes.** Every replica's allocator hashes with ``hash_salt`` (the default salt is
+  random per process, so nothing would be shared).
+* **Failures.** The store's timeouts and breaker bound every wait; a server down costs
+  misses (counted), never an error in ``generate``; a corrupt value is a miss.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.remote_misses import DEFAULT_MISS_TTL_S
+from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
+from kvspec_core.runtime.remote_tier import DEFAULT_MAX_FETCH_BLOCKS, RemoteTier
+from kvspec_transformers.errors import EngineError
+
+if TYPE_CHECKING:
+    from kvspec_core.planner.plan import KVCachePlan
+    from kvspec_core.runtime import KVCacheAllocator
+    from kvspec_core.runtime.tier_copy import TransferRunner
+
+#: The plan's checksums that say what a block's bytes mean (the others are budgets).
+SHARED_CHECKSUMS = ("layout", "context", "memoryless_layers")
+
+
+@attrs.frozen
+class RemoteOptions:
+    """How an engine shares prefix blocks with other replicas (see the module docstring).
+
+    Attributes:
+        store: where the server is and how long a call may wait.
+        weights_id: names the model's weights (e.g. ``"meta-llama/Llama-3.1-8B@<rev>"``);
+            replicas share blocks only under the same one.
+        hash_salt: the fleet's prefix-hash salt, the same bytes on every replica.
+        max_fetch_blocks / miss_ttl_s: as :class:`RemoteTier`'s.
+    """
+
+    store: RemoteStoreConfig
+    weights_id: str
+    hash_salt: bytes
+    max_fetch_blocks: int = DEFAULT_MAX_FETCH_BLOCKS
+    miss_ttl_s: float = DEFAULT_MISS_TTL_S
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.store, RemoteStoreConfig):
+            raise EngineError(
+                f"RemoteOptions.store must be a RemoteStoreConfig, not {type(self.store).__name__}"
+            )
+        if not isinstance(self.weights_id, str) or not self.weights_id.strip():
+            raise EngineError(
+                "RemoteOptions.weights_id must name the model's weights (checkpoint and "
+                "revision): the plan only knows shapes, and replicas of other weights must "
+                "never read each other's blocks"
+            )
+        if not isinstance(self.hash_salt, bytes) or not self.hash_salt:
+            raise EngineError(
+                "RemoteOptions.hash_salt must be non-empty bytes, the same on every replica"
+            )
+
+
+def remote_tier(
+    options: RemoteOptions,
+    plan: KVCachePlan,
+    allocator: KVCacheAllocator,
+    runner: TransferRunner,
+) -> RemoteTier:
+    """The remote tier of an engine's allocator: one store per caching group."""
+    checksums = plan.to_dict()["input_checksums"]
+    groups = {group.id: group for group in plan.groups}
+    caching = [gid for gid, cap in enumerate(allocator.admission_caps) if cap > 0]
+    stores = {}
+    for gid in caching:
+        group = groups[gid]
+        shared = {
+            name: checksums[name]
+            for name in (*SHARED_CHECKSUMS, f"groups[{gid}].layers", f"groups[{gid}].spec")
+            if name in checksums
+        }
+        namespace = BlockNamespace.from_checksums(
+            shared, weights_id=options.weights_id, group=gid, pool=group.pool, tp_rank=0
+        )
+        stores[gid] = RemoteBlockStore(namespace, options.store)
+    try:
+        return RemoteTier(
+            allocator,
+            runner,
+            stores[caching[0]] if len(caching) == 1 else stores,
+            max_fetch_blocks=options.max_fetch_blocks,
+            miss_ttl_s=options.miss_ttl_s,
+        )
+    except AllocatorError as error:
+        raise EngineError(f"remote tier refused for this model: {error}") from None

@@ -1,0 +1,187 @@
+"""Two engines (replicas) sharing prefix blocks through a real Valkey server on loopback
+(issue 20 item 3): a prefix replica 1 computed is a remote hit for replica 2, whose greedy
+tokens equal transformers' own; a corrupted stored value is never used; a server killed
+mid-run costs misses, never an error or a wrong token.
+
+Replica 1 runs A (48 shared tokens + 9) and three unrelated prompts that evict A's blocks
+from its device to its host tier (write-back), which publishes them. Replica 2, another
+engine on another model object with the same weights, starts empty: its lookup for B (the
+48 + 10) fetches them into its host tier and loads them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from transformers_testkit import (
+    NEW_TOKENS,
+    PROMPT_A,
+    PROMPT_B,
+    SHARED_PREFIX,
+    forward_lengths,
+    fresh_model,
+    model_case,
+    token_ids,
+)
+
+from kvspec_core.runtime import Request
+from kvspec_core.runtime.remote_store import RemoteStoreConfig, _encode_value
+from kvspec_transformers import EngineError, RemoteOptions, TransformersEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "remote_store"))
+from valkey_server import NO_SERVER, ServerProcess, running_server, server_binary
+
+BLOCK_BYTES = {"llama": 8192, "gemma2": 16384}
+DEVICE_BLOCKS = {"llama": 10, "gemma2": 15}
+HOST_BLOCKS = 40
+SALT = b"fleet of two"
+
+
+@pytest.fixture
+def valkey(tmp_path: Path) -> Iterator[ServerProcess]:
+    binary = server_binary()
+    if binary is None or not binary.exists():
+        pytest.skip(NO_SERVER)
+    with running_server(tmp_path) as server:
+        yield server
+
+
+def replica(name: str, port: int, model=None, **store: object) -> TransformersEngine:
+    case = model_case(name)
+    return TransformersEngine(
+        case.model if model is None else model,
+        kvspec_config=case.config,
+        max_model_len=96,
+        budget_bytes=DEVICE_BLOCKS[name] * BLOCK_BYTES[name],
+        host_offload_bytes=HOST_BLOCKS * BLOCK_BYTES[name],
+        remote=RemoteOptions(
+            store=RemoteStoreConfig(port=port, **store),  # type: ignore[arg-type]
+            weights_id=f"{name}-random-seed-0",
+            hash_salt=SALT,
+        ),
+    )
+
+
+def replica_1_publishes_a(name: str, port: int) -> TransformersEngine:
+    engine = replica(name, port)
+    assert engine.generate(PROMPT_A, NEW_TOKENS, request_id="A").cached_tokens == 0
+    for seed in range(3):
+        engine.generate(token_ids(57, seed=100 + seed), NEW_TOKENS)
+    assert engine.remote is not None
+    assert engine.remote.counters.published >= SHARED_PREFIX // 16
+    assert engine.remote.counters.publish_failures == 0
+    return engine
+
+
+def replica_2(name: str, port: int, **store: object) -> TransformersEngine:
+    """A second engine, on another model object with the same weights."""
+    _, model = fresh_model(name)
+    return replica(name, port, model=model, **store)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_a_prefix_replica_1_computed_is_a_remote_hit_for_replica_2(
+    name: str, valkey: ServerProcess
+) -> None:
+    replica_1_publishes_a(name, valkey.port)
+    engine = replica_2(name, valkey.port)
+    with forward_lengths(engine.model) as forwards:
+        result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.cached_tokens_by_tier == {"device": 0, "host": SHARED_PREFIX}
+    assert forwards == [10] + [1] * (NEW_TOKENS - 1)  # the 48 tokens were not computed
+    assert result.token_ids == model_case(name).reference["b"]
+    assert engine.remote is not None
+    # Llama: its 3 blocks. Gemma 2: 3 full-attention blocks and the sliding window's
+    # (24 tokens over 16-token blocks: the 2 before the hit), not the one before them.
+    assert engine.remote.counters.fetched == {"llama": 3, "gemma2": 5}[name]
+    engine.allocator.check_invariants()
+
+
+def corrupt(engine: TransformersEngine, port: int, block: int, forge: bool) -> None:
+    """Damage block ``block`` of B's prefix in group 0's store: flip a payload byte (the
+    value's digest no longer matches), or ``forge`` a valid value of wrong pages."""
+    assert engine.remote is not None
+    store = engine.remote.stores[0]
+    key = store.key_of(engine.allocator.block_hashes(Request("probe", PROMPT_B), 0)[block])
+    client = redis.Redis(port=port, socket_timeout=2)
+    value = bytearray(client.get(key))
+    if forge:
+        payload = bytes(reversed(value[-BLOCK_BYTES["llama"] :]))
+        client.set(key, _encode_value(key, payload))
+    else:
+        value[-100] ^= 0x10
+        client.set(key, bytes(value))
+
+
+def test_a_corrupted_stored_value_is_never_used(valkey: ServerProcess) -> None:
+    replica_1_publishes_a("llama", valkey.port)
+    engine = replica_2("llama", valkey.port)
+    corrupt(engine, valkey.port, block=1, forge=False)
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == 16  # block 0 only: the run ends at the corrupt value
+    assert result.token_ids == model_case("llama").reference["b"]
+    assert engine.remote is not None and engine.remote.store.counters.corrupt == 1
+
+
+def test_control_wrong_pages_under_a_valid_value_change_the_output(
+    valkey: ServerProcess,
+) -> None:
+    """The negative control: pages that pass the store's check are used, and wrong ones
+    change the tokens, so the test above would see a corrupt value that was used."""
+    replica_1_publishes_a("llama", valkey.port)
+    engine = replica_2("llama", valkey.port)
+    corrupt(engine, valkey.port, block=1, forge=True)
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.token_ids != model_case("llama").reference["b"]
+
+
+def test_the_server_killed_mid_run_the_engine_keeps_working(valkey: ServerProcess) -> None:
+    replica_1_publishes_a("llama", valkey.port)
+    engine = replica_2("llama", valkey.port, failures_to_open=2)
+    # Killed during a request (at its third forward), whose later steps publish nothing.
+    calls: list[int] = []
+
+    def kill_at_the_third_forward(*_: object) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            valkey.kill()
+
+    hook = engine.model.get_input_embeddings().register_forward_hook(kill_at_the_third_forward)
+    try:
+        engine.generate(token_ids(57, seed=7), NEW_TOKENS)
+    finally:
+        hook.remove()
+    assert valkey.process is None
+    for seed in range(3):  # evictions whose publishing fails
+        engine.generate(token_ids(57, seed=200 + seed), NEW_TOKENS)
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == 0  # nothing fetched: the server is gone
+    assert result.token_ids == model_case("llama").reference["b"]
+    assert engine.remote is not None
+    counters = engine.remote.store.counters
+    assert counters.errors + counters.timeouts + counters.skipped > 0
+    assert engine.remote.counters.publish_failures > 0
+    # The local tiers still work: B again is a local hit.
+    again = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B again")
+    assert again.cached_tokens == SHARED_PREFIX
+    assert again.token_ids == model_case("llama").reference["b"]
+    engine.allocator.check_invariants()
+
+
+def test_what_the_remote_option_refuses(valkey: ServerProcess) -> None:
+    case = model_case("llama")
+    options = RemoteOptions(
+        store=RemoteStoreConfig(port=valkey.port), weights_id="w", hash_salt=SALT
+    )
+    with pytest.raises(EngineError, match="remote needs a host tier"):
+        TransformersEngine(case.model, kvspec_config=case.config, remote=options)
+    with pytest.raises(EngineError, match="weights_id must name the model's weights"):
+        RemoteOptions(store=RemoteStoreConfig(), weights_id=" ", hash_salt=SALT)
+    with pytest.raises(EngineError, match="hash_salt must be non-empty bytes"):
+        RemoteOptions(store=RemoteStoreConfig(), weights_id="w", hash_salt=b"")
