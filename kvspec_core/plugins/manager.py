@@ -2,36 +2,39 @@
 
 Every hook is called through a method here, one plugin at a time, so failures are
 attributed to the plugin that caused them and never abort another plugin's call.
+
+The checks a plugin passes before it is registered live in
+:mod:`~kvspec_core.plugins.admission` and :mod:`~kvspec_core.plugins.hook_calls`; the
+``kvspec_layer_spec`` call and its fault isolation in :mod:`~kvspec_core.plugins.layer_claims`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import pluggy
 
-from kvspec_core.errors import (
-    KindConflictError,
-    KVSpecError,
-    MissingFamilyError,
-    PluginError,
-    UnknownNameError,
-)
+from kvspec_core.errors import KindConflictError, PluginError
 from kvspec_core.kv_dtypes import KVCacheDtype, KVDtypeRegistry
 from kvspec_core.plugins import hookspecs, loading
-from kvspec_core.plugins.contract import CONTRACT_VERSION, PROJECT_NAME
+from kvspec_core.plugins.admission import check_contract_version, plugin_label
+from kvspec_core.plugins.contract import PROJECT_NAME
+from kvspec_core.plugins.hook_calls import call_impl, check_impls, impls_of
+from kvspec_core.plugins.layer_claims import (
+    PluginHookWarning,
+    collect_layer_claims,
+    refuse_or_warn,
+)
 from kvspec_core.plugins.layer_config import LayerConfig
 from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure, PluginInfo
 from kvspec_core.plugins.registry import SpecRegistry
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.version import __version__
 
-
-class PluginHookWarning(UserWarning):
-    """A plugin's hook failed where another plugin's answer stands; planning goes on."""
+# cli.main and the tests import PluginHookWarning from here.
+__all__ = ["PluginHookWarning", "PluginManager", "load_plugins"]
 
 
 class PluginManager:
@@ -93,28 +96,10 @@ class PluginManager:
         registrations stand, and a :class:`KindConflictError` naming both is appended to
         :attr:`kind_conflicts`.
         """
-        label = f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "")
+        label = plugin_label(name, distribution)
         if name in self._infos:
             raise PluginError(f"{label}: a plugin named {name!r} is already registered")
-        try:
-            declared = getattr(plugin, "kvspec_contract_version", None)
-        except Exception as error:  # any object may come out of an entry point
-            raise PluginError(
-                f"{label} raised {type(error).__name__} when asked for "
-                f"kvspec_contract_version: {error}"
-            ) from error
-        if declared is None:
-            raise PluginError(
-                f"{label} does not declare kvspec_contract_version; this core implements "
-                f"contract {CONTRACT_VERSION}"
-            )
-        # ``True == 1`` and ``1.0 == 1`` in Python; only the int itself is the contract.
-        if type(declared) is not int or declared != CONTRACT_VERSION:
-            raise PluginError(
-                f"{label} targets hook contract version {declared!r}, but this kvspec-core "
-                f"implements version {CONTRACT_VERSION}; install a {name} release built for "
-                f"contract {CONTRACT_VERSION}"
-            )
+        check_contract_version(plugin, name, label)
         if self._pm.is_registered(plugin):
             # Checked here because pluggy's own refusal would send us into the rollback below,
             # which would unregister the plugin from under its first name.
@@ -125,7 +110,7 @@ class PluginManager:
         try:
             self._pm.register(plugin, name=name)
             self._pm.check_pending()
-            self._check_impls(plugin)
+            check_impls(self._pm, plugin)
         except Exception as error:  # pluggy inspects every attribute of the plugin object
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
@@ -144,7 +129,7 @@ class PluginManager:
             raise PluginError(
                 f"{label} raised {type(error).__name__} while registering: {error}"
             ) from error
-        hooks = tuple(hook for hook in hookspecs.HOOK_NAMES if self._impls_of(hook, plugin))
+        hooks = tuple(hook for hook in hookspecs.HOOK_NAMES if impls_of(self._pm, hook, plugin))
         info = PluginInfo(
             name=name,
             distribution=distribution,
@@ -202,29 +187,6 @@ class PluginManager:
         if self._pm.is_registered(plugin):
             self._pm.unregister(plugin)
 
-    def _check_impls(self, plugin: object) -> None:
-        """Refuse the implementations pluggy accepts but the core could not call faithfully."""
-        for hook_name in hookspecs.HOOK_NAMES:
-            for impl in self._impls_of(hook_name, plugin):
-                if impl.kwargnames:
-                    raise ValueError(
-                        f"{hook_name} gives argument(s) {', '.join(map(repr, impl.kwargnames))} "
-                        "a default, so pluggy would never pass them; remove the default"
-                    )
-                if impl.wrapper or impl.hookwrapper:
-                    raise ValueError(
-                        f"{hook_name} is marked as a wrapper; the core calls every "
-                        "implementation on its own, so use a plain @hookimpl"
-                    )
-
-    def _impls_of(self, hook_name: str, plugin: object) -> list[Any]:
-        caller = getattr(self._pm.hook, hook_name)
-        return [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
-
-    def _call_impl(self, impl: Any, **kwargs: Any) -> Any:
-        # pluggy passes only the arguments an implementation names; do the same.
-        return impl.function(*(kwargs[arg] for arg in impl.argnames))
-
     def _run_registration_hooks(
         self, plugin: object, name: str, contested: list[KindConflictError] | None = None
     ) -> None:
@@ -268,8 +230,8 @@ class PluginManager:
             ("kvspec_register_runtime_rules", register_rules),
         ]
         for hook_name, register in registrations:
-            for impl in self._impls_of(hook_name, plugin):
-                self._call_impl(impl, register=register)
+            for impl in impls_of(self._pm, hook_name, plugin):
+                call_impl(impl, register=register)
 
     # ----------------------------------------------------------------- loading
     def load_entry_points(self, environ: dict[str, str] | None = None) -> None:
@@ -291,85 +253,21 @@ class PluginManager:
         and the other claims stand; when none does, or under :attr:`strict_plugins`, it is a
         :class:`PluginError` naming the plugin, its distribution, the layer and the fix.
         """
-        claims: list[tuple[str, KVSpec]] = []
-        faults: list[tuple[str, str, Exception | None]] = []
-        for plugin_name, impl in self._impls_in_order("kvspec_layer_spec"):
-            try:
-                spec = self._call_impl(impl, layer=layer)
-            except KVSpecError:
-                raise
-            except Exception as error:
-                faults.append(
-                    (
-                        plugin_name,
-                        f"raised {type(error).__name__} in kvspec_layer_spec "
-                        f"for layer {layer.name} ({layer.layer_type}): {error}",
-                        error,
-                    )
-                )
-                continue
-            if spec is None:
-                continue
-            if not isinstance(spec, KVSpec):
-                faults.append(
-                    (
-                        plugin_name,
-                        f"returned {spec!r} for layer {layer.name} "
-                        f"({layer.layer_type}); kvspec_layer_spec must return a KVSpec "
-                        "or None",
-                        None,
-                    )
-                )
-                continue
-            try:
-                self.spec_kinds.entry_of(spec)
-            except (UnknownNameError, MissingFamilyError) as error:
-                # A missing family stays a MissingFamilyError (the fix is an install); an
-                # unregistered class is the plugin breaking the contract.
-                missing = isinstance(error, MissingFamilyError)
-                raise (MissingFamilyError if missing else PluginError)(
-                    f"plugin {plugin_name!r} returned a {type(spec).__name__} for layer "
-                    f"{layer.name}: {error}"
-                ) from error
-            claims.append((plugin_name, spec))
+        claims, faults = collect_layer_claims(
+            self._impls_in_order("kvspec_layer_spec"), layer, self.spec_kinds
+        )
         for plugin_name, fault, cause in faults:
-            self._layer_hook_fault(plugin_name, fault, cause, claims)
-        return claims
-
-    def _layer_hook_fault(
-        self,
-        plugin_name: str,
-        fault: str,
-        cause: Exception | None,
-        claims: list[tuple[str, KVSpec]],
-    ) -> None:
-        """Refuse or warn about one plugin's faulty ``kvspec_layer_spec`` answer (see
-        :meth:`layer_specs`)."""
-        info = self._infos[plugin_name]
-        label = f"plugin {plugin_name!r}" + (
-            f" (distribution {info.distribution})" if info.distribution else ""
-        )
-        fix = (
-            "This is a bug of that plugin; report it to its authors, or leave it out with "
-            f"{loading.ALLOW_LIST_VAR} (the comma-separated plugin names to load)"
-        )
-        if self.strict_plugins or not claims:
-            why = (
-                f"{loading.STRICT_VAR}=1 makes any plugin fault an error"
-                if claims
-                else "no other plugin claims that layer"
+            info = self._infos[plugin_name]
+            refuse_or_warn(
+                plugin_label(plugin_name, info.distribution),
+                plugin_name,
+                fault,
+                cause,
+                claims,
+                strict=self.strict_plugins,
+                warned=self._warned_layer_hook_faults,
             )
-            raise PluginError(f"{label} {fault}; {why}. {fix}") from cause
-        if plugin_name in self._warned_layer_hook_faults:
-            return
-        self._warned_layer_hook_faults.add(plugin_name)
-        owners = ", ".join(repr(owner) for owner, _ in claims)
-        warnings.warn(
-            f"{label} {fault}; ignored, as plugin {owners} claims the layer (further faults of "
-            f"this plugin are not repeated; {loading.STRICT_VAR}=1 makes them errors). {fix}",
-            PluginHookWarning,
-            stacklevel=4,
-        )
+        return claims
 
     def runtime_rules(self, kind: str) -> Any | None:
         """Rules a plugin registered for ``kind``, or ``None`` (full attention's apply)."""
