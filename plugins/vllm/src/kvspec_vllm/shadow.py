@@ -11,7 +11,9 @@ scheduler builds), or by hand with :func:`shadow_manager`. Mirrored: ``get_compu
 ``allocate_slots`` (the same span of tokens: both admit or both refuse? then equal free
 blocks?) and ``free`` / ``pop_blocks_for_free``. Requests whose tokens come from a KV
 connector (external tokens, delayed caching) are not mirrored; a request vLLM admitted and
-kvspec refused is left out from then on (both counted as differences).
+kvspec refused is left out from then on (both counted as differences). The manager of an
+``AsyncScheduler`` is not mirrored at all, with a warning
+(:data:`ASYNC_SCHEDULING_NOT_MIRRORED`).
 
 Each difference is classified (:mod:`kvspec_vllm.shadow_differences`): *expected* ones come
 from policies where vLLM 0.32 and kvspec differ and both are right (copies of a recomputed
@@ -22,6 +24,7 @@ kept in :attr:`ShadowReport.differences`.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 from collections.abc import Callable
@@ -418,15 +421,36 @@ def shadows() -> list[KVCacheShadow]:
     return list(_shadows)
 
 
+#: Why the managers of vLLM's asynchronous scheduler are not mirrored.
+ASYNC_SCHEDULING_NOT_MIRRORED = (
+    "asynchronous scheduling (AsyncScheduler): vLLM schedules a step before the previous "
+    "one's sampled tokens arrive, so a sliding-window group's blocks that leave the window "
+    "are freed a step later than the shadow's call-by-call mirror frees them (free-block "
+    "differences no policy of kvspec explains); set async_scheduling=False to shadow it "
+    "(vLLM 0.32's CPU build always runs synchronously)"
+)
+
+#: Set while an ``AsyncScheduler`` builds its manager (see :func:`install`).
+_building_async: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvspec_shadow_building_async", default=False
+)
+
+
 def install() -> None:
-    """Wrap the ``KVCacheManager`` vLLM's scheduler builds in a shadow (idempotent)."""
+    """Wrap the ``KVCacheManager`` vLLM's scheduler builds in a shadow (idempotent). The
+    manager of an ``AsyncScheduler`` is left unmirrored, with a warning naming
+    :data:`ASYNC_SCHEDULING_NOT_MIRRORED`."""
     scheduler = vllm_module("vllm.v1.core.sched.scheduler")
+    _mark_async_scheduler_builds()
     manager_cls = scheduler.KVCacheManager
     if getattr(manager_cls, "kvspec_shadowed", False):
         return
 
     def shadowed_manager(*args: Any, **kwargs: Any) -> Any:
         manager = manager_cls(*args, **kwargs)
+        if _building_async.get():
+            logger.warning("kvspec shadow: not mirrored: %s", ASYNC_SCHEDULING_NOT_MIRRORED)
+            return manager
         ctx = SizingContext(
             max_model_len=kwargs["max_model_len"],
             max_in_flight_tokens=kwargs.get("max_in_flight_tokens") or kwargs["max_model_len"],
@@ -449,3 +473,27 @@ def uninstall() -> None:
     scheduler = vllm_module("vllm.v1.core.sched.scheduler")
     if getattr(scheduler.KVCacheManager, "kvspec_shadowed", False):
         scheduler.KVCacheManager = scheduler.KVCacheManager.__wrapped__
+    async_scheduler = vllm_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
+    init = async_scheduler.__dict__.get("__init__")
+    if getattr(init, "kvspec_shadow_marks", False):
+        async_scheduler.__init__ = init.__wrapped__
+
+
+def _mark_async_scheduler_builds() -> None:
+    """Make ``AsyncScheduler.__init__`` (which builds the manager through ``Scheduler``'s)
+    set :data:`_building_async` while it runs (idempotent)."""
+    async_scheduler = vllm_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
+    init = async_scheduler.__dict__.get("__init__")
+    if init is None or getattr(init, "kvspec_shadow_marks", False):
+        return
+
+    def marked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        token = _building_async.set(True)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _building_async.reset(token)
+
+    marked_init.kvspec_shadow_marks = True  # type: ignore[attr-defined]
+    marked_init.__wrapped__ = init  # type: ignore[attr-defined]
+    async_scheduler.__init__ = marked_init
