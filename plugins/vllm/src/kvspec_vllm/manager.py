@@ -185,6 +185,13 @@ class KVSpecKVCacheManager:
         self._prefixes: dict[str, CachedPrefix] = {}
         self.num_lookups = 0
         self.num_allocations = 0
+        logger.info(
+            "kvspec-vllm: vLLM's scheduler runs on kvspec's KVCacheAllocator (%d blocks, "
+            "groups %s, prefix caching %s)",
+            kv_cache_config.num_blocks,
+            ", ".join(spec.kind for spec in specs),
+            "on" if enable_caching else "off",
+        )
 
     # ----------------------------------------------------------------- requests
     def _mirror(self, request: Any) -> Request:
