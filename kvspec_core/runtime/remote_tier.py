@@ -223,6 +223,7 @@ class RemoteTier:
         local = allocator.find_cached_prefix(request).num_tokens
         chains = {gid: allocator.block_hashes(request, gid) for gid in self.stores}
         available: dict[int, set[bytes]] = {}
+        remembered_any = False
         for gid, chain in chains.items():
             block_tokens = allocator.rules[gid].block_tokens
             first = max(0, local // block_tokens - self.max_fetch_blocks)
@@ -230,14 +231,20 @@ class RemoteTier:
             misses = self.misses_by_group[gid]
             known = misses.first_missed(asked)
             if known < len(asked):
+                remembered_any = True
                 self.counters.remembered_miss_hits += 1
                 asked = [digest for digest in asked if not misses.remembers(digest)]
+            if not asked:
+                continue
             store = self.stores[gid]
             present = store.contains_many(asked)
             if store.last_call_answered:
                 absent = [digest for digest, has in zip(asked, present, strict=True) if not has]
                 self.counters.misses_remembered += misses.remember(absent)
             available[gid] = {digest for digest, has in zip(asked, present, strict=True) if has}
+        if not available:
+            self.counters.fetches_not_asked += remembered_any
+            return 0
         hit, wanted = allocator.plan_remote_fetch(request, available)
         if hit <= local or not wanted:
             return 0
