@@ -1,11 +1,26 @@
 """Side by side, in one process: kvspec's tiered allocator against vLLM 0.33's KVCacheManager
 with its OffloadingConnector's CPU tier (``vllm/v1/kv_offload``, LRU), on the same events.
 
-Full attention, block 16, ``--blocks`` device blocks and ``--host-blocks`` host blocks on both
-sides; transfers are instant (every load and store is confirmed before the next step) on both.
+Full attention (default) or, with ``--hybrid``, ``vs_vllm.py --hybrid``'s sliding window
+4096 + full attention pair (vLLM 0.33's connector offloads both groups: a sliding-window group's
+lookup reaches back only its window, ``sliding_window_size_in_chunks``); block 16, ``--blocks``
+device blocks and ``--host-blocks`` host blocks on both sides (vLLM keys a CPU chunk by block
+hash and group, so a hybrid's chunk is one group's page, as a kvspec host block is); transfers
+are instant (every load and store is confirmed before the next step) on both. ``--mamba`` is
+not replayed and says why (:data:`MAMBA_NOT_DRIVEN`: vLLM accepts it, its scheduler's
+align-mode steps with a connector are not reproduced here).
 
-kvspec: ``replay_trace.replay`` of ``build_allocator(..., host_blocks=N)`` (write-back: a cached
-block evicted from the device goes to the host tier).
+On the Mooncake trace ``--hybrid`` prefills in chunks of 16,384 tokens on both sides, as
+``replay_trace.py --hybrid`` does (kvspec's sliding-window group admits at most
+``max_in_flight_tokens`` per step); vLLM's first chunk is allocated as a waiting request's,
+later ones as a running request's, each a step through the connector. vLLM's retention
+(``prefix_cache_retention_interval``) is the manager's, dense, for the connector too (as one
+cache config gives both in an engine; ``CacheConfig``'s default ``0`` would store a sliding
+window's chunks only where a prompt ends).
+
+kvspec: ``replay_trace.replay`` of ``build_allocator(..., host_blocks=N, eviction=E)``
+(write-back: a cached block evicted from the device goes to the host tier; ``--eviction``:
+its order on the device and on the host tier, ``lru`` or ``segmented``).
 
 vLLM: its own classes, driven as ``Scheduler.schedule`` / ``update_from_output`` drive them,
 without the scheduler itself (it needs a model and an engine): the ``KVCacheManager`` of
@@ -47,8 +62,8 @@ queue a request whose admission finds too few blocks, as ``vs_vllm.py``. Figures
 tokens (by tier), blocks stored and loaded, process CPU time of the replay and per event.
 
     .venv-vllm/bin/python benchmarks/vs_vllm_offload.py [--trace shared|chat|mooncake[:FILE]]
-        [--blocks 32768] [--host-blocks 262144] [--requests N] [--repeat 1]
-        [--vllm-eviction lru|arc] [--json]
+        [--hybrid | --mamba] [--blocks 32768] [--host-blocks 262144] [--requests N]
+        [--repeat 1] [--eviction lru|segmented] [--vllm-eviction lru|arc] [--json]
 """
 
 from __future__ import annotations
@@ -77,6 +92,28 @@ from replay_trace import (
 )
 from vs_vllm import _import_vllm, build_vllm_manager, interleaved_runs
 
+from kvspec_core.context import SizingContext
+from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
+
+#: The models both sides are driven on here (``vs_vllm.py``'s names).
+DRIVEN_MODELS = ("full_attention", "hybrid")
+MODEL_TITLES = {
+    "full_attention": "full attention",
+    "hybrid": "sliding window 4096 + full attention",
+}
+#: Why ``--mamba`` is not replayed. vLLM 0.33's connector does accept the Mamba hybrid.
+MAMBA_NOT_DRIVEN = (
+    "--mamba: not driven. vLLM 0.33's OffloadingConnector accepts the Mamba hybrid (its "
+    "offloading config gives a Mamba group a window of one chunk, its scheduler marks it "
+    "requires_cow_source and offers partial-tail stores), so there is no vLLM refusal to "
+    "report; but for such a model vLLM's Scheduler chunks a prefill in align mode counting "
+    "the connector's external tokens (_mamba_block_aligned_split(..., "
+    "num_external_computed_tokens)) and reconciles a local hit deeper than the Mamba "
+    "state's (_get_local_prefix_cache_hit's hit_diverged) before asking the connector; "
+    "this replay does not reproduce those steps, so it gives no Mamba figures rather than "
+    "figures of a schedule vLLM would not run"
+)
+
 
 def build_vllm_offloading(
     num_blocks: int,
@@ -84,10 +121,16 @@ def build_vllm_offloading(
     max_model_len: int,
     hash_algo: str,
     eviction: str = "lru",
+    model: str = "full_attention",
 ) -> tuple[Any, Any, Any]:
-    """vLLM's KVCacheManager (full attention) with the scheduler side of its
+    """vLLM's KVCacheManager for ``model`` (``full_attention`` or ``hybrid``, as
+    ``vs_vllm.build_vllm_manager`` builds them) with the scheduler side of its
     OffloadingConnector on a CPU tier of ``host_blocks`` 16-token chunks (``eviction``: its
-    ``lru`` or ``arc`` policy); and the engine core's request block hasher."""
+    ``lru`` or ``arc`` policy; the tier keys a chunk by block hash and group, so a hybrid's
+    chunk is one group's page, as a kvspec host block is); and the engine core's request
+    block hasher."""
+    if model not in DRIVEN_MODELS:
+        raise ValueError(f"model={model!r}: this replay drives {DRIVEN_MODELS} only")
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -100,14 +143,19 @@ def build_vllm_offloading(
         OffloadingConnector,
     )
 
-    manager, hasher = build_vllm_manager(
-        num_blocks, "full_attention", hash_algo, max_model_len=max_model_len
-    )
+    manager, hasher = build_vllm_manager(num_blocks, model, hash_algo, max_model_len=max_model_len)
     kv_cache_config = manager.kv_cache_config
     block_bytes = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
     vllm_config = VllmConfig(
         device_config=DeviceConfig(device="cpu"),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
+        # The connector's retention as the manager's (a real engine gives both the cache
+        # config's): dense for these models (vs_vllm.build_vllm_manager), where CacheConfig's
+        # default, 0, would store a sliding window's blocks only at a prompt's end.
+        cache_config=CacheConfig(
+            block_size=16,
+            enable_prefix_caching=True,
+            prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+        ),
         scheduler_config=SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector",
@@ -140,9 +188,15 @@ def build_vllm_offloading(
 
 
 def replay_vllm_offloading(
-    events: list[tuple], manager: Any, connector: Any, hasher: Any, max_model_len: int
+    events: list[tuple],
+    manager: Any,
+    connector: Any,
+    hasher: Any,
+    max_model_len: int,
+    prefill_chunk: int | None = None,
 ) -> dict[str, Any]:
-    """The events through vLLM's manager and offloading connector (module docstring)."""
+    """The events through vLLM's manager and offloading connector (module docstring);
+    ``prefill_chunk``: a prompt's computed part in steps of at most that many tokens."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
@@ -208,6 +262,19 @@ def replay_vllm_offloading(
             worker = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(jobs, 1))
             connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker))
 
+    def first_chunk(remaining: int) -> int:
+        return remaining if prefill_chunk is None else min(remaining, prefill_chunk)
+
+    def later_chunks(rid: int, request: Any) -> None:
+        """The rest of a chunked prefill, one step each, as a running request's."""
+        while request.num_computed_tokens < request.num_tokens:
+            chunk = first_chunk(request.num_tokens - request.num_computed_tokens)
+            new_blocks = allocate_slots(request, chunk)
+            if new_blocks is None:
+                # The scheduler would preempt a request here; kvspec's replay never does.
+                raise SystemExit(f"request {rid}: no blocks for a later prefill chunk")
+            step([], [(request, new_blocks)], {request.request_id: chunk}, set())
+
     def admit(rid: int, request: Any) -> bool:
         nonlocal hit_gpu, hit_cpu, peak, whole_prompt_loads
         blocks, local, _ = get_computed_blocks(request)
@@ -216,10 +283,11 @@ def replay_vllm_offloading(
             raise SystemExit(f"request {rid}: the connector deferred its lookup")
         num_tokens = request.num_tokens
         if not external:
+            first = first_chunk(num_tokens - local)
             if (
                 allocate_slots(
                     request,
-                    num_tokens - local,
+                    first,
                     num_new_computed_tokens=local,
                     new_computed_blocks=blocks,
                     full_sequence_must_fit=True,
@@ -231,7 +299,8 @@ def replay_vllm_offloading(
             connector.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
             request.status = running
             request.num_computed_tokens = local
-            step([request], [], {request.request_id: num_tokens - local}, set())
+            step([request], [], {request.request_id: first}, set())
+            later_chunks(rid, request)
         else:
             if not load_async:
                 raise SystemExit(f"request {rid}: a synchronous load (not configured)")
@@ -261,15 +330,16 @@ def replay_vllm_offloading(
                 request.num_computed_tokens = num_tokens - 1
                 whole_prompt_loads += 1
             request.status = RequestStatus.WAITING
-            rest = num_tokens - request.num_computed_tokens
+            first = first_chunk(num_tokens - request.num_computed_tokens)
             new_blocks = allocate_slots(
-                request, rest, full_sequence_must_fit=True, has_scheduled_reqs=bool(requests)
+                request, first, full_sequence_must_fit=True, has_scheduled_reqs=bool(requests)
             )
             if new_blocks is None:
                 raise SystemExit(f"request {rid}: no blocks for the rest of a loaded prompt")
             connector.update_state_after_alloc(request, new_blocks, 0)
             request.status = running
-            step([request], [], {request.request_id: rest}, set())
+            step([request], [], {request.request_id: first}, set())
+            later_chunks(rid, request)
         hit_gpu += local
         hit_cpu += external
         used = usable - pool.get_num_free_blocks()
@@ -352,9 +422,11 @@ def replay_vllm_offloading(
     }
 
 
-def replay_kvspec(events: list[tuple], allocator: Any) -> dict[str, Any]:
+def replay_kvspec(
+    events: list[tuple], allocator: Any, prefill_chunk: int | None = None
+) -> dict[str, Any]:
     """``replay_trace.replay`` with the figures named as vLLM's side names them."""
-    figures = replay(events, allocator)
+    figures = replay(events, allocator, prefill_chunk=prefill_chunk)
     moved = figures["blocks_moved"]
     figures["cpu_us_per_event"] = figures["cpu_seconds"] / figures["events"] * 1e6
     figures["blocks_stored"] = moved.get("device->host", 0)
@@ -376,17 +448,43 @@ def main() -> None:
         default="lru",
         help="the CPU tier's cache policy in vLLM (default lru, vLLM's)",
     )
+    parser.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default=DEFAULT_EVICTION,
+        help=f"kvspec's eviction order, on the device and on the host tier "
+        f"(default {DEFAULT_EVICTION})",
+    )
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="vs_vllm.py --hybrid's sliding window 4096 + full attention pair",
+    )
+    model.add_argument(
+        "--mamba",
+        action="store_true",
+        help="vs_vllm.py --mamba's Mamba-1 + full attention pair (not driven: says why)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.blocks < 2 or args.host_blocks < 1 or args.repeat < 1:
         parser.error("--blocks must be >= 2, --host-blocks >= 1, --repeat >= 1")
+    if args.mamba:
+        raise SystemExit(MAMBA_NOT_DRIVEN)
+    model_name = "hybrid" if args.hybrid else "full_attention"
     vllm = _import_vllm()
     trace_name, _, trace_file = args.trace.partition(":")
+    prefill_chunk = None
     if trace_name == "mooncake":
         trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
         trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
         events, requests = mooncake_events(trace_file, args.requests or MOONCAKE_REQUESTS)
         max_model_len = MOONCAKE_MAX_MODEL_LEN
+        if model_name == "hybrid":
+            # As replay_trace.py --hybrid: the sliding-window group admits at most
+            # max_in_flight_tokens prompt tokens per step; both sides chunk alike.
+            prefill_chunk = SizingContext(max_model_len=max_model_len).max_in_flight_tokens
     elif trace_name in TRACES and not trace_file:
         make_trace, default_requests = TRACES[trace_name]
         requests = args.requests or default_requests
@@ -398,10 +496,14 @@ def main() -> None:
         "kvspec": (
             lambda: (
                 build_allocator(
-                    args.blocks, max_model_len=max_model_len, host_blocks=args.host_blocks
+                    args.blocks,
+                    model_name,
+                    eviction=args.eviction,
+                    max_model_len=max_model_len,
+                    host_blocks=args.host_blocks,
                 ),
             ),
-            lambda built: replay_kvspec(events, *built),
+            lambda built: replay_kvspec(events, *built, prefill_chunk=prefill_chunk),
         ),
         "vllm": (
             lambda: build_vllm_offloading(
@@ -410,8 +512,9 @@ def main() -> None:
                 max_model_len,
                 args.vllm_hash_algo,
                 args.vllm_eviction,
+                model_name,
             ),
-            lambda built: replay_vllm_offloading(events, *built, max_model_len),
+            lambda built: replay_vllm_offloading(events, *built, max_model_len, prefill_chunk),
         ),
     }
     runs = interleaved_runs(sides, args.repeat)
@@ -433,6 +536,9 @@ def main() -> None:
         "events": len(events),
         "blocks": args.blocks,
         "host_blocks": args.host_blocks,
+        "model": model_name,
+        "prefill_chunk": prefill_chunk,
+        "kvspec_eviction": args.eviction,
         "vllm_version": vllm.__version__,
         "vllm_hash_algo": args.vllm_hash_algo,
         "vllm_offload": {
@@ -446,9 +552,11 @@ def main() -> None:
         print(json.dumps({**header, **summary}))
         return
     print(
-        f"full attention on {trace_name} trace ({requests:,} requests, {len(events):,} events), "
+        f"{MODEL_TITLES[model_name]} on {trace_name} trace ({requests:,} requests, "
+        f"{len(events):,} events), "
         f"{args.blocks:,} device + {args.host_blocks:,} host blocks, vLLM {vllm.__version__} "
-        f"OffloadingConnector CPU {args.vllm_eviction.upper()}; median of {args.repeat}:"
+        f"OffloadingConnector CPU {args.vllm_eviction.upper()}, kvspec {args.eviction}; "
+        f"median of {args.repeat}:"
     )
     for name, figures in summary.items():
         tiers = figures["hit_tokens_by_tier"]
