@@ -298,7 +298,9 @@ def test_scheduler_steps_as_on_vllms_manager(
     assert kvspec_result["manager"] == "KVSpecKVCacheManager"
     assert kvspec_result["tokens"] == vllm_result["tokens"]
     assert all(len(tokens) == 24 for tokens in kvspec_result["tokens"].values())
+    # vLLM's PrefixCacheStats, fed by each manager: the same looked-up and hit tokens.
     assert kvspec_result["hits"] == vllm_result["hits"]
+    assert kvspec_result["queries"] == vllm_result["queries"] > 0
     assert kvspec_result["preemptions"] == vllm_result["preemptions"]
     if hits is not None:
         assert (kvspec_result["hits"] > 0) == hits
@@ -421,3 +423,71 @@ def test_allocator_switch_installs_through_the_entry_point(monkeypatch: pytest.M
         scheduler_seam.uninstall()
     assert scheduler.KVCacheManager is not KVSpecKVCacheManager
     assert not getattr(scheduler.Scheduler.__init__, "kvspec_checked", False)
+
+
+def _requests(prompts: list[list[int]], first: int = 0, **extra_args: Any) -> list[Any]:
+    """vLLM requests as the engine core builds them (sha256 block hashes of 32 tokens)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(32, hash_fn)
+    params = SamplingParams(max_tokens=16, extra_args=extra_args or None)
+    return [
+        Request(f"r{index}", prompt, params, None, block_hasher=hasher)
+        for index, prompt in enumerate(prompts, start=first)
+    ]
+
+
+def test_events_carry_vllms_block_hashes(tmp_path: Path) -> None:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64)
+    manager = _manager(vllm_scheduler_step.kv_cache_config(config, 64), enable_kv_cache_events=True)
+    (request,) = _requests([list(range(1, 101))])
+    assert manager.get_computed_blocks(request)[1] == 0
+    assert manager.allocate_slots(request, 100, full_sequence_must_fit=True) is not None
+    (stored,) = manager.take_events()
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in request.block_hashes]
+    assert len(stored.block_hashes) == 3 and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(1, 97))
+    assert (stored.group_idx, stored.kv_cache_spec_kind) == (0, "full_attention")
+    assert manager.take_events() == []
+
+
+def test_a_hit_the_scheduler_changed_or_a_rollback_is_refused(tmp_path: Path) -> None:
+    """A hit other than the one kvspec's lookup found, or a running request whose computed
+    tokens went back, would put blocks under the wrong tokens: refused, naming it."""
+    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64)
+    manager = _manager(vllm_scheduler_step.kv_cache_config(config, 64))
+    shared = list(range(1, 97))
+    first, second = _requests([[*shared, 500, 501], [*shared, 502, 503, 504]])
+    manager.get_computed_blocks(first)
+    assert manager.allocate_slots(first, first.num_tokens) is not None
+    first.num_computed_tokens = first.num_tokens
+    blocks, hit, _ = manager.get_computed_blocks(second)
+    assert hit == 96
+    with pytest.raises(
+        KVSpecVLLMError, match="admitted with 64 cached tokens, but kvspec's lookup found 96"
+    ):
+        manager.allocate_slots(
+            second, second.num_tokens - 64, num_new_computed_tokens=64, new_computed_blocks=blocks
+        )
+    first.num_computed_tokens -= 2
+    with pytest.raises(KVSpecVLLMError, match="rolled tokens back"):
+        manager.allocate_slots(first, 1)
+
+
+def test_full_report_mode_with_events_is_refused(tmp_path: Path) -> None:
+    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64)
+    manager = _manager(vllm_scheduler_step.kv_cache_config(config, 64), enable_kv_cache_events=True)
+    shared = list(range(1, 97))
+    (first,) = _requests([[*shared, 500]])
+    manager.get_computed_blocks(first)
+    manager.allocate_slots(first, first.num_tokens)
+    (second,) = _requests([[*shared, 501]], first=1, kv_cache_report_mode="full")
+    with pytest.raises(KVSpecVLLMError, match="kv_cache_report_mode='full'"):
+        manager.get_computed_blocks(second)
