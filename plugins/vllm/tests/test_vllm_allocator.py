@@ -502,3 +502,29 @@ def test_full_report_mode_with_events_is_refused(tmp_path: Path) -> None:
     (second,) = _requests([[*shared, 501]], first=1, kv_cache_report_mode="full")
     with pytest.raises(KVSpecVLLMError, match="kv_cache_report_mode='full'"):
         manager.get_computed_blocks(second)
+
+
+def test_lora_adapters_and_cache_salts_never_share_blocks(tmp_path: Path) -> None:
+    """As vLLM hashes them: the LoRA adapter's name and path, and the cache salt. A name
+    pointed at another adapter (another path) misses; the same adapter hits."""
+    from vllm.lora.request import LoRARequest
+
+    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64)
+    manager = _manager(vllm_scheduler_step.kv_cache_config(config, 64))
+    prompt = list(range(1, 101))
+    requests = _requests([prompt] * 5)
+    adapters = [
+        LoRARequest("tenant", 1, "/adapters/a"),
+        LoRARequest("tenant", 1, "/adapters/a"),
+        LoRARequest("tenant", 1, "/adapters/b"),
+        None,
+        None,
+    ]
+    for request, adapter in zip(requests, adapters, strict=True):
+        request.lora_request = adapter
+    requests[4].cache_salt = "tenant-b"
+    hits = []
+    for request in requests:
+        hits.append(manager.get_computed_blocks(request)[1])
+        assert manager.allocate_slots(request, request.num_tokens - hits[-1], hits[-1]) is not None
+    assert hits == [0, 96, 0, 0, 0]

@@ -11,7 +11,7 @@ it hands out index the KV-cache tensors of the ``KVCacheConfig`` the scheduler w
 ``num_blocks`` blocks, block 0 the null block as in vLLM.
 
 Covered: full-attention and sliding-window groups (Gemma 2's mix too) sharing one pool,
-prefix caching (on or off, per-request cache salt and LoRA name in the hashes), preemption
+prefix caching (on or off, per-request cache salt and LoRA adapter name and path in the hashes), preemption
 and resumption, chunked prefill, vLLM's full-sequence admission gate
 (``scheduler_reserve_full_isl``), KV events. What the scheduler reaches beyond that raises
 :class:`~kvspec_vllm.manager_views.NotCovered` naming it; what a configuration would need
@@ -209,7 +209,9 @@ class KVSpecKVCacheManager:
             rid,
             tokens,  # vLLM's own list: the tokens it appends are the ones kvspec hashes
             cache_salt=request.cache_salt,
-            lora_name=lora.name if lora is not None else None,
+            # vLLM hashes the adapter's name and path: a name pointed at another adapter
+            # must not hit the K/V the previous one computed.
+            lora_name=repr((lora.lora_name, lora.lora_path)) if lora is not None else None,
         )
         self._mirrors[rid] = mirror
         return mirror
