@@ -28,16 +28,16 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
   another replica publishes later is found after the expiry), and publishing a hash
   forgets it (``remote_misses.py``).
 
-* **Hybrids** (full attention + sliding window). One store per caching group, each of its
-  own namespace. ``fetch`` asks each store which of its group's blocks around the local hit
-  it has, and ``KVCacheAllocator.plan_remote_fetch`` lets the hybrid coordinator find the
-  hit every group could resume from with those blocks added: only the remote blocks that
-  hit needs are fetched (a sliding window: its window's), all or nothing.
+* **Hybrids** (full attention with sliding window and/or Mamba groups). One store per
+  caching group, each of its own namespace. ``fetch`` asks each store which of its group's
+  blocks around the local hit it has, and ``KVCacheAllocator.plan_remote_fetch`` lets the
+  hybrid coordinator find the hit every group could resume from with those blocks added:
+  only the remote blocks that hit needs are fetched (a sliding window: its window's; a
+  Mamba group: the one state saved at the hit), all or nothing.
 
 Replicas share blocks only if they hash alike: give every replica's allocator the same
 ``hash_salt`` (and the same model, layout and block size; the store's namespace keeps
-other models apart). Groups other than full attention and sliding window are refused; a
-Mamba group by name (see ``_refusal``).
+other models apart). Groups of other families are refused (see ``_refusal``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,11 @@ from kvspec_core.runtime.remote_misses import (
 )
 from kvspec_core.runtime.remote_store import RemoteBlockStore
 from kvspec_core.runtime.request import Request
-from kvspec_core.runtime.rules import FullAttentionRules, TrailingWindowRules
+from kvspec_core.runtime.rules import (
+    FullAttentionRules,
+    StateCheckpointRules,
+    TrailingWindowRules,
+)
 from kvspec_core.runtime.tier_copy import TransferRunner
 from kvspec_core.runtime.tier_remote import RemoteReservation
 from kvspec_core.runtime.tiers import DEVICE_TIER, STORE, Transfer
@@ -101,7 +105,7 @@ class RemoteTier:
 
     Args:
         allocator: an allocator with offload tiers and prefix caching whose caching groups
-            are full attention or sliding window (others are refused with
+            are full attention, sliding window or Mamba (others are refused with
             :class:`AllocatorError`).
         runner: the engine's transfer runner over the device and tier storage.
         store: the store of the one caching group's blocks, or per caching group (a
@@ -377,19 +381,17 @@ class RemoteTier:
 
 
 def _refusal(rules: object) -> str | None:
-    """Why the remote tier cannot serve a group of these rules, or None if it can."""
-    if getattr(rules, "resumes_at_checkpoints", False):
-        return (
-            "resumes only from a state checkpoint saved where a step ended (Mamba): the "
-            "remote tier does not fetch state checkpoints yet (the state at a candidate "
-            "position would be one block, but publishing and fetching states is not "
-            "tested against a real model here), so a hybrid with such a group is refused"
-        )
-    if type(rules) is FullAttentionRules or isinstance(rules, TrailingWindowRules):
+    """Why the remote tier cannot serve a group of these rules, or None if it can: full
+    attention, trailing windows (sliding window) and state checkpoints (Mamba: the state
+    saved at the hit position) are served; other families are refused rather than trusted
+    untested."""
+    if type(rules) is FullAttentionRules or isinstance(
+        rules, (TrailingWindowRules, StateCheckpointRules)
+    ):
         return None
     return (
-        f"has rules {type(rules).__name__}; the remote tier serves full attention and "
-        "sliding window (trailing-window) groups only"
+        f"has rules {type(rules).__name__}; the remote tier serves full attention, sliding "
+        "window (trailing-window rules) and Mamba (state-checkpoint rules) groups only"
     )
 
 

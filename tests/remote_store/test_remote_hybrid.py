@@ -2,7 +2,8 @@
 has its own store, a fetch brings only what a hit every group can resume from needs (the
 full-attention run and the window's last blocks, not the blocks before the window), and a
 block missing or refused on the server never makes a hit the groups could not resume from.
-A Mamba hybrid is refused, naming why."""
+A family it does not serve is refused, naming it (Mamba hybrids: test_remote_hybrid_plan.py
+and kvspec-transformers' Bamba / Qwen3-Next test)."""
 
 from __future__ import annotations
 
@@ -107,20 +108,22 @@ def test_a_dead_server_costs_a_hybrid_nothing_but_misses(valkey: ServerProcess) 
     replica_2.allocator.check_invariants()
 
 
-def test_a_mamba_hybrid_is_refused_naming_why(valkey: ServerProcess) -> None:
-    from kvspec_mamba import plugin as mamba_plugin
-    from kvspec_mamba.specs import MambaSpec
+def test_a_family_the_remote_tier_does_not_serve_is_refused_naming_it(
+    valkey: ServerProcess,
+) -> None:
+    from kvspec_chunked_local import plugin as chunked_plugin
+    from kvspec_chunked_local.specs import ChunkedLocalAttentionSpec
 
     manager = sliding_window_manager()
-    manager.register(mamba_plugin, "mamba")
+    manager.register(chunked_plugin, "chunked_local")
+    head = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
     allocator = KVCacheAllocator(
         [
-            FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16),
-            MambaSpec(block_size=4, shapes=((2, 4),), dtypes=(torch.float32,)),
+            FullAttentionSpec(block_size=4, **head),
+            ChunkedLocalAttentionSpec(block_size=4, attention_chunk_size=8, **head),
         ],
-        [10, 8],
-        SizingContext(max_model_len=64, max_in_flight_tokens=8, mamba_cache_mode="align"),
-        pool_of_group=[0, 1],
+        16,
+        SizingContext(max_model_len=64, max_in_flight_tokens=8),
         manager=manager,
         offload_tiers=(OffloadTier("host", 8),),
     )
@@ -130,5 +133,5 @@ def test_a_mamba_hybrid_is_refused_naming_why(valkey: ServerProcess) -> None:
         )
         for gid in (0, 1)
     }
-    with pytest.raises(AllocatorError, match=r"group 1 \(mamba\) resumes only from a state"):
+    with pytest.raises(AllocatorError, match=r"group 1 \(chunked_local_attention\) has rules"):
         RemoteTier(allocator, TransferRunner({}), stores)

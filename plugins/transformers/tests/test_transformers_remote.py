@@ -11,15 +11,10 @@ engine on another model object with the same weights, starts empty: its lookup f
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-import redis
+from remote_testkit import SALT, publish_a, remote_engine
 from transformers_testkit import (
     NEW_TOKENS,
-    PROMPT_A,
     PROMPT_B,
     SHARED_PREFIX,
     forward_lengths,
@@ -27,54 +22,34 @@ from transformers_testkit import (
     model_case,
     token_ids,
 )
+from valkey_server_path import ServerProcess
 
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.remote_store import RemoteStoreConfig, _encode_value
 from kvspec_transformers import EngineError, RemoteOptions, TransformersEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "remote_store"))
-from valkey_server import NO_SERVER, ServerProcess, running_server, server_binary
+redis = pytest.importorskip("redis", reason="the remote store's client (kvspec-core[remote])")
 
 BLOCK_BYTES = {"llama": 8192, "gemma2": 16384}
 DEVICE_BLOCKS = {"llama": 10, "gemma2": 15}
 HOST_BLOCKS = 40
-SALT = b"fleet of two"
-
-
-@pytest.fixture
-def valkey(tmp_path: Path) -> Iterator[ServerProcess]:
-    binary = server_binary()
-    if binary is None or not binary.exists():
-        pytest.skip(NO_SERVER)
-    with running_server(tmp_path) as server:
-        yield server
 
 
 def replica(name: str, port: int, model=None, **store: object) -> TransformersEngine:
     case = model_case(name)
-    return TransformersEngine(
+    return remote_engine(
         case.model if model is None else model,
-        kvspec_config=case.config,
-        max_model_len=96,
-        budget_bytes=DEVICE_BLOCKS[name] * BLOCK_BYTES[name],
-        host_offload_bytes=HOST_BLOCKS * BLOCK_BYTES[name],
-        remote=RemoteOptions(
-            store=RemoteStoreConfig(port=port, **store),  # type: ignore[arg-type]
-            weights_id=f"{name}-random-seed-0",
-            hash_salt=SALT,
-        ),
+        case.config,
+        port,
+        weights_id=f"{name}-random-seed-0",
+        device_bytes=DEVICE_BLOCKS[name] * BLOCK_BYTES[name],
+        host_bytes=HOST_BLOCKS * BLOCK_BYTES[name],
+        **store,
     )
 
 
 def replica_1_publishes_a(name: str, port: int) -> TransformersEngine:
-    engine = replica(name, port)
-    assert engine.generate(PROMPT_A, NEW_TOKENS, request_id="A").cached_tokens == 0
-    for seed in range(3):
-        engine.generate(token_ids(57, seed=100 + seed), NEW_TOKENS)
-    assert engine.remote is not None
-    assert engine.remote.counters.published >= SHARED_PREFIX // 16
-    assert engine.remote.counters.publish_failures == 0
-    return engine
+    return publish_a(replica(name, port))
 
 
 def replica_2(name: str, port: int, **store: object) -> TransformersEngine:
