@@ -11,8 +11,8 @@ it hands out index the KV-cache tensors of the ``KVCacheConfig`` the scheduler w
 ``num_blocks`` blocks, block 0 the null block as in vLLM.
 
 Covered: full-attention and sliding-window groups (Gemma 2's mix too) sharing one pool,
-prefix caching (on or off, per-request cache salt and LoRA adapter name and path in the hashes), preemption
-and resumption, chunked prefill, vLLM's full-sequence admission gate
+prefix caching (on or off; the cache salt and the LoRA adapter's name and path in the
+hashes), preemption and resumption, chunked prefill, vLLM's full-sequence admission gate
 (``scheduler_reserve_full_isl``), KV events. What the scheduler reaches beyond that raises
 :class:`~kvspec_vllm.manager_views.NotCovered` naming it; what a configuration would need
 that this does not cover is refused when the scheduler is built
