@@ -4,6 +4,10 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+#: 1 when the kernels prefetch the memory of dict lookups in their loops (CPython 3.11 /
+#: 3.12 with a table layout matching the one mirrored in ``dict_prefetch.h``), else 0.
+dict_prefetch: int
+
 def blake2b(data: bytes, digest_size: int, /) -> bytes: ...
 def chain_hashes(
     parent: bytes,
@@ -79,6 +83,13 @@ def decode_step(
     /,
 ) -> int: ...
 def longest_hit(digests: list[bytes], cache: dict[bytes, int], max_blocks: int, /) -> list[int]: ...
+def split_held(
+    cache: dict[bytes, int],
+    in_flight: dict[bytes, int],
+    hashes: list[bytes],
+    sources: list[int],
+    /,
+) -> tuple[list[int], list[bytes], list[int]]: ...
 def register_types(
     state_class: type,
     request_class: type,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import compress
 
+from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
 from kvspec_core.runtime.tiers import STORE
 
@@ -140,30 +141,24 @@ class TierStoring(TierState):
         is held by the tier already)."""
         slots = self.tier_pools[index][pool]
         assert slots is not None
-        held = list(map(slots.caches[gid].get, hashes))
-        if held.count(None) != len(held):
+        cache = slots.caches[gid]
+        in_flight = self._storing[index][gid]
+        kernels = native if slots._compiled else None
+        if (
+            kernels is not None
+            and cache.__class__ is dict
+            and in_flight.__class__ is dict
+            and hashes.__class__ is list
+            and sources.__class__ is list
+        ):
+            held, hashes, sources = kernels.split_held(cache, in_flight, hashes, sources)
+        else:
+            held, hashes, sources = split_held(cache, in_flight, hashes, sources)
+        if held:
             # Held already: the slot becomes the tier's most recently used entry.
-            refresh = list(dict.fromkeys([slot for slot in held if slot is not None]))
+            refresh = list(dict.fromkeys(held)) if len(held) > 1 else held
             slots.touch(refresh, known_cached=True)
             slots._release_unchecked(refresh)
-            absent = [slot is None for slot in held]
-            hashes = list(compress(hashes, absent))
-            sources = list(compress(sources, absent))
-        in_flight = self._storing[index][gid]
-        if (in_flight and not in_flight.keys().isdisjoint(hashes)) or len(set(hashes)) != len(
-            hashes
-        ):
-            # In flight there already, or evicted twice since the last take (cached again
-            # in between): stored once, its first eviction.
-            seen: set[bytes] = set()
-            kept_hashes: list[bytes] = []
-            kept_sources: list[int] = []
-            for digest, source in zip(hashes, sources, strict=True):
-                if digest not in in_flight and digest not in seen:
-                    seen.add(digest)
-                    kept_hashes.append(digest)
-                    kept_sources.append(source)
-            hashes, sources = kept_hashes, kept_sources
         self._store_all(index, pool, gid, hashes, source_tier, sources)
 
     def _store_all(
@@ -215,3 +210,34 @@ class TierStoring(TierState):
         self._pending[pending.transfer_id] = pending
         queue.append(pending)
         return pending
+
+
+def split_held(
+    cache: dict[bytes, int], in_flight: dict[bytes, int], hashes: list[bytes], sources: list[int]
+) -> tuple[list[int], list[bytes], list[int]]:
+    """One group's victims (``hashes``, copied from ``sources``) sorted for a tier store:
+    the slots ``cache`` (the tier's ``hash -> slot``) holds some of them in, in order
+    (repeats included; those become its most recently used entries instead of a copy),
+    then the hashes to copy with their sources: those it does not hold, less those in flight
+    to it (``in_flight``) and any repeat of an earlier one (a hash evicted twice since the
+    last take, cached again in between: stored once, its first eviction).
+    ``native.split_held`` in Python (the compiled one makes the lookups of a batch of
+    hundreds of victims in one C loop)."""
+    found = list(map(cache.get, hashes))
+    held: list[int] = []
+    if found.count(None) != len(found):
+        absent = [slot is None for slot in found]
+        hashes = list(compress(hashes, absent))
+        sources = list(compress(sources, absent))
+        held = [slot for slot in found if slot is not None]
+    if (in_flight and not in_flight.keys().isdisjoint(hashes)) or len(set(hashes)) != len(hashes):
+        seen: set[bytes] = set()
+        kept_hashes: list[bytes] = []
+        kept_sources: list[int] = []
+        for digest, source in zip(hashes, sources, strict=True):
+            if digest not in in_flight and digest not in seen:
+                seen.add(digest)
+                kept_hashes.append(digest)
+                kept_sources.append(source)
+        hashes, sources = kept_hashes, kept_sources
+    return held, hashes, sources

@@ -40,6 +40,7 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* The position in ``blocks`` (a list) of the first non-null block a prefix hit cannot revive
  * (out of the pool's range, or neither in use nor in one of its eviction orders), -1 if none,
  * -2 with an exception. ``refs``: the pool's ref counts (a list); ``num_real`` and

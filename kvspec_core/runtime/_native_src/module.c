@@ -9,7 +9,8 @@
  *   hashing.c      blake2b(), chain_hashes(): the chained block hashes
  *   block_queue.c  BlockQueue: the pools' eviction orders
  *   pool.c         release, touch, evict_take, cache_blocks, longest_hit,
- *                  count_unreferenced: the pool's loops
+ *                  count_unreferenced, split_held: the pool's loops
+ *   dict_prefetch.h  asking for a dict lookup's memory a few keys ahead (large tier caches)
  *   records.c      register_types: the Python records read and written in place
  *   step.c         step, decode_step, SlotsFastPath: the per-step fast paths
  *   grow.c         the block-boundary step of one-group full-attention allocators
@@ -22,6 +23,7 @@
 #include <string.h>
 
 #include "block_queue.h"
+#include "dict_prefetch.h"
 #include "kernels.h"
 #include "records.h"
 
@@ -47,6 +49,9 @@ static PyMethodDef native_methods[] = {
      "longest_hit(digests, cache, max_blocks) -> list of the cached prefix's blocks"},
     {"count_unreferenced", (PyCFunction)(void (*)(void))kv_py_count_unreferenced,
      METH_FASTCALL, "count_unreferenced(blocks, refs) -> non-null blocks with ref count 0"},
+    {"split_held", (PyCFunction)(void (*)(void))kv_py_split_held, METH_FASTCALL,
+     "split_held(cache, in_flight, hashes, sources) -> (held slots, hashes to store, their "
+     "sources)"},
     {"register_types", (PyCFunction)(void (*)(void))kv_py_register_types, METH_FASTCALL,
      "register_types(state_class, request_class, allocated_class, prefix_class): the records "
      "read and written in place"},
@@ -83,13 +88,18 @@ PyMODINIT_FUNC PyInit__native(void) {
     kv_one = PyLong_FromLong(1);
     if (kv_one == NULL) return NULL;
     if (kv_block_queue_types_ready() < 0
-        || PyType_Ready(&kv_SlotsFastPath_Type) < 0)
+        || PyType_Ready(&kv_SlotsFastPath_Type) < 0 || kv_dict_prefetch_init() < 0)
         return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
     Py_INCREF(&kv_BlockQueue_Type);
     if (PyModule_AddObject(module, "BlockQueue", (PyObject *)&kv_BlockQueue_Type) < 0) {
         Py_DECREF(&kv_BlockQueue_Type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    /* Whether the kernels prefetch dict lookups (dict_prefetch.h): diagnostics, tests. */
+    if (PyModule_AddIntConstant(module, "dict_prefetch", kv_dict_layout_known) < 0) {
         Py_DECREF(module);
         return NULL;
     }

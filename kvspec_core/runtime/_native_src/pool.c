@@ -9,8 +9,65 @@
 #include <string.h>
 
 #include "block_queue.h"
+#include "dict_prefetch.h"
 #include "kernels.h"
 
+
+int kv_dict_layout_known = 0;
+
+int kv_dict_prefetch_init(void) {
+    kv_dict_layout_known = 0;
+#ifdef KV_DICT_PREFETCH
+    enum { KEYS = 100 };
+    PyObject *dict = PyDict_New(), *keys_held = PyList_New(0);
+    if (dict == NULL || keys_held == NULL) goto fail;
+    for (int i = 0; i < KEYS; i++) {
+        PyObject *key = PyBytes_FromFormat("kvspec dict layout check %d", i);
+        PyObject *value = key ? PyLong_FromLong(i) : NULL;
+        int failed = value == NULL || PyDict_SetItem(dict, key, value) < 0
+                     || PyList_Append(keys_held, key) < 0;
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        if (failed) goto fail;
+    }
+    const kv_dict_keys *keys = kv_dict_keys_of(dict);
+    unsigned log2_size = keys->dk_log2_size;
+    /* Index width: 1 byte up to 0xff slots, 2 up to 0xffff (a dict of 100 keys: 1 or 2). */
+    unsigned width_log2 = log2_size <= 7 ? 0 : 1;
+    size_t size = (size_t)1 << (log2_size < 31 ? log2_size : 0);
+    int matches = keys->dk_kind == KV_DICT_KEYS_GENERAL && keys->dk_nentries == KEYS
+                  && log2_size >= 7 && log2_size <= 10
+                  && keys->dk_log2_index_bytes == log2_size + width_log2
+                  && (size_t)(keys->dk_usable + keys->dk_nentries) == (size << 1) / 3;
+    int found = 0;
+    for (Py_ssize_t i = 0; matches && i < KEYS; i++) {
+        PyObject *key = PyList_GET_ITEM(keys_held, i);
+        Py_hash_t hash = kv_bytes_hash(key);
+        unsigned width;
+        const char *slot = kv_dict_first_slot(keys, hash, &width);
+        int64_t index = width == 0 ? *(const int8_t *)slot : *(const int16_t *)slot;
+        if (index < -2 || index >= KEYS) {
+            matches = 0;
+            break;
+        }
+        if (index < 0) continue;
+        const char *entries = keys->dk_indices + ((size_t)1 << keys->dk_log2_index_bytes);
+        const void *const *entry = (const void *const *)(entries + index * 3 * sizeof(void *));
+        if (entry[1] == (const void *)key && *(const Py_hash_t *)&entry[0] == hash) found++;
+    }
+    /* Most keys sit where their first probe points (a table at most 2/3 full). */
+    kv_dict_layout_known = matches && found >= KEYS / 2;
+    Py_DECREF(dict);
+    Py_DECREF(keys_held);
+    return 0;
+fail:
+    Py_XDECREF(dict);
+    Py_XDECREF(keys_held);
+    return -1;
+#else
+    return 0;
+#endif
+}
 
 static inline int block_in_range(Py_ssize_t block, Py_ssize_t size) {
     if (block < 0 || block >= size) {
@@ -231,12 +288,13 @@ PyObject *kv_py_touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 /* Ask the CPU for what the next victims' rounds of evict_take read (in a large pool, each
- * is a cache miss): the block after ``block`` in the queue, its hash and ref count slots and
- * group id, and the hash object of the one after that. Reads only in-range slots, and a
+ * is a cache miss): the block after ``block`` in the queue, its hash and ref count slots,
+ * group id and its hash's index slot in ``cache`` (the last victim's group's; NULL: none
+ * yet), and the hash slot of the one after that. Reads only in-range slots, and a
  * prefetch never faults: where code changed anything meanwhile it is only wasted. */
 static inline void prefetch_victims(const BlockQueue *queue, Py_ssize_t block,
                                     PyObject *block_hash, PyObject *refs,
-                                    const uint16_t *group_of, Py_ssize_t size) {
+                                    const uint16_t *group_of, Py_ssize_t size, PyObject *cache) {
 #if defined(__GNUC__) || defined(__clang__)
     Py_ssize_t next = queue->next[block];
     if (next < 0 || next >= size || next >= PyList_GET_SIZE(block_hash)
@@ -246,11 +304,14 @@ static inline void prefetch_victims(const BlockQueue *queue, Py_ssize_t block,
     __builtin_prefetch(&group_of[next]);
     __builtin_prefetch(&PyList_GET_ITEM(refs, next));
     __builtin_prefetch(PyList_GET_ITEM(block_hash, next));
+    /* Its hash's slot in the cache the current victim leaves (most often its own). */
+    if (cache != NULL) kv_prefetch_dict_index(cache, PyList_GET_ITEM(block_hash, next));
     Py_ssize_t after = queue->next[next];
     if (after >= 0 && after < size && after < PyList_GET_SIZE(block_hash))
         __builtin_prefetch(&PyList_GET_ITEM(block_hash, after));
 #else
-    (void)queue, (void)block, (void)block_hash, (void)refs, (void)group_of, (void)size;
+    (void)queue, (void)block, (void)block_hash, (void)refs, (void)group_of, (void)size,
+        (void)cache;
 #endif
 }
 
@@ -312,7 +373,7 @@ PyObject *kv_py_evict_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (!block_in_range(block, size) || !block_in_range(block, PyList_GET_SIZE(block_hash))
             || !block_in_range(block, PyList_GET_SIZE(refs)))
             goto fail;
-        prefetch_victims(queue, block, block_hash, refs, group_of, size);
+        prefetch_victims(queue, block, block_hash, refs, group_of, size, cache);
         PyObject *key = PyLong_FromSsize_t(block);
         if (key == NULL) goto fail;
         int appended = PyList_Append(out, key);
@@ -358,6 +419,19 @@ fail:
     return NULL;
 }
 
+/* Before looking up ``keys[i]`` in ``dict`` in a loop over the list: ask for the index slot
+ * of the key PREFETCH_AHEAD further on and for the entry of the one half as far (whose slot
+ * was asked for earlier), so the misses of several lookups overlap (dict_prefetch.h). Reads
+ * only in-range list items, which are exact bytes or skipped: no code runs. */
+#define PREFETCH_AHEAD 8
+static inline void prefetch_lookups(PyObject *dict, PyObject *keys, Py_ssize_t i) {
+    Py_ssize_t size = PyList_GET_SIZE(keys);
+    if (i + PREFETCH_AHEAD < size)
+        kv_prefetch_dict_index(dict, PyList_GET_ITEM(keys, i + PREFETCH_AHEAD));
+    if (i + PREFETCH_AHEAD / 2 < size)
+        kv_prefetch_dict_entry(dict, PyList_GET_ITEM(keys, i + PREFETCH_AHEAD / 2));
+}
+
 /* cache_blocks(gid, digests, blocks, cache, block_hash, block_group, move_hash) -> int: for
  * each (digest, block) pair of a non-null block with no cached hash: map ``digest`` to it in
  * ``cache`` (an entry naming another block calls ``move_hash(cache, digest, old, block)``),
@@ -393,6 +467,7 @@ PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t n
     /* The lists are re-read each time: a digest's __hash__ / __eq__ and move_hash may run
      * Python code that changes them (the pair at hand is held meanwhile). */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(digests) && i < PyList_GET_SIZE(blocks); i++) {
+        prefetch_lookups(cache, digests, i);
         PyObject *key = PyList_GET_ITEM(blocks, i);
         Py_ssize_t block = block_id(key);
         /* ``size``: the group buffer's (and the pool's) size when the call began. */
@@ -500,4 +575,74 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
     }
     return found;
+}
+
+/* split_held(cache, in_flight, hashes, sources) -> (held, hashes, sources): the tier store's
+ * sorting of one group's victims (``hashes``, copied from ``sources``), in one pass of C-level
+ * dict lookups instead of a Python call per block: ``held`` the slots ``cache`` (the tier's
+ * ``hash -> slot``) holds some of the hashes in, in order (repeats included); then the
+ * hashes it does not hold, less those ``in_flight`` (``hash -> transfer id``) has and any
+ * repeat of an earlier one, with their sources. tier_storing.split_held in Python.
+ * ``cache`` and ``in_flight`` are exact dicts (a subclass's own lookup would not run here). */
+PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "split_held(cache, in_flight, hashes, sources)");
+        return NULL;
+    }
+    PyObject *cache = args[0], *in_flight = args[1], *hashes = args[2], *sources = args[3];
+    if (!PyDict_CheckExact(cache) || !PyDict_CheckExact(in_flight) || !PyList_Check(hashes)
+        || !PyList_Check(sources)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "split_held: cache and in_flight must be dicts, hashes and sources lists");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(hashes) != PyList_GET_SIZE(sources)) {
+        PyErr_SetString(PyExc_ValueError, "split_held: hashes and sources differ in length");
+        return NULL;
+    }
+    PyObject *held = PyList_New(0), *kept_hashes = PyList_New(0), *kept_sources = PyList_New(0);
+    PyObject *seen = PySet_New(NULL);
+    if (held == NULL || kept_hashes == NULL || kept_sources == NULL || seen == NULL) goto fail;
+    /* The lists are re-read each time: a key's __hash__ / __eq__ may change them (the pair at
+     * hand is held meanwhile). */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes) && i < PyList_GET_SIZE(sources); i++) {
+        prefetch_lookups(cache, hashes, i);
+        PyObject *digest = PyList_GET_ITEM(hashes, i), *source = PyList_GET_ITEM(sources, i);
+        Py_INCREF(digest);
+        Py_INCREF(source);
+        PyObject *slot = PyDict_GetItemWithError(cache, digest); /* borrowed */
+        int failed = 0;
+        if (slot != NULL) {
+            Py_INCREF(slot);
+            failed = PyList_Append(held, slot) < 0;
+            Py_DECREF(slot);
+        } else if (PyErr_Occurred()) {
+            failed = 1;
+        } else {
+            int flying = PyDict_GET_SIZE(in_flight) ? PyDict_Contains(in_flight, digest) : 0;
+            failed = flying < 0;
+            if (!failed && !flying) {
+                Py_ssize_t before = PySet_GET_SIZE(seen);
+                failed = PySet_Add(seen, digest) < 0;
+                if (!failed && PySet_GET_SIZE(seen) != before)
+                    failed = PyList_Append(kept_hashes, digest) < 0
+                             || PyList_Append(kept_sources, source) < 0;
+            }
+        }
+        Py_DECREF(digest);
+        Py_DECREF(source);
+        if (failed) goto fail;
+    }
+    Py_DECREF(seen);
+    PyObject *result = PyTuple_Pack(3, held, kept_hashes, kept_sources);
+    Py_DECREF(held);
+    Py_DECREF(kept_hashes);
+    Py_DECREF(kept_sources);
+    return result;
+fail:
+    Py_XDECREF(held);
+    Py_XDECREF(kept_hashes);
+    Py_XDECREF(kept_sources);
+    Py_XDECREF(seen);
+    return NULL;
 }
