@@ -170,6 +170,11 @@ class RemoteTier:
         }
         self.misses = self.misses_by_group[self.group]
         self.counters = RemoteTierCounters()
+        # One full-attention group resumes from a run of leading blocks: fetch the run after
+        # the local hit. Any other group (a window, a state), alone or not, is planned.
+        self._planned = (
+            len(self.stores) > 1 or type(allocator.rules[self.group]) is not FullAttentionRules
+        )
 
     # ----------------------------------------------------------------- fetching
     def fetch(self, request: Request) -> int:
@@ -179,8 +184,8 @@ class RemoteTier:
         allocator = self.allocator
         if allocator.is_running(request.request_id):
             return 0
-        if len(self.stores) > 1:
-            return self._fetch_for_hybrid(request)
+        if self._planned:
+            return self._fetch_planned(request)
         hashes = allocator.block_hashes(request, self.group)
         local = allocator.find_cached_prefix(request).num_tokens
         start = local // allocator.rules[self.group].block_tokens
@@ -216,13 +221,13 @@ class RemoteTier:
     def _remember_miss(self, digest: bytes) -> None:
         self.counters.misses_remembered += self.misses.remember([digest])
 
-    def _fetch_for_hybrid(self, request: Request) -> int:
-        """:meth:`fetch` for several groups: ask each group's store which of its blocks
-        around the local hit it has, let the groups' rules find the hit those would give
-        (``plan_remote_fetch``: every group resumes there), and fetch only what that hit
-        needs (a sliding window: its window's blocks). Any block missing or refused ends
-        the fetch with nothing written: fetched blocks that no common hit uses are not
-        kept."""
+    def _fetch_planned(self, request: Request) -> int:
+        """:meth:`fetch` for hybrids (or one group that is not full attention): ask each
+        group's store which of its blocks around the local hit it has, let the groups'
+        rules find the hit those would give (``plan_remote_fetch``: every group resumes
+        there), and fetch only what that hit needs (a sliding window: its window's blocks;
+        Mamba: the state at the hit). Any block missing or refused ends the fetch with
+        nothing written."""
         allocator = self.allocator
         local = allocator.find_cached_prefix(request).num_tokens
         chains = {gid: allocator.block_hashes(request, gid) for gid in self.stores}

@@ -129,15 +129,16 @@ class HybridReplica(Replica):
     """A replica of a full attention + sliding window model (one shared pool), with a store
     per group."""
 
-    def __init__(self, port: int, parts: dict[str, Any] = LLAMA, **config: Any) -> None:
+    def __init__(
+        self, port: int, parts: dict[str, Any] = LLAMA, *, sliding_only: bool = False, **config: Any
+    ) -> None:
         from kvspec_sliding_window.specs import SlidingWindowSpec
 
         head = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+        window = SlidingWindowSpec(block_size=BLOCK, sliding_window=WINDOW, **head)
+        specs = [window] if sliding_only else [FullAttentionSpec(block_size=BLOCK, **head), window]
         self.allocator = KVCacheAllocator(
-            [
-                FullAttentionSpec(block_size=BLOCK, **head),
-                SlidingWindowSpec(block_size=BLOCK, sliding_window=WINDOW, **head),
-            ],
+            specs,
             HYBRID_DEVICE_BLOCKS,
             SizingContext(max_model_len=64, max_in_flight_tokens=32),
             manager=sliding_window_manager(),
@@ -150,10 +151,12 @@ class HybridReplica(Replica):
             gid: RemoteBlockStore(
                 BlockNamespace.of(**parts, group=gid), RemoteStoreConfig(port=port, **config)
             )
-            for gid in (0, 1)
+            for gid in range(len(specs))
         }
         self.store = self.stores[0]
-        self.remote = RemoteTier(self.allocator, self.runner, self.stores)
+        self.remote = RemoteTier(
+            self.allocator, self.runner, self.store if sliding_only else self.stores
+        )
 
     def group_pages(self, rid: str, group: int, indices: list[int]) -> list[bytes]:
         table = self.allocator.block_ids(rid)[group]

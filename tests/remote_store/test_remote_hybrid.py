@@ -23,14 +23,16 @@ PROMPT = list(range(100, 100 + 5 * BLOCK + 1))  # five full blocks per group are
 WINDOW_BLOCKS = 2  # a window of 6 tokens over blocks of 4: the 2 blocks before the hit
 
 
-def published_by_replica_1(port: int) -> tuple[list[bytes], list[bytes]]:
+def published_by_replica_1(port: int, **options: bool) -> tuple[list[bytes], list[bytes]]:
     """Replica 1 computes the prompt, then other prompts evict it (written back to its host
-    tier and published, both groups). Returns both groups' pages of the five blocks."""
-    replica = HybridReplica(port)
+    tier and published, both groups). Returns both groups' pages of the five blocks (the
+    one group's twice with ``sliding_only``)."""
+    replica = HybridReplica(port, **options)
     replica.admit("a", PROMPT, seed=1)
+    last = len(replica.stores) - 1
     pages = (
         replica.group_pages("a", 0, list(range(5))),
-        replica.group_pages("a", 1, list(range(5))),
+        replica.group_pages("a", last, list(range(5))),
     )
     replica.allocator.free("a")
     for turn in range(4):
@@ -40,7 +42,9 @@ def published_by_replica_1(port: int) -> tuple[list[bytes], list[bytes]]:
         )
         replica.allocator.free(rid)
     counters = replica.remote.counters
-    assert counters.published >= 10 and counters.publish_failures == 0
+    # (a lone window group: at least its last window; the device may keep the rest)
+    assert counters.published >= (10 if last else WINDOW_BLOCKS)
+    assert counters.publish_failures == 0
     assert replica.allocator.find_cached_prefix(Request("x", PROMPT)).tokens_by_tier[0] == 0
     return pages
 
@@ -61,6 +65,17 @@ def test_a_hybrid_prefix_is_a_remote_hit_and_only_the_window_is_fetched(
     assert replica_2.group_pages("b", 1, [3, 4]) == window_pages[3:]
     assert replica_2.allocator.block_ids("b")[1][:3] == (0, 0, 0)  # never needed, never fetched
     replica_2.allocator.check_invariants()
+
+
+def test_a_sliding_window_model_fetches_only_the_window(valkey: ServerProcess) -> None:
+    """One group, a sliding window: planned like a hybrid, not fetched as a run."""
+    _, window_pages = published_by_replica_1(valkey.port, sliding_only=True)
+    replica_2 = HybridReplica(valkey.port, sliding_only=True)
+    request = Request("b", PROMPT)
+    assert replica_2.remote.fetch(request) == WINDOW_BLOCKS
+    assert replica_2.allocator.find_cached_prefix(request).num_tokens == 5 * BLOCK
+    replica_2.admit("b", PROMPT)
+    assert replica_2.group_pages("b", 0, [3, 4]) == window_pages[3:]
 
 
 def test_a_window_block_missing_on_the_server_gives_the_hit_the_window_allows(

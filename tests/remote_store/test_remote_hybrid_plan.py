@@ -18,7 +18,7 @@ from kvspec_core import FullAttentionSpec, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from runtime_testkit import manager_with_families, mamba, needed_indices, sliding
+from runtime_testkit import mamba, manager_with_families, needed_indices, sliding
 
 BLOCK = 2
 WINDOW = 5  # tokens: the 2 blocks of 2 before a hit past the first window (retained 4)
