@@ -151,10 +151,36 @@ def test_kvspec_plans_vllms_specs_with_vllms_block_count_and_no_reader_cache(
     assert not readers & (grouped | in_tensors)
     # vLLM 0.32's tensors are views of one backing allocation (allocate_kv_cache), so the
     # cache takes one tensor's size: within the budget, as vLLM's own plan lays it out.
+    # kvspec's plan lists the readers: no cache, each reading its source's.
+    assert {_layer(r): _layer(s) for r, s in outcome.plan.kv_sharing} == READERS
+    assert set(outcome.plan.memoryless_layers) == readers
     assert {t.size for t in planned[0].kv_cache_tensors} == {vllm_engines.KV_BYTES}
     assert [
         (t.layers, t.layer_stride, t.block_stride, t.offset) for t in own[0].kv_cache_tensors
     ] == [(t.layers, t.layer_stride, t.block_stride, t.offset) for t in planned[0].kv_cache_tensors]
+
+
+def test_a_reader_of_a_layer_without_cache_keeps_vllms_plan(runs: dict[str, Any]) -> None:
+    """A sharing kvspec cannot plan (a reader whose source holds no cache here) leaves vLLM
+    its own config, with the reason, rather than a plan that drops the pairing."""
+    from vllm.v1.core import kv_cache_utils
+
+    off = runs["off"]
+    config = copy.deepcopy(off["vllm_config"])
+    context = config.compilation_config.static_forward_context
+    reader = next(name for name in context if _layer(name) == 9)
+    context[reader].kv_sharing_target_layer_name = "model.layers.42.self_attn.attn"
+    plugin.install()
+    patched = kv_cache_utils.get_kv_cache_configs
+    own = patched.__wrapped__(copy.deepcopy(config), [off["specs"]], [vllm_engines.KV_BYTES])
+    kept = patched(copy.deepcopy(config), [off["specs"]], [vllm_engines.KV_BYTES])
+    assert kept == own
+    outcome = kvspec_vllm.last_outcome()
+    assert outcome is not None and outcome.plan is None
+    assert outcome.reason == (
+        f"layer {reader} reads the KV cache of model.layers.42.self_attn.attn "
+        "(kv_sharing_target_layer_name), which holds no KV cache here"
+    )
 
 
 def test_vllm_runs_a_plan_only_kvspec_made_token_identical(runs: dict[str, Any]) -> None:
@@ -166,6 +192,7 @@ def test_vllm_runs_a_plan_only_kvspec_made_token_identical(runs: dict[str, Any])
     assert outcome.vllm_num_blocks == off["num_gpu_blocks"]
     assert halved.num_gpu_blocks == halved.kv_cache_config.num_blocks == outcome.plan.num_blocks
     assert halved.num_gpu_blocks == off["num_gpu_blocks"] // 2
+    assert {_layer(r): _layer(s) for r, s in outcome.plan.kv_sharing} == READERS
     assert halved.tokens == off["tokens"]
     assert halved.cached_tokens == off["cached_tokens"]
     assert sum(off["cached_tokens"][3:]) > 0  # the second round hit the cache

@@ -6,7 +6,9 @@ attention when the hybrid manager is off), fits ``max_model_len`` when asked to 
 that one request fits. Its per-layer specs are then planned by kvspec's planner
 (:func:`kvspec_core.planner.plan_kv_cache`) on the memory vLLM measured, with vLLM's layout,
 and the plan's groups, block count and tensor placement become the ``KVCacheConfig`` every
-worker allocates and the scheduler manages. Where the plan has no vLLM representation
+worker allocates and the scheduler manages. Layers that read another layer's cache
+(``kv_sharing_target_layer_name``, Gemma-3n) have no vLLM spec; they are planned as
+``KVSharingSpec`` readers, holding nothing. Where the plan has no vLLM representation
 (several pools: Mamba hybrids; spec classes kvspec-vllm does not translate; workers holding
 different layers), a warning says why, once per reason, and vLLM's own configs are returned
 unchanged.
@@ -22,11 +24,12 @@ from typing import Any
 import attrs
 
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import MissingFamilyError
+from kvspec_core.errors import KVSpecError, MissingFamilyError
 from kvspec_core.planner import KVCachePlan, plan_kv_cache
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.plugins.manager import load_plugins
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.kv_sharing import KVSharingSpec
 from kvspec_vllm.errors import NotRepresentable
 from kvspec_vllm.specs import kvspec_spec_of, vllm_group_spec, vllm_module
 
@@ -124,8 +127,12 @@ def kvspec_configs(
     }
     layers = list(vllm_specs)
     specs: dict[str, KVSpec] = {layer: kvspec_spec_of(layer, vllm_specs[layer]) for layer in layers}
+    readers = _kv_sharing_readers(vllm_config, specs)
+    specs.update(readers)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
     plan = _plan(specs, min(available_memory), _sizing_context(vllm_config), layout)
+    if readers:
+        _check_readers_hold_nothing(plan, readers)
     override = vllm_config.cache_config.num_gpu_blocks_override
     if override is not None and override != plan.num_blocks:
         block_bytes = plan.pools[0].block_bytes
@@ -134,6 +141,47 @@ def kvspec_configs(
         )
     config = _vllm_config_of(plan, vllm_specs, vllm_config)
     return plan, [copy.deepcopy(config) for _ in kv_cache_specs]
+
+
+def _kv_sharing_readers(vllm_config: Any, specs: dict[str, KVSpec]) -> dict[str, KVSpec]:
+    """The layers that read another layer's KV cache (cross-layer sharing, e.g. Gemma-3n),
+    as kvspec ``KVSharingSpec`` specs, so that kvspec's plan lists them (``plan.kv_sharing``,
+    ``plan.memoryless_layers``). vLLM's model runner gives such a layer no spec and binds it
+    to its source's cache after the plan (``kv_caches[reader] = kv_caches[source]``), so a
+    reader reads through its source's spec. Read from the attention modules of this process
+    (``static_forward_context``: filled where the workers run in the engine-core process);
+    none there, none listed, and the plan is the same."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    readers: dict[str, KVSpec] = {}
+    for name, module in context.items():
+        source = getattr(module, "kv_sharing_target_layer_name", None)
+        if not source:
+            continue
+        if name in specs:
+            raise NotRepresentable(
+                f"layer {name} reads the KV cache of {source} (kv_sharing_target_layer_name) "
+                "but has a KV-cache spec of its own"
+            )
+        if source not in specs:
+            raise NotRepresentable(
+                f"layer {name} reads the KV cache of {source} (kv_sharing_target_layer_name), "
+                "which holds no KV cache here"
+            )
+        readers[name] = KVSharingSpec(target_layer=source, reader_spec=specs[source])
+    return readers
+
+
+def _check_readers_hold_nothing(plan: KVCachePlan, readers: dict[str, KVSpec]) -> None:
+    """vLLM's worker adds the readers to their sources' groups itself: kvspec's groups and
+    tensors must not hold them."""
+    held = {layer for group in plan.groups for layer in group.layers}
+    held.update(layer for tensor in plan.tensors for layer in tensor.layers)
+    if held & set(readers) or set(plan.memoryless_layers) != set(readers):
+        raise NotRepresentable(
+            f"kvspec's plan holds cache for the layers that read another's "
+            f"({sorted(held & set(readers))}) or lists other layers without one "
+            f"({sorted(set(plan.memoryless_layers) ^ set(readers))})"
+        )
 
 
 def _per_layer_specs(config: Any) -> dict[str, Any]:
@@ -180,6 +228,13 @@ def _plan(specs: dict[str, KVSpec], budget: int, ctx: SizingContext, layout: str
         # A family plugin filtered out by KVSPEC_PLUGINS (or failing to load): vLLM still
         # runs, on its own plan, rather than not at all.
         raise NotRepresentable(f"kvspec cannot plan this model's layers: {error}") from error
+    except KVSpecError as error:
+        if not any(isinstance(spec, KVSharingSpec) for spec in specs.values()):
+            raise
+        # A pairing kvspec's planner refuses (kv_sharing's checks): vLLM keeps its plan.
+        raise NotRepresentable(
+            f"kvspec cannot plan this model's cross-layer KV sharing: {error}"
+        ) from error
     device_pools = plan.device_pools
     if len(device_pools) != 1 or len(plan.pools) != 1:
         raise NotRepresentable(
