@@ -160,3 +160,37 @@ def test_what_the_remote_option_refuses(valkey: ServerProcess) -> None:
         RemoteOptions(store=RemoteStoreConfig(), weights_id=" ", hash_salt=SALT)
     with pytest.raises(EngineError, match="hash_salt must be non-empty bytes"):
         RemoteOptions(store=RemoteStoreConfig(), weights_id="w", hash_salt=b"")
+
+
+def test_a_load_that_keeps_failing_ends_after_one_fetch(valkey: ServerProcess) -> None:
+    """A host->device load that fails every time (a device OOM on the copy) drops the host
+    copy; the retry must not fetch the same block back from the store, or generate loops
+    forever. The guard below stops a looping generate so that the test fails, not hangs."""
+    replica_1_publishes_a("llama", valkey.port)
+    engine = replica_2("llama", valkey.port)
+    assert engine.remote is not None
+    runner = engine.transfers.runner
+    real_copy = runner.copy
+
+    def copy_failing_loads(transfer):  # type: ignore[no-untyped-def]
+        if transfer.kind == "load":
+            raise RuntimeError("out of memory on the host->device copy (injected)")
+        return real_copy(transfer)
+
+    runner.copy = copy_failing_loads
+    real_fetch = engine.remote.fetch
+    fetches: list[int] = []
+
+    def counted_fetch(request: Request) -> object:
+        fetches.append(1)
+        if len(fetches) > 5:
+            raise AssertionError("generate fetched again after each failed load: a loop")
+        return real_fetch(request)
+
+    engine.remote.fetch = counted_fetch  # type: ignore[method-assign]
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert fetches == [1]
+    assert engine.remote.counters.fetched == 3
+    assert result.cached_tokens == 0  # the fetched blocks could not be loaded: recomputed
+    assert result.token_ids == model_case("llama").reference["b"]
+    engine.allocator.check_invariants()

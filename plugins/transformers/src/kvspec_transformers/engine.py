@@ -327,15 +327,19 @@ class TransformersEngine:
         # The admission is inside the try: an interrupt right after it (its blocks cached, no
         # K/V written yet) must discard them like any failed step.
         try:
+            first_pass = True
             while True:
                 # A failed load drops the request (the allocator discarded it and dropped
                 # the tier copy that failed), so each retry finds a shorter prefix: the
                 # loop ends, at the latest when no tier hit is left.
                 request = Request(rid, list(prompt))
-                if self.remote is not None:
+                if self.remote is not None and first_pass:
                     # Other replicas' blocks after the local hit -> the host tier (bounded
-                    # waits; a server down or slow costs misses only).
+                    # waits; a server down or slow costs misses only). Only once: a retry
+                    # that fetched again would put back the very block whose load failed,
+                    # and a load that keeps failing would loop forever.
                     self.remote.fetch(request)
+                first_pass = False
                 prefix = self.allocator.find_cached_prefix(request)
                 step_ends = self._prefill_step_ends(prefix, len(prompt))
                 written = prefix.num_tokens
