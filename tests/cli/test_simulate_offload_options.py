@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvspec_core.cli import simulate_cmd
+from kvspec_core.cli import simulate_replay
 from kvspec_core.cli.main import main
 from kvspec_core.runtime.tiers import WRITE_BACK, WRITE_THROUGH
 
@@ -20,13 +20,13 @@ TIGHT = ("llama-3.1-8b", "--memory", "2GiB", "--max-model-len", "8192", "--trace
 def built(monkeypatch: pytest.MonkeyPatch) -> list:
     """The allocators the replays ran on."""
     seen: list = []
-    replay = simulate_cmd.simulate
+    replay = simulate_replay.simulate
 
     def spy(allocator, *args, **kwargs):
         seen.append(allocator)
         return replay(allocator, *args, **kwargs)
 
-    monkeypatch.setattr(simulate_cmd, "simulate", spy)
+    monkeypatch.setattr(simulate_replay, "simulate", spy)
     return seen
 
 

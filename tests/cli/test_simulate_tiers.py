@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvspec_core.cli import simulate_cmd
+from kvspec_core.cli import simulate_replay
 from kvspec_core.cli.main import main
 
 #: llama-3.1-8b at 2 GiB: 1,024 device blocks of 2 MiB (16 tokens), too few for the chat
@@ -76,7 +76,7 @@ def test_plot_sweeps_host_memory_and_writes_a_png(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(simulate_cmd, "PLOT_HOST_MULTIPLES", (0.0, 2.0))
+    monkeypatch.setattr(simulate_replay, "PLOT_HOST_MULTIPLES", (0.0, 2.0))
     target = tmp_path / "hosts.png"
     report = simulate(capsys, "--requests", "60", "--plot", str(target))
     assert target.read_bytes().startswith(b"\x89PNG")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvspec_core.cli import simulate_cmd
+from kvspec_core.cli import simulate_replay
 from kvspec_core.cli.main import main
 from kvspec_core.runtime.trace import make_trace
 
@@ -81,13 +81,13 @@ def test_progress_falls_back_to_a_counter_without_tqdm(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    tick, close = simulate_cmd._progress(40, True)
+    tick, close = simulate_replay._progress(40, True)
     assert tick is not None
     for _ in range(40):
         tick()
     close()
     assert "replaying: 40/40 events" in capsys.readouterr().err
-    tick, close = simulate_cmd._progress(None, True)
+    tick, close = simulate_replay._progress(None, True)
     assert tick is not None
     for _ in range(20_000):
         tick()
