@@ -1,8 +1,9 @@
 """``kvspec plan MODEL --memory SIZE``: plan a model's KV cache within a byte budget.
 
 ``--gpu NAME`` (or ``--gpu-memory SIZE``) replaces ``--memory``: the KV budget is what the
-GPU has left after the weights and overheads (:mod:`kvspec_core.cli.gpu_plan`, which lists
-the extra ``--json`` keys), and ``--plot`` draws one curve per TP that fits.
+GPU has left after the weights and overheads (:mod:`kvspec_core.cli.gpu_plan`; the extra
+``--json`` keys are listed in :mod:`kvspec_core.cli.gpu_report`), and ``--plot`` draws one
+curve per TP that fits.
 
 ``--kv-cache-dtype`` may be repeated: the plan (table or JSON) uses the first one, and
 ``--plot FILE`` draws one concurrency-vs-context-length curve per dtype given (``auto``
@@ -29,15 +30,10 @@ from kvspec_core.cli.arguments import (
     plan_options,
     plot_file,
 )
-from kvspec_core.cli.gpu_plan import (
-    MAX_PLOTTED_TP,
-    as_vllm_loads,
-    check_budget_options,
-    gpu_lines,
-    gpu_plot_curves,
-    gpu_requested,
-    plan_on_gpu,
-)
+from kvspec_core.cli.gpu_options import check_budget_options, gpu_requested
+from kvspec_core.cli.gpu_plan import MAX_PLOTTED_TP, gpu_plot_curves, plan_on_gpu
+from kvspec_core.cli.gpu_text import gpu_lines
+from kvspec_core.cli.gpu_weights import as_vllm_loads
 from kvspec_core.cli.plan_report import pipeline_report, plan_report
 from kvspec_core.cli.plan_text import describe_layers, render_plan
 from kvspec_core.cli.sizes import parse_size
