@@ -354,7 +354,9 @@ class RemoteTier:
     def publish(self, stores: list[Transfer]) -> int:
         """Put the pages of completed device -> tier stores to their group's store under
         their blocks' hashes (read back from the tier); returns how many the servers took.
-        Groups without a store are skipped."""
+        Groups without a store are skipped, and so are blocks the tier does not cache under
+        that hash in that slot (``KVCacheAllocator.tier_holds``: a copy dropped as never
+        computed, a slot evicted since)."""
         by_group: dict[int, list[tuple[bytes, bytes]]] = {}
         for transfer in stores:
             if transfer.group not in self.stores:
@@ -372,8 +374,13 @@ class RemoteTier:
                 self.counters.publish_failures += transfer.num_blocks
                 continue
             data = rows.contiguous().numpy()
+            # Only what the tier caches under that hash in that slot: a copy the allocator
+            # dropped at completion (never computed) must not become another replica's hit.
+            held = self.allocator.tier_holds(transfer)
             by_group.setdefault(transfer.group, []).extend(
-                (digest, data[row].tobytes()) for row, digest in enumerate(transfer.block_hashes)
+                (digest, data[row].tobytes())
+                for row, digest in enumerate(transfer.block_hashes)
+                if held[row]
             )
         total = 0
         for gid, blocks in by_group.items():

@@ -132,3 +132,23 @@ class TierRemote(TierState):
         return RemoteReservation(
             pending.record(), tuple(demotion.record() for demotion in demotions)
         )
+
+    def holds_stored(self, transfer: Transfer) -> list[bool]:
+        """Per block of a completed store ``transfer``, whether its destination tier caches
+        the block's hash in that very slot now. A completed copy is not always cached (a
+        write-through copy whose block ``discard_uncomputed`` declared unwritten is dropped
+        at completion), and a slot may have been evicted and reused since: only a held
+        block's slot holds that hash's pages. Read through the tier slots' cache mappings,
+        as ``reserve_remote`` and the lookup do."""
+        index = transfer.destination_tier - 1
+        missing = [False] * len(transfer.destination_blocks)
+        if not 0 <= index < len(self.tier_pools) or transfer.pool >= len(self.tier_pools[index]):
+            return missing
+        slots = self.tier_pools[index][transfer.pool]
+        cache = None if slots is None else slots.caches.get(transfer.group)
+        if cache is None:
+            return missing
+        return [
+            cache.get(digest) == slot
+            for digest, slot in zip(transfer.block_hashes, transfer.destination_blocks, strict=True)
+        ]

@@ -151,6 +151,22 @@ class TierTransfers(Freeing, AllocatorBase):
                     )
         return self._tiers.reserve_remote(group, hashes, local)
 
+    def tier_holds(self, transfer: Transfer) -> list[bool]:
+        """Per block of ``transfer`` (a completed store into a tier), whether that tier
+        caches the block's hash in the transfer's destination slot now: what may be read
+        back and published under that hash (``RemoteTier.publish``). A completed copy is not
+        always cached: a write-through copy of a block ``discard_uncomputed`` declared
+        unwritten is dropped, and a slot may have been evicted and reused since."""
+        if self._tiers is None:
+            raise AllocatorError("tier_holds: this allocator has no offload tiers")
+        if len(transfer.block_hashes) != len(transfer.destination_blocks):
+            raise AllocatorError(
+                f"tier_holds: transfer {transfer.transfer_id} names "
+                f"{len(transfer.block_hashes)} hashes for {len(transfer.destination_blocks)} "
+                "blocks"
+            )
+        return self._tiers.holds_stored(transfer)
+
     def plan_remote_fetch(
         self, request: Request, remote: Mapping[int, Collection[bytes]]
     ) -> tuple[int, dict[int, list[bytes]]]:
