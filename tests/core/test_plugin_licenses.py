@@ -1,6 +1,7 @@
 """Every plugin under ``plugins/`` is its own distribution, so each ships the license text: a
 copy of the root LICENSE beside its pyproject (setuptools puts ``LICEN[CS]E*`` files in the
-wheel's metadata), under the same license as the core."""
+wheel's metadata), under the same license as the core. So does the example third-party plugin
+under ``examples/``, which shows a plugin author what to declare."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN_FOLDERS = sorted(path.parent for path in ROOT.glob("plugins/*/pyproject.toml"))
+PLUGIN_FOLDERS = sorted(
+    path.parent
+    for pattern in ("plugins/*/pyproject.toml", "examples/*/pyproject.toml")
+    for path in ROOT.glob(pattern)
+)
 
 
 def project_table(pyproject: Path) -> dict:

@@ -73,3 +73,12 @@ def test_installed_example_plugin_loads_and_plans(
     check_spec_protocol(spec, manager)
     with pytest.raises(ConfigError, match=r"model.layers.3.*streaming_sink_tokens"):
         manager.layer_specs(streaming_layer())
+
+
+def test_installed_example_plugin_ships_its_license(installed_example: Path) -> None:
+    [dist_info] = installed_example.glob("kvspec_streaming-*.dist-info")
+    metadata = (dist_info / "METADATA").read_text()
+    assert "License: Apache-2.0" in metadata.splitlines()
+    assert "License-File: LICENSE" in metadata.splitlines()
+    root_license = (EXAMPLE.parents[1] / "LICENSE").read_bytes()
+    assert (dist_info / "licenses" / "LICENSE").read_bytes() == root_license
