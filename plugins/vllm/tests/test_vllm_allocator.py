@@ -293,9 +293,11 @@ def test_scheduler_steps_as_on_vllms_manager(
     preempted: bool | None,
 ) -> None:
     """The step benchmark's harness, small: a real vLLM scheduler (no engine) on each
-    manager, 24 requests of 4 families in 64 blocks: the same tokens, prefix hits and
-    preemptions (``hits`` / ``preempted``: whether there are some, where the case is
-    meant to show it)."""
+    manager, 24 requests of 4 families in 64 blocks. Its K/V oracle keeps the runner's block
+    tables and checks every position each query attends reads its own K/V: no bad read on
+    either manager; the tokens (sampled from what was read back), prefix hits and
+    preemptions are the same (``hits`` / ``preempted``: whether there are some, where the
+    case is meant to show it)."""
     config = vllm_scheduler_step.vllm_config_for(
         model, tmp_path, blocks=64, max_num_seqs=24, **options
     )
@@ -306,6 +308,8 @@ def test_scheduler_steps_as_on_vllms_manager(
     }
     vllm_result, kvspec_result = results["vllm"], results["kvspec"]
     assert kvspec_result["manager"] == "KVSpecKVCacheManager"
+    assert vllm_result["bad_reads"] == 0
+    assert kvspec_result["bad_reads"] == 0
     assert kvspec_result["tokens"] == vllm_result["tokens"]
     assert all(len(tokens) == 24 for tokens in kvspec_result["tokens"].values())
     # vLLM's PrefixCacheStats, fed by each manager: the same looked-up and hit tokens.
@@ -317,6 +321,30 @@ def test_scheduler_steps_as_on_vllms_manager(
         assert (kvspec_result["queries"] > 0) == hits
     if preempted is not None:
         assert (kvspec_result["preemptions"] > 0) == preempted
+
+
+def test_the_kv_oracle_sees_a_wrong_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control for the test above: a manager that hands the runner, as a running request's
+    new block, the request's own first block (the K/V of its first tokens gets overwritten)
+    makes the oracle count bad reads, and the tokens sampled from them differ from vLLM's."""
+    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64, max_num_seqs=8)
+    prompts = vllm_scheduler_step.workload(8, 2, 96)
+    allocate_slots = KVSpecKVCacheManager.allocate_slots
+
+    def first_block_again(self: KVSpecKVCacheManager, request: Any, *args: Any, **kw: Any) -> Any:
+        blocks = allocate_slots(self, request, *args, **kw)
+        if blocks is None or not request.num_computed_tokens or not blocks.get_block_ids()[0]:
+            return blocks
+        first = self.allocator.block_ids(request.request_id)[0][0]
+        return self._blocks_of(([first], *blocks.get_block_ids()[1:]))
+
+    vllm_result = vllm_scheduler_step.run(config, prompts, 64, 24, kvspec=False)
+    monkeypatch.setattr(KVSpecKVCacheManager, "allocate_slots", first_block_again)
+    wrong = vllm_scheduler_step.run(config, prompts, 64, 24, kvspec=True)
+    assert wrong["manager"] == "KVSpecKVCacheManager"
+    assert vllm_result["bad_reads"] == 0
+    assert wrong["bad_reads"] > 0
+    assert wrong["tokens"] != vllm_result["tokens"]
 
 
 # ----------------------------------------------------------------------------- refusals
