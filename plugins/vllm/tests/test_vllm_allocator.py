@@ -556,3 +556,42 @@ def test_lora_adapters_and_cache_salts_never_share_blocks(tmp_path: Path) -> Non
         hits.append(manager.get_computed_blocks(request)[1])
         assert manager.allocate_slots(request, request.num_tokens - hits[-1], hits[-1]) is not None
     assert hits == [0, 96, 0, 0, 0]
+
+
+@pytest.mark.parametrize("growth", [400, 100])
+def test_a_held_requests_next_chunk_meets_the_full_sequence_gate(
+    tmp_path: Path, growth: int
+) -> None:
+    """A streaming-input session keeps its blocks between turns; its next input chunk comes
+    back through the waiting queue under vLLM's full-sequence gate. On 12 blocks, 80 held
+    tokens grown by 400 cannot fit whole: vLLM's manager and kvspec's both answer ``None``
+    (the chunk waits); grown by 100 they fit, and both hand out the chunk's blocks."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import RequestStatus
+
+    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=12)
+    answers = []
+    for manager_cls in (KVCacheManager, KVSpecKVCacheManager):
+        manager = manager_cls(
+            vllm_scheduler_step.kv_cache_config(config, 12),
+            max_model_len=2048,
+            scheduler_block_size=32,
+            hash_block_size=32,
+            max_in_flight_tokens=64,
+        )
+        (session,) = _requests([list(range(1, 81))])
+        session.resumable = True
+        manager.get_computed_blocks(session)
+        assert manager.allocate_slots(session, 80, full_sequence_must_fit=True) is not None
+        session.num_computed_tokens = 80
+        more = list(range(1000, 1000 + growth))
+        session._all_token_ids.extend(more)
+        session.prompt_token_ids.extend(more)
+        session.num_prompt_tokens = len(session.prompt_token_ids)
+        session.update_block_hashes()
+        session.status = RequestStatus.WAITING
+        blocks = manager.allocate_slots(
+            session, 64, full_sequence_must_fit=True, has_scheduled_reqs=False
+        )
+        answers.append(None if blocks is None else len(blocks.get_block_ids()[0]))
+    assert answers == ([None, None] if growth == 400 else [2, 2])

@@ -317,6 +317,10 @@ class KVSpecKVCacheManager:
                     f"{num_new_computed_tokens} new cached ones): the scheduler rolled tokens "
                     "back or skipped a step, which kvspec's allocator does not follow"
                 )
+            # A request holding blocks meets the gate too: a streaming-input session's next
+            # chunk (its blocks kept between turns) waits while its whole sequence cannot fit.
+            if full_sequence_must_fit and not self._full_sequence_fits(request, None):
+                return None
             mirror = self._mirrors[rid]
             result = allocator.allocate_slots(mirror, num_new_tokens, num_lookahead_tokens)
         else:
@@ -362,23 +366,29 @@ class KVSpecKVCacheManager:
             )
         return prefix
 
-    def _full_sequence_fits(self, request: Any, prefix: CachedPrefix) -> bool:
+    def _full_sequence_fits(self, request: Any, prefix: CachedPrefix | None) -> bool:
         """vLLM's admission gate (``scheduler_reserve_full_isl``) on kvspec's pool: the
         blocks the whole known sequence needs past the hit (at most a group's admission cap,
         so a sliding window counts its window), plus the hit blocks no request holds (a hit
-        revives them out of the free blocks), fit in the free blocks."""
+        revives them out of the free blocks), fit in the free blocks. ``prefix`` ``None``:
+        the request holds blocks already; past its table, as vLLM counts a known request."""
         allocator = self.allocator
         full = min(request.num_tokens, self.max_model_len)
         pool = allocator.pools[0]
+        held = allocator.block_ids(request.request_id) if prefix is None else ()
         need = 0
         for gid, rules in enumerate(allocator.rules):
             cap = allocator.admission_caps[gid]
             if cap <= 0:
                 continue
             tokens = rules.block_tokens
+            wanted = min(cdiv(full, tokens), cap)
+            if prefix is None:
+                need += max(wanted - len(held[gid]), 0)
+                continue
             table = list(prefix.block_ids[gid])
             skipped = rules.skipped_tokens(prefix.num_tokens) // tokens
-            need += max(min(cdiv(full, tokens), cap) - max(skipped, len(table)), 0)
+            need += max(wanted - max(skipped, len(table)), 0)
             need += pool.num_unreferenced(table[skipped:])
         return need <= allocator.usage.free_blocks
 
