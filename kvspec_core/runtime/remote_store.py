@@ -23,14 +23,21 @@ payload length, and BLAKE2b-256 of key and payload. A value whose header, length
 does not match (truncated, flipped, written under another key, another format) is a miss,
 counted in ``corrupt``: no partial or corrupt block ever comes back.
 
-**Failures never reach the engine's step.** Every socket operation is bounded (connect and
-each read or write; defaults 50 ms and 200 ms), a server error, timeout or refused connection
-turns the call's results into misses (``False`` for ``contains_many``, ``0`` stored for
-``put_many``) and is counted, and after ``failures_to_open`` failed calls in a row the circuit
-breaker opens: for ``open_for_s`` seconds no call reaches the server (each is counted in
-``skipped``), then one call tries again (it closes the breaker if it succeeds). Only a
-caller's mistake raises (a hash that is not bytes of the hash size, a payload that is not
-bytes): that is a bug to fix, not a server to survive.
+**Failures never reach the engine's step.** Each call has a total deadline: it ends, as a
+timeout, at the latest ``connect_timeout_s + op_timeout_s + bytes / min_bytes_per_s`` after
+it starts, ``bytes`` being what it has sent and received so far (a server that stops
+answering or trickles its answer slower than ``min_bytes_per_s`` is cut there; a large block
+on a link faster than that goes through). Outside that bound: the client's CPU time after
+its last socket operation (decoding) and, when ``host`` is a name rather than an address,
+its name resolution (give an address). A server error, timeout, refused connection or any
+other failure inside the client (a malformed answer) turns the call's results into misses
+(``False`` for ``contains_many``, ``0`` stored for ``put_many``), is counted and drops the
+connections, and after ``failures_to_open`` failed calls in a row the circuit breaker opens:
+for ``open_for_s`` seconds no call reaches the server (each is counted in ``skipped``), then
+one call tries again (it closes the breaker if it succeeds). Only a caller's mistake raises
+(a hash that is not bytes of the hash size, a payload that is not bytes), checked before the
+call: that is a bug to fix, not a server to survive. The client speaks RESP2 (no ``HELLO``:
+any Redis or Valkey version).
 
 A store is used by one thread at a time (an engine's scheduler); each process makes its own.
 The server decides what it keeps: give it ``maxmemory`` and ``maxmemory-policy allkeys-lru``
@@ -45,6 +52,7 @@ import contextlib
 import hashlib
 import hmac
 import math
+import socket
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -152,9 +160,13 @@ class RemoteStoreConfig:
     password: str | None = None
     #: Seconds to open a connection.
     connect_timeout_s: float = 0.05
-    #: Seconds each read or write of a call may wait (a large value keeps flowing: each
-    #: socket read is bounded, not the transfer).
+    #: Seconds a call may take beyond connecting before the bytes it moves extend its
+    #: deadline (see ``min_bytes_per_s``): what a silent server costs a small call.
     op_timeout_s: float = 0.2
+    #: The slowest transfer a call tolerates, in bytes per second: each byte sent or
+    #: received extends the call's deadline by ``1 / min_bytes_per_s`` seconds (a 4 MiB
+    #: block adds about 0.4 s at the default 10 MB/s). A link slower than this loses the call.
+    min_bytes_per_s: float = 10_000_000.0
     #: Failed calls in a row that open the circuit breaker.
     failures_to_open: int = 3
     #: Seconds the open breaker keeps calls from the server before one tries again.
@@ -165,7 +177,7 @@ class RemoteStoreConfig:
     hash_size: int = DIGEST_SIZE
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "op_timeout_s", "open_for_s"):
+        for name in ("connect_timeout_s", "op_timeout_s", "open_for_s", "min_bytes_per_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"RemoteStoreConfig.{name}={value!r} must be a positive number")
@@ -269,18 +281,26 @@ class RemoteBlockStore:
         from redis.retry import Retry
 
         cfg = self.config
+        self._deadline = _CallDeadline(
+            cfg.connect_timeout_s + cfg.op_timeout_s, cfg.min_bytes_per_s, cfg.op_timeout_s
+        )
         # No retries: a retry would multiply the time the engine waits; the breaker and the
-        # next call are the retry.
-        self._client: redis.Redis = redis_module.Redis(
+        # next call are the retry. RESP2: no HELLO, which a Redis before 6 refuses.
+        pool = redis_module.ConnectionPool(
+            connection_class=_deadline_connection_class(redis_module),
+            call_deadline=self._deadline,
             host=cfg.host,
             port=cfg.port,
             db=cfg.db,
             password=cfg.password,
             socket_connect_timeout=cfg.connect_timeout_s,
-            socket_timeout=cfg.op_timeout_s,
+            # No per-read timeout: the call's deadline bounds every read and write.
+            socket_timeout=None,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            protocol=2,
         )
+        self._client: redis.Redis = redis_module.Redis(connection_pool=pool)
         self._errors: tuple[type[BaseException], ...] = (redis_module.RedisError, OSError)
         self._timeout_errors: tuple[type[BaseException], ...] = (
             redis_module.TimeoutError,
@@ -441,25 +461,127 @@ class RemoteBlockStore:
         return False
 
     def _pipelined(self, run: Callable[[Any], Any]) -> Any:
-        """``run(pipeline)``'s result, or None if the server failed (counted; the breaker
-        told)."""
+        """``run(pipeline)``'s result within the call's deadline, or None if it failed
+        (counted; the breaker told; the connections dropped, as one may hold half an
+        answer). Whatever the client raises is a failure: the caller's input was checked
+        before; only an interrupt (a BaseException that is not an Exception) propagates."""
+        self._deadline.start()
         try:
             result = run(self._client.pipeline(transaction=False))
         except self._timeout_errors:
             self._counters.timeouts += 1
-            self._failed()
+            self._dropped()
             return None
-        except self._errors:
+        except Exception:
             self._counters.errors += 1
-            self._failed()
+            self._dropped()
             return None
+        except BaseException:
+            self._disconnect()
+            raise
+        finally:
+            self._deadline.stop()
         self._breaker.succeeded()
         self._answered = True
         return result
 
-    def _failed(self) -> None:
+    def _dropped(self) -> None:
+        self._disconnect()
         if self._breaker.failed():
             self._counters.breaker_opened += 1
+
+    def _disconnect(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.connection_pool.disconnect()
+
+
+class _CallDeadline:
+    """The deadline of the store call in progress, shared by its connections' sockets:
+    ``base_s`` after the call starts, plus ``1 / min_bytes_per_s`` per byte moved since."""
+
+    def __init__(self, base_s: float, min_bytes_per_s: float, idle_timeout_s: float) -> None:
+        self._base_s = base_s
+        self._idle_timeout_s = idle_timeout_s
+        self._seconds_per_byte = 1.0 / min_bytes_per_s
+        self._until: float | None = None
+
+    def start(self) -> None:
+        self._until = time.monotonic() + self._base_s
+
+    def stop(self) -> None:
+        self._until = None
+
+    def credit(self, num_bytes: int) -> None:
+        if self._until is not None:
+            self._until += num_bytes * self._seconds_per_byte
+
+    def bounded(self, timeout: float | None) -> float | None:
+        """``timeout`` (a socket timeout the client asked for, None: none) cut to the time
+        left; raises ``TimeoutError`` once the deadline has passed. No call in progress (a
+        close): ``timeout``, or ``idle_timeout_s`` for none."""
+        if self._until is None:
+            return self._idle_timeout_s if timeout is None else timeout
+        left = self._until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the remote store call's deadline passed")
+        return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineSocket:
+    """A connected socket whose reads and writes end by the call's deadline: before each,
+    the socket's timeout is the one the client asked for, cut to the time left. Everything
+    else is the socket's."""
+
+    def __init__(self, sock: socket.socket, deadline: _CallDeadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._asked = sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._asked = timeout
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._asked
+
+    def recv(self, size: int, *flags: int) -> bytes:
+        self._sock.settimeout(self._deadline.bounded(self._asked))
+        data = self._sock.recv(size, *flags)
+        self._deadline.credit(len(data))
+        return data
+
+    def recv_into(self, buffer: Any, *args: int) -> int:
+        self._sock.settimeout(self._deadline.bounded(self._asked))
+        received = self._sock.recv_into(buffer, *args)
+        self._deadline.credit(received)
+        return received
+
+    def sendall(self, data: Any, *flags: int) -> None:
+        # sendall's timeout bounds the whole send: credit its bytes first.
+        self._deadline.credit(memoryview(data).nbytes)
+        self._sock.settimeout(self._deadline.bounded(None))
+        try:
+            self._sock.sendall(data, *flags)
+        finally:
+            self._sock.settimeout(self._asked)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _deadline_connection_class(redis_module: Any) -> type:
+    """redis-py's TCP connection whose socket keeps the store's call deadline (a subclass
+    made here: redis is imported only when a store is built)."""
+
+    class DeadlineConnection(redis_module.Connection):
+        def __init__(self, *, call_deadline: _CallDeadline, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._call_deadline = call_deadline
+
+        def _connect(self) -> Any:
+            return _DeadlineSocket(super()._connect(), self._call_deadline)
+
+    return DeadlineConnection
 
 
 def _checked_payload(payload: object, index: int) -> bytes | bytearray | memoryview:

@@ -25,8 +25,9 @@ from kvspec_core.runtime.remote_store import (
 )
 
 LLAMA = {"checksum:layout": "3f0a", "checksum:groups[0].spec": "91bc", "pool": 0, "tp_rank": 0}
-#: Slack on top of a timeout for a loaded CI machine (two cores shared by many processes).
-SLACK_S = 0.3
+#: Slack on top of a deadline for a loaded CI machine (two cores shared by many processes):
+#: these bounds prove "ends by its deadline, never hangs", not speed, so they are generous.
+SLACK_S = 5.0
 
 
 def block_hash(index: int) -> bytes:
@@ -202,12 +203,13 @@ def test_a_killed_server_costs_misses_within_the_timeout_then_the_store_recovers
     counters = store.counters
     assert counters.errors + counters.timeouts == 3 and counters.breaker_opened == 1
 
-    # Open: no call reaches the (absent) server; each is a counted skip, immediately.
+    # Open: no call reaches the (absent) server; each is a counted skip (the counters below
+    # prove it; the clock only that none waited for a timeout and a slack).
     started = time.monotonic()
     assert store.put_many([(block_hash(3), b"three")]) == 0
     assert store.contains_many([block_hash(1)]) == [False]
     assert store.get_many([block_hash(1)]) == [None]
-    assert time.monotonic() - started < 0.05
+    assert time.monotonic() - started < SLACK_S
     counters = store.counters
     assert counters.skipped == 3 and counters.errors + counters.timeouts == 3
     assert counters.misses == 2 * 3 + 1

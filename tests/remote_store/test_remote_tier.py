@@ -25,7 +25,9 @@ from kvspec_core.runtime.tiers import REMOTE_TIER
 
 PROMPT = list(range(100, 100 + 5 * BLOCK + 1))  # five full blocks are looked up
 FILLER = list(range(900, 900 + 7 * BLOCK - 3))  # seven device blocks: evicts the five
-SLACK_S = 0.3
+#: Slack on top of the store's deadlines for a loaded CI machine: the bound proves "never
+#: hangs", not speed.
+SLACK_S = 5.0
 
 
 def published_by_replica_1(port: int) -> tuple[list[bytes], int]:
