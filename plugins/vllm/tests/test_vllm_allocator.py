@@ -353,6 +353,7 @@ def test_the_kv_oracle_sees_a_wrong_block(tmp_path: Path, monkeypatch: pytest.Mo
     [
         ({"scheduler_config.async_scheduling": True}, "asynchronous scheduling"),
         ({"speculative_config": object()}, "speculative decoding"),
+        ({"diffusion_config": "canvas"}, "diffusion language models"),
         ({"enable_prompt_embeds": True}, "prompt embeddings"),
         (
             {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
@@ -372,8 +373,16 @@ def test_uncovered_configurations_refused_before_the_scheduler_is_built(
     # Set on the built config: what the CPU build turns off (asynchronous scheduling, whose
     # executor here does not support it) or cannot build (a drafter needs a draft model);
     # the check reads only whether it is set.
-    settings = {name: value for name, value in options.items() if "." in name or "spec" in name}
+    settings = {
+        name: value
+        for name, value in options.items()
+        if "." in name or "spec" in name or "diffusion" in name
+    }
     options = {name: value for name, value in options.items() if name not in settings}
+    if settings.get("diffusion_config") == "canvas":
+        from vllm.config import DiffusionConfig
+
+        settings["diffusion_config"] = DiffusionConfig(canvas_length=8)
     config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64, **options)
     for name, value in settings.items():
         holder, _, field = name.rpartition(".")
@@ -402,6 +411,22 @@ def _manager(kv_cache_config: Any, **options: Any) -> KVSpecKVCacheManager:
     }
     settings.update(options)
     return KVSpecKVCacheManager(kv_cache_config, **settings)
+
+
+def _vllms_manager_and_kvspecs(config: Any, blocks: int, **options: Any) -> Iterator[Any]:
+    """vLLM's ``KVCacheManager``, then kvspec's, each fresh on ``blocks`` blocks of
+    ``config`` (the scheduler's constructor arguments, ``options`` over :func:`_manager`'s)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    settings: dict[str, Any] = {
+        "max_model_len": 512,
+        "scheduler_block_size": 32,
+        "hash_block_size": 32,
+        "max_in_flight_tokens": 4096,
+        **options,
+    }
+    for manager_cls in (KVCacheManager, KVSpecKVCacheManager):
+        yield manager_cls(vllm_scheduler_step.kv_cache_config(config, blocks), **settings)
 
 
 def test_manager_refuses_what_it_does_not_cover(tmp_path: Path) -> None:
@@ -520,16 +545,29 @@ def test_a_hit_the_scheduler_changed_or_a_rollback_is_refused(tmp_path: Path) ->
         manager.allocate_slots(first, 1)
 
 
-def test_full_report_mode_with_events_is_refused(tmp_path: Path) -> None:
-    config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=64)
-    manager = _manager(vllm_scheduler_step.kv_cache_config(config, 64), enable_kv_cache_events=True)
-    shared = list(range(1, 97))
-    (first,) = _requests([[*shared, 500]])
-    manager.get_computed_blocks(first)
-    manager.allocate_slots(first, first.num_tokens)
-    (second,) = _requests([[*shared, 501]], first=1, kv_cache_report_mode="full")
-    with pytest.raises(KVSpecVLLMError, match="kv_cache_report_mode='full'"):
-        manager.get_computed_blocks(second)
+@pytest.mark.parametrize(("model", "window"), [("llama", 256), ("gemma2", 32)])
+def test_full_report_mode_reports_reused_blocks_as_vllm(
+    tmp_path: Path, model: str, window: int
+) -> None:
+    """``kv_cache_report_mode="full"`` with events on (before: refused by raising inside
+    ``schedule()``, fatal to the engine): a hit reports the reused blocks, as vLLM's manager
+    does, field for field (cache salt in the extra keys; Gemma 2's window of one block puts
+    null entries in the sliding group's hit)."""
+    config = vllm_scheduler_step.vllm_config_for(model, tmp_path, blocks=64, window=window)
+    shared = list(range(1, 129))
+    reported = []
+    for manager in _vllms_manager_and_kvspecs(config, 64, enable_kv_cache_events=True):
+        (first,) = _requests([[*shared, 500]])
+        (second,) = _requests([[*shared, 501]], first=1, kv_cache_report_mode="full")
+        first.cache_salt = second.cache_salt = "tenant"
+        for request in (first, second):
+            blocks, hit, _ = manager.get_computed_blocks(request)
+            assert manager.allocate_slots(request, request.num_tokens - hit, hit, blocks)
+            request.num_computed_tokens = request.num_tokens
+        reported.append(manager.take_events())
+    vllm_events, kvspec_events = reported
+    assert any(len(event.block_hashes) == 4 for event in vllm_events[1:])
+    assert kvspec_events == vllm_events
 
 
 def test_lora_adapters_and_cache_salts_never_share_blocks(tmp_path: Path) -> None:
@@ -566,19 +604,13 @@ def test_a_held_requests_next_chunk_meets_the_full_sequence_gate(
     back through the waiting queue under vLLM's full-sequence gate. On 12 blocks, 80 held
     tokens grown by 400 cannot fit whole: vLLM's manager and kvspec's both answer ``None``
     (the chunk waits); grown by 100 they fit, and both hand out the chunk's blocks."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.request import RequestStatus
 
     config = vllm_scheduler_step.vllm_config_for("llama", tmp_path, blocks=12)
     answers = []
-    for manager_cls in (KVCacheManager, KVSpecKVCacheManager):
-        manager = manager_cls(
-            vllm_scheduler_step.kv_cache_config(config, 12),
-            max_model_len=2048,
-            scheduler_block_size=32,
-            hash_block_size=32,
-            max_in_flight_tokens=64,
-        )
+    for manager in _vllms_manager_and_kvspecs(
+        config, 12, max_model_len=2048, max_in_flight_tokens=64
+    ):
         (session,) = _requests([list(range(1, 81))])
         session.resumable = True
         manager.get_computed_blocks(session)

@@ -277,9 +277,13 @@ class KVSpecKVCacheManager:
             self._events is not None
             and getattr(request, "kv_cache_report_mode", "incremental") == "full"
         ):
-            _refuse(
-                f"request {rid!r}: kv_cache_report_mode='full' (events for reused blocks)",
-                "Use the default incremental report mode",
+            # A router asking for the whole prefix: the reused blocks too, as vLLM reports.
+            self._pending_events.extend(
+                self._events.reused(
+                    request,
+                    [len(ids) for ids in prefix.block_ids],
+                    [group.block_size for group in self.coordinator.single_type_managers],
+                )
             )
         return self._blocks_of(prefix.block_ids), prefix.num_tokens, 0
 

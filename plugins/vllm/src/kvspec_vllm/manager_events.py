@@ -66,29 +66,54 @@ class EventTranslator:
                 f"hashes, but kvspec cached its blocks {first}..{first + count - 1}; vLLM "
                 "computes block hashes only with prefix caching on"
             )
-        utils = self._utils
-        convert = utils.maybe_convert_block_hash
-        extra_keys = []
-        mm_index = 0
-        size = event.block_size
         for position, kvspec_hash in enumerate(event.block_hashes, start=first):
             self._vllm_hash[(event.group, kvspec_hash)] = vllm_hashes[position]
+        return self._block_stored(
+            request, event.group, first, count, event.block_size, list(event.token_ids)
+        )
+
+    def reused(
+        self, request: Any, hit_blocks: Sequence[int], block_sizes: Sequence[int]
+    ) -> list[Any]:
+        """vLLM's ``BlockStored`` events for the blocks a prefix hit reuses, one per group
+        with ``hit_blocks[group]`` blocks from the request's first (its null entries too),
+        as vLLM's ``emit_cached_block_events`` reports them for a request asking
+        ``kv_cache_report_mode="full"``."""
+        return [
+            self._block_stored(
+                request, group, 0, count, size, list(request.all_token_ids[: count * size])
+            )
+            for group, (count, size) in enumerate(zip(hit_blocks, block_sizes, strict=True))
+            if count
+        ]
+
+    def _block_stored(
+        self, request: Any, group: int, first: int, count: int, size: int, token_ids: list[int]
+    ) -> Any:
+        """vLLM's ``BlockStored`` for ``request``'s blocks ``first..first+count-1`` of
+        ``group``: vLLM's hashes of those positions, the LoRA and extra keys it reports."""
+        utils = self._utils
+        convert = utils.maybe_convert_block_hash
+        vllm_hashes = request.block_hashes
+        extra_keys = []
+        mm_index = 0
+        for position in range(first, first + count):
             keys, mm_index = utils.generate_block_hash_extra_keys(
                 request, position * size, (position + 1) * size, mm_index
             )
             extra_keys.append(keys)
         lora = request.lora_request
-        kind, window = self._metadata[event.group]
+        kind, window = self._metadata[group]
         return self._events.BlockStored(
             block_hashes=[convert(vllm_hashes[p]) for p in range(first, first + count)],
             parent_block_hash=convert(vllm_hashes[first - 1]) if first else None,
-            token_ids=list(event.token_ids),
+            token_ids=token_ids,
             block_size=size,
             lora_id=lora.adapter_id if lora else None,
             medium=self._events.MEDIUM_GPU,
             lora_name=lora.name if lora else None,
             extra_keys=utils.to_event_extra_keys(extra_keys),
-            group_idx=event.group,
+            group_idx=group,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=window,
             session_id=request.session_id,

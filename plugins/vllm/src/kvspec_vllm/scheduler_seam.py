@@ -31,6 +31,17 @@ def check_supported(vllm_config: Any) -> None:
         refused.append("encoder-cache connectors (ec_transfer_config): drop it")
     if vllm_config.speculative_config is not None:
         refused.append("speculative decoding (speculative_config): drop it")
+    elif getattr(vllm_config, "diffusion_config", None) is not None or (
+        vllm_config.num_speculative_tokens
+    ):
+        # A diffusion LM's canvas rides the draft-token path (vLLM's num_speculative_tokens
+        # is its canvas_length): the scheduler rolls back rejected rows, which kvspec's
+        # allocator would meet mid-run, inside schedule().
+        refused.append(
+            "diffusion language models (diffusion_config, "
+            f"{vllm_config.num_speculative_tokens} draft tokens a step): run an "
+            "autoregressive model"
+        )
     scheduler_config = vllm_config.scheduler_config
     if scheduler_config.async_scheduling:
         refused.append(
