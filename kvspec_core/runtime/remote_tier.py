@@ -90,7 +90,8 @@ class RemoteTierCounters:
     write_failures: int = 0
     #: Tier entries the fetched blocks' slots evicted, copied to the tier below first.
     demoted: int = 0
-    #: Hashes remembered as missed (the server answered it had no valid value for them).
+    #: Hashes remembered as missed (the server answered it had no valid value for them, or
+    #: one of another size than the local tier's blocks).
     misses_remembered: int = 0
     #: Fetches whose run ended at a remembered miss (so the server was asked about fewer
     #: blocks: see ``remote_misses.py``).
@@ -301,9 +302,18 @@ class RemoteTier:
                 self.runner.run_and_complete(allocator, list(reservation.demotions))
             block_bytes = self.runner.block_bytes(transfer.destination_tier, transfer.pool)
             fetched = [pages[i] for i in transfer.source_blocks]
-            if any(page is None or len(page) != block_bytes for page in fetched):
-                # Another layout under this namespace: the caller's namespace is wrong.
+            wrong = [
+                digest
+                for digest, page in zip(transfer.block_hashes, fetched, strict=True)
+                if page is None or len(page) != block_bytes
+            ]
+            if wrong:
+                # Another layout under this namespace: the caller's namespace is wrong. The
+                # server answered: remembered like a corrupt value, not asked again at once.
                 self.counters.fetch_misses += transfer.num_blocks
+                self.counters.misses_remembered += self.misses_by_group[transfer.group].remember(
+                    wrong
+                )
                 allocator.complete_transfers([transfer.transfer_id], ok=False)
                 return 0
             rows = torch.frombuffer(

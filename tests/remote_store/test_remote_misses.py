@@ -15,6 +15,7 @@ from valkey_server import ServerProcess
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.remote_misses import RecentMisses
+from kvspec_core.runtime.remote_store import _encode_value
 
 
 class Clock:
@@ -145,3 +146,25 @@ def test_a_remembered_miss_is_recent_bounded_and_never_for_good(ttl, capacity, o
             if index < len(arg):
                 assert arg[index] in recent
         assert len(misses) <= capacity
+
+
+def test_a_value_of_another_size_is_remembered_as_a_miss(valkey: ServerProcess) -> None:
+    """A valid value (header and digest right) whose pages are not the local tier's block
+    size (a namespace shared by another layout): refused, and remembered like a corrupt one,
+    so the next fetches do not ask for it again."""
+    published_by_replica_1(valkey.port)
+    replica_2 = Replica(valkey.port)
+    hashes = replica_2.allocator.block_hashes(Request("b", PROMPT), 0)
+    client = redis.Redis(port=valkey.port, socket_timeout=2)
+    key = replica_2.store.key_of(hashes[2])
+    pages = replica_2.store.get_many([hashes[2]])[0]
+    assert pages is not None
+    client.set(key, _encode_value(key, pages + b"\0" * 16))  # valid, 16 bytes too long
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 0  # the run holds block 2: refused
+    assert replica_2.remote.counters.misses_remembered == 1
+    assert replica_2.remote.misses.first_missed(hashes) == 2
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 2  # the run before it
+    asked = server_lookups(valkey)
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 0  # blocks 0, 1 are local now
+    assert server_lookups(valkey) == asked  # block 2 not asked again
+    assert replica_2.store.counters.corrupt == 0
