@@ -37,13 +37,14 @@ def remote_engine(
     weights_id: str,
     device_bytes: int,
     host_bytes: int,
+    max_model_len: int = 96,
     **store: Any,
 ) -> TransformersEngine:
     """An engine with a host tier whose blocks are shared through the server on ``port``."""
     return TransformersEngine(
         model,
         kvspec_config=config,
-        max_model_len=96,
+        max_model_len=max_model_len,
         budget_bytes=device_bytes,
         host_offload_bytes=host_bytes,
         remote=RemoteOptions(

@@ -35,16 +35,18 @@ DEVICE_BLOCKS = {"llama": 10, "gemma2": 15}
 HOST_BLOCKS = 40
 
 
-def replica(name: str, port: int, model=None, **store: object) -> TransformersEngine:
+def replica(
+    name: str, port: int, model=None, weights_id: str | None = None, **options: object
+) -> TransformersEngine:
     case = model_case(name)
     return remote_engine(
         case.model if model is None else model,
         case.config,
         port,
-        weights_id=f"{name}-random-seed-0",
+        weights_id=weights_id or f"{name}-random-seed-0",
         device_bytes=DEVICE_BLOCKS[name] * BLOCK_BYTES[name],
         host_bytes=HOST_BLOCKS * BLOCK_BYTES[name],
-        **store,
+        **options,
     )
 
 
@@ -52,10 +54,10 @@ def replica_1_publishes_a(name: str, port: int) -> TransformersEngine:
     return publish_a(replica(name, port))
 
 
-def replica_2(name: str, port: int, **store: object) -> TransformersEngine:
+def replica_2(name: str, port: int, **options: object) -> TransformersEngine:
     """A second engine, on another model object with the same weights."""
     _, model = fresh_model(name)
-    return replica(name, port, model=model, **store)
+    return replica(name, port, model=model, **options)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
@@ -194,3 +196,19 @@ def test_a_load_that_keeps_failing_ends_after_one_fetch(valkey: ServerProcess) -
     assert result.cached_tokens == 0  # the fetched blocks could not be loaded: recomputed
     assert result.token_ids == model_case("llama").reference["b"]
     engine.allocator.check_invariants()
+
+
+def test_replicas_differing_only_in_max_model_len_share_blocks(valkey: ServerProcess) -> None:
+    """max_model_len (and the batched-token budget) change no block's bytes: they stay out
+    of the namespace, so a replica configured longer still hits what replica 1 published;
+    another weights_id never does."""
+    replica_1 = replica_1_publishes_a("llama", valkey.port)
+    longer = replica_2("llama", valkey.port, max_model_len=128)
+    assert longer.remote is not None and replica_1.remote is not None
+    assert longer.remote.store.namespace == replica_1.remote.store.namespace
+    other = replica("llama", valkey.port, weights_id="llama-other-weights")
+    assert other.remote is not None
+    assert other.remote.store.namespace != replica_1.remote.store.namespace
+    result = longer.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.token_ids == model_case("llama").reference["b"]

@@ -8,16 +8,22 @@ where the lookup loads them like any tier hit). The runtime's
 for an engine:
 
 * **What is shared, under which keys.** One store per caching group, its namespace made
-  of the plan's checksums of what fixes a block's bytes (``layout``, ``context``,
-  ``memoryless_layers``, each group's ``layers`` and ``spec``; not the budgets or block
-  counts: a replica with more memory stores the same bytes), the group, its pool, and
-  ``weights_id``. The plan only knows shapes: two models of one architecture with other
-  weights compute other K/V for the same tokens, so ``weights_id`` (the checkpoint and its
-  revision) is required and must differ between them.
+  of what fixes a block's bytes: the plan's checksums of ``layout``, ``memoryless_layers``
+  and the group's ``layers`` and ``spec``, the context fields that change what a block
+  holds (``PAGE_CONTEXT_FIELDS``: decode-context-parallel size, Mamba cache mode, encoder
+  tokens), the group, its pool, and ``weights_id``. Not the budgets, block counts,
+  ``max_model_len`` or batched-token budget: replicas differing only there store the same
+  bytes and share them. The plan only knows shapes: two models of one architecture with
+  other weights compute other K/V for the same tokens, so ``weights_id`` is required and
+  must name everything else that changes K/V: the checkpoint and its revision, and any
+  config override that changes what the layers compute (RoPE scaling, compute dtype,
+  quantization).
 * **Hashes.** Every replica's allocator hashes with ``hash_salt`` (the default salt is
   random per process, so nothing would be shared).
-* **Failures.** The store's timeouts and breaker bound every wait; a server down costs
-  misses (counted), never an error in ``generate``; a corrupt value is a miss.
+* **Failures.** Each store call ends by its deadline (``RemoteStoreConfig``: connect and
+  reply timeouts plus the time its bytes take at ``min_bytes_per_s``) and the breaker
+  stops calling a failing server; a server down costs misses (counted), never an error in
+  ``generate``; a corrupt value is a miss. ``generate`` fetches once per request.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ if TYPE_CHECKING:
     from kvspec_core.runtime.tier_copy import TransferRunner
 
 #: The plan's checksums that say what a block's bytes mean (the others are budgets).
-SHARED_CHECKSUMS = ("layout", "context", "memoryless_layers")
+SHARED_CHECKSUMS = ("layout", "memoryless_layers")
+#: The plan's ``SizingContext`` fields that change what a block holds (``max_model_len``,
+#: ``max_in_flight_tokens`` and ``prefix_caching`` do not).
+PAGE_CONTEXT_FIELDS = ("dcp_size", "mamba_cache_mode", "max_encoder_tokens")
 
 
 @attrs.frozen
@@ -47,8 +56,9 @@ class RemoteOptions:
 
     Attributes:
         store: where the server is and how long a call may wait.
-        weights_id: names the model's weights (e.g. ``"meta-llama/Llama-3.1-8B@<rev>"``);
-            replicas share blocks only under the same one.
+        weights_id: names the model's weights (e.g. ``"meta-llama/Llama-3.1-8B@<rev>"``)
+            and every config override that changes its K/V (RoPE scaling, compute dtype,
+            quantization); replicas share blocks only under the same one.
         hash_salt: the fleet's prefix-hash salt, the same bytes on every replica.
         max_fetch_blocks / miss_ttl_s: as :class:`RemoteTier`'s.
     """
@@ -84,6 +94,7 @@ def remote_tier(
 ) -> RemoteTier:
     """The remote tier of an engine's allocator: one store per caching group."""
     checksums = plan.to_dict()["input_checksums"]
+    context = {f"context_{name}": getattr(plan.context, name) for name in PAGE_CONTEXT_FIELDS}
     groups = {group.id: group for group in plan.groups}
     caching = [gid for gid, cap in enumerate(allocator.admission_caps) if cap > 0]
     stores = {}
@@ -95,7 +106,12 @@ def remote_tier(
             if name in checksums
         }
         namespace = BlockNamespace.from_checksums(
-            shared, weights_id=options.weights_id, group=gid, pool=group.pool, tp_rank=0
+            shared,
+            **context,
+            weights_id=options.weights_id,
+            group=gid,
+            pool=group.pool,
+            tp_rank=0,
         )
         stores[gid] = RemoteBlockStore(namespace, options.store)
     try:
