@@ -98,11 +98,12 @@ class BlockNamespace:
         """The namespace of these named parts (their order does not matter).
 
         Pass everything that changes what a block's bytes mean, and nothing else: e.g. the
-        plan's ``input_checksums`` entries ``layout``, ``context`` and each group's
-        ``groups[i].layers`` and ``groups[i].spec`` (not ``num_blocks`` or the budgets: a
-        replica with more memory stores the same bytes), the pool index and the
-        tensor-parallel rank. Refuses an empty namespace and values that are not str, bytes
-        or int.
+        plan's ``input_checksums`` entries ``layout`` and each group's ``groups[i].layers``
+        and ``groups[i].spec``, the context fields that change a block's bytes
+        (``dcp_size``, ``mamba_cache_mode``, ``max_encoder_tokens``; not ``num_blocks``, the
+        budgets or ``max_model_len``: a replica with more memory stores the same bytes), the
+        pool index, the tensor-parallel rank, and what names the weights. Refuses an empty
+        namespace and values that are not str, bytes or int.
         """
         if not parts:
             raise ValueError(
