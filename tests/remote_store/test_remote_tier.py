@@ -93,8 +93,9 @@ def test_a_corrupt_value_ends_the_run_there(valkey: ServerProcess) -> None:
     assert replica_2.remote.fetch(Request("b", PROMPT)) == 2
     assert replica_2.store.counters.corrupt == 1
     assert replica_2.remote.counters.fetch_misses == 3  # blocks 2, 3, 4: none after it
-    prefix = replica_2.admit("b", PROMPT)  # fetches again from block 2: a miss again
+    prefix = replica_2.admit("b", PROMPT)  # its fetch ends at block 2, a remembered miss
     assert prefix.num_tokens == 2 * BLOCK
+    assert replica_2.store.counters.corrupt == 1  # not read again
     assert replica_2.pages("b", 2) == pages[:2]
 
 
