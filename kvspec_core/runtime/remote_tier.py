@@ -20,8 +20,11 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
   confirms: they are then tier entries, cached under the very hashes they were fetched by,
   that the next ``find_cached_prefix`` loads like any tier hit. A failed write frees the
   slots uncached.
-* **Failures.** A server that is down or slow costs misses within the store's timeouts (the
-  store counts them; see ``remote_store.py``); nothing raises into the step.
+* **Failures.** A server that is down, slow or trickling costs misses within each store
+  call's deadline (which grows with the call's bytes; the store counts them; see
+  ``remote_store.py``); nothing raises into the step. Both directions run in the caller's
+  step. Call ``fetch`` once per admission: after a load of a fetched block failed, fetching
+  again would bring that block back (the engine would retry the same load).
 * **Recent misses.** A hash the server answered it had no valid value for is remembered
   for ``miss_ttl_s`` (1 s; at most ``miss_capacity``, 4,096): fetches meanwhile end their
   run before it without asking. Failed calls are never remembered, entries expire (a block

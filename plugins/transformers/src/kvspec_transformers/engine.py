@@ -334,10 +334,10 @@ class TransformersEngine:
                 # loop ends, at the latest when no tier hit is left.
                 request = Request(rid, list(prompt))
                 if self.remote is not None and first_pass:
-                    # Other replicas' blocks after the local hit -> the host tier (bounded
-                    # waits; a server down or slow costs misses only). Only once: a retry
-                    # that fetched again would put back the very block whose load failed,
-                    # and a load that keeps failing would loop forever.
+                    # Other replicas' blocks after the local hit -> the host tier (each
+                    # store call ends by its deadline; a server down or slow costs misses).
+                    # Only once: a retry that fetched again would put back the very block
+                    # whose load failed, and a load that keeps failing would loop forever.
                     self.remote.fetch(request)
                 first_pass = False
                 prefix = self.allocator.find_cached_prefix(request)
