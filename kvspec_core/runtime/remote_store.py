@@ -29,15 +29,18 @@ it starts, ``bytes`` being what it has sent and received so far (a server that s
 answering or trickles its answer slower than ``min_bytes_per_s`` is cut there; a large block
 on a link faster than that goes through). Outside that bound: the client's CPU time after
 its last socket operation (decoding) and, when ``host`` is a name rather than an address,
-its name resolution (give an address). A server error, timeout, refused connection or any
-other failure inside the client (a malformed answer) turns the call's results into misses
-(``False`` for ``contains_many``, ``0`` stored for ``put_many``), is counted and drops the
-connections, and after ``failures_to_open`` failed calls in a row the circuit breaker opens:
-for ``open_for_s`` seconds no call reaches the server (each is counted in ``skipped``), then
-one call tries again (it closes the breaker if it succeeds). Only a caller's mistake raises
-(a hash that is not bytes of the hash size, a payload that is not bytes), checked before the
-call: that is a bug to fix, not a server to survive. The client speaks RESP2 (no ``HELLO``:
-any Redis or Valkey version).
+its name resolution (give an address). The bound counts the answer's bytes, so a server that
+keeps sending an endless answer faster than ``min_bytes_per_s`` holds the call while it
+sends: the store trusts the server to answer what was asked (it never trusts its values). A
+server error, timeout, refused connection or any other failure inside the client (a
+malformed answer) turns the call's results into misses (``False`` for ``contains_many``,
+``0`` stored for ``put_many``), is counted and drops the connections, and after
+``failures_to_open`` failed calls in a row the circuit breaker opens: for ``open_for_s``
+seconds no call reaches the server (each is counted in ``skipped``), then one call tries
+again (it closes the breaker if it succeeds). Only a caller's mistake raises (a hash that is
+not bytes of the hash size, a payload that is not bytes), checked before the call: that is a
+bug to fix, not a server to survive. The client speaks RESP2 (no ``HELLO``: any Redis or
+Valkey version).
 
 A store is used by one thread at a time (an engine's scheduler); each process makes its own.
 The server decides what it keeps: give it ``maxmemory`` and ``maxmemory-policy allkeys-lru``
