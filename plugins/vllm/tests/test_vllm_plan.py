@@ -308,14 +308,16 @@ def test_chunked_local_and_full_layers_are_planned_by_kvspec(runs: dict[str, Any
 def test_an_untranslated_spec_class_keeps_vllms_plan_naming_it(runs: dict[str, Any]) -> None:
     import torch
     from vllm.v1.core import kv_cache_utils
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import RSWASpec
 
-    latent = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float32)
-    specs = {"model.layers.0.self_attn.attn": latent}
+    rswa = RSWASpec(
+        rswa_window=64, block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
+    specs = {"model.layers.0.self_attn.attn": rswa}
     own = kv_cache_utils.get_kv_cache_configs.__wrapped__(
         copy.deepcopy(runs["llama-3.1-8b"]["off"].vllm_config), [specs], [64 << 20]
     )
     assert _plan_with_engine_config(runs, specs) == own
     outcome = kvspec_vllm.last_outcome()
     assert outcome is not None and outcome.plan is None
-    assert "MLAAttentionSpec" in outcome.reason and "does not translate" in outcome.reason
+    assert "RSWASpec" in outcome.reason and "does not translate" in outcome.reason

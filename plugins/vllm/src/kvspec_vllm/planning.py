@@ -29,6 +29,7 @@ from kvspec_core.planner import KVCachePlan, plan_kv_cache
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.plugins.manager import load_plugins
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.encoder import CrossAttentionSpec
 from kvspec_core.specs.kv_sharing import KVSharingSpec
 from kvspec_vllm.errors import NotRepresentable
 from kvspec_vllm.specs import kvspec_spec_of, vllm_group_spec, vllm_module
@@ -130,7 +131,7 @@ def kvspec_configs(
     readers = _kv_sharing_readers(vllm_config, specs)
     specs.update(readers)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
-    plan = _plan(specs, min(available_memory), _sizing_context(vllm_config), layout)
+    plan = _plan(specs, min(available_memory), _sizing_context(vllm_config, specs), layout)
     if readers:
         _check_readers_hold_nothing(plan, readers)
     override = vllm_config.cache_config.num_gpu_blocks_override
@@ -210,9 +211,14 @@ def _spec_to_plan(declared: Any, grouped: Any) -> Any:
     return grouped
 
 
-def _sizing_context(vllm_config: Any) -> SizingContext:
+def _sizing_context(vllm_config: Any, specs: dict[str, KVSpec]) -> SizingContext:
     cache = vllm_config.cache_config
+    # vLLM sizes a cross-attention layer for the scheduler's encoder budget
+    # (CrossAttentionSpec.max_memory_usage_bytes); kvspec reads it from the context.
+    has_cross = any(isinstance(spec, CrossAttentionSpec) for spec in specs.values())
+    encoder_tokens = vllm_config.scheduler_config.max_num_encoder_input_tokens if has_cross else 0
     return SizingContext(
+        max_encoder_tokens=encoder_tokens,
         max_model_len=vllm_config.model_config.max_model_len,
         max_in_flight_tokens=vllm_config.max_in_flight_tokens,
         dcp_size=vllm_config.parallel_config.decode_context_parallel_size,

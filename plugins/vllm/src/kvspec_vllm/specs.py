@@ -1,18 +1,22 @@
 """vLLM's per-layer KV-cache specs read as kvspec specs, and kvspec's groups written back.
 
-The translation is by exact class: a subclass of vLLM's ``FullAttentionSpec`` (MLA, R-SWA,
-sinks, ...) carries meaning the parent's fields do not, so it is refused here rather than
-planned as plain full attention. Refused too: quantised caches (vLLM's ``KVQuantMode``
-values are not mapped to kvspec's quant modes yet). A refusal raises
+The translation is by exact class: a subclass of vLLM's ``FullAttentionSpec`` (R-SWA,
+hidden-state caches, ...) carries meaning the parent's fields do not, so a class without
+its own entry in :data:`SPEC_CLASSES` is refused rather than planned as plain full
+attention. A quantised cache takes kvspec's quant mode of the same name (vLLM's
+``KVQuantMode.FP8_PER_TENSOR`` is kvspec's ``fp8_per_tensor``); every translated layer's
+page must come out at vLLM's size to the byte. A refusal raises
 :class:`~kvspec_vllm.errors.NotRepresentable` naming the layer and the class.
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvspec_core.kv_dtypes import BUILTIN_QUANT_MODES, KVQuantMode
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
 from kvspec_vllm.errors import NotRepresentable
@@ -54,12 +58,38 @@ MAMBA_FIELDS = (
     "tp_replicated",
 )
 
+#: Fields of vLLM's ``FullAttentionSpec`` beyond the attention ones.
+FULL_ATTENTION_FIELDS = ("sliding_window", "attention_chunk_size", "non_causal")
+
+#: kvspec's quant modes by name (vLLM's ``KVQuantMode`` member names, lower-cased, are the
+#: same names).
+QUANT_MODES: Mapping[str, KVQuantMode] = {mode.name: mode for mode in BUILTIN_QUANT_MODES}
+
 #: vLLM class name -> (kvspec module, class, fields beyond the attention ones).
 SPEC_CLASSES: Mapping[str, tuple[str, str, tuple[str, ...]]] = {
     "FullAttentionSpec": (
         "kvspec_core.specs.full_attention",
         "FullAttentionSpec",
-        ("sliding_window", "attention_chunk_size", "non_causal"),
+        FULL_ATTENTION_FIELDS,
+    ),
+    "SinkFullAttentionSpec": (
+        "kvspec_core.specs.full_attention",
+        "SinkFullAttentionSpec",
+        (*FULL_ATTENTION_FIELDS, "sink_len"),
+    ),
+    "CrossAttentionSpec": ("kvspec_core.specs.encoder", "CrossAttentionSpec", ()),
+    "MLAAttentionSpec": (
+        "kvspec_mla.specs",
+        "MLAAttentionSpec",
+        (
+            *FULL_ATTENTION_FIELDS,
+            "cache_dtype_str",
+            "alignment",
+            "model_version",
+            "cache_role",
+            "is_index_group_leader",
+            "non_causal_multi_token_decode",
+        ),
     ),
     "SlidingWindowSpec": (
         "kvspec_sliding_window.specs",
@@ -91,11 +121,6 @@ def kvspec_spec_of(layer: str, spec: Any) -> KVSpec:
             f"layer {layer!r} has vLLM spec {type(spec).__module__}.{name}, which kvspec-vllm "
             f"does not translate (it translates {', '.join(SPEC_CLASSES)})"
         )
-    if spec.kv_quant_mode != interface.KVQuantMode.NONE:
-        raise NotRepresentable(
-            f"layer {layer!r} has a quantised KV cache ({spec.kv_quant_mode.name}); "
-            "kvspec-vllm does not map vLLM's KV quant modes yet"
-        )
     module_name, class_name, extra = SPEC_CLASSES[name]
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
@@ -104,7 +129,8 @@ def kvspec_spec_of(layer: str, spec: Any) -> KVSpec:
             f"layer {layer!r} needs {module_name} for vLLM's {name} ({error}); install the "
             "kvspec family plugin that provides it"
         ) from error
-    fields = {field: getattr(spec, field) for field in (*ATTENTION_FIELDS, *extra)}
+    fields = {field: _plain(getattr(spec, field)) for field in (*ATTENTION_FIELDS, *extra)}
+    fields["kv_quant_mode"] = _quant_mode_of(layer, spec.kv_quant_mode)
     alignment = spec.get_block_stride_alignment()
     fields["block_stride_alignment"] = alignment if alignment > 1 else None
     try:
@@ -119,6 +145,23 @@ def kvspec_spec_of(layer: str, spec: Any) -> KVSpec:
             f"{translated.page_size_bytes} bytes, vLLM at {spec.page_size_bytes}"
         )
     return translated
+
+
+def _plain(value: Any) -> Any:
+    """A vLLM enum field (``SparseCacheRole.SPARSE``) as the string kvspec's field takes."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _quant_mode_of(layer: str, vllm_mode: Any) -> KVQuantMode:
+    """kvspec's quant mode named as vLLM's ``KVQuantMode`` member (the page-size check after
+    the translation proves the two size a page alike)."""
+    mode = QUANT_MODES.get(vllm_mode.name.lower())
+    if mode is None:
+        raise NotRepresentable(
+            f"layer {layer!r} has vLLM's KV quant mode {vllm_mode.name}, which kvspec does not "
+            f"know (it knows {', '.join(sorted(QUANT_MODES))})"
+        )
+    return mode
 
 
 def _mamba_spec_of(layer: str, spec: Any) -> KVSpec:
