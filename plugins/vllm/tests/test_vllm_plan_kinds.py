@@ -203,3 +203,36 @@ def test_rswa_keeps_vllms_plan_naming_it(vllm_config: Any) -> None:
     assert ours == own
     assert outcome is not None and outcome.plan is None
     assert "RSWASpec" in outcome.reason and "does not translate" in outcome.reason
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny Llama on vLLM's CPU fp8 KV cache (``kv_cache_dtype="fp8"``: AVX-512 or AMX
+    kernels), greedy, with kvspec's plan (``on``, and its outcome) and vLLM's own (``off``)."""
+    folder = tiny_models.write_checkpoint("llama-3.1-8b", tmp_path_factory.mktemp("fp8"))
+    plugin.install()
+    on = vllm_engines.run(folder, kv_cache_dtype="fp8")
+    outcome = kvspec_vllm.last_outcome()
+    plugin.uninstall()
+    try:
+        off = vllm_engines.run(folder, kv_cache_dtype="fp8")
+    finally:
+        plugin.install()
+    return {"on": on, "off": off, "outcome": outcome}
+
+
+def test_fp8_engine_runs_kvspecs_plan_with_the_same_tokens(fp8_runs: dict[str, Any]) -> None:
+    on, off, outcome = fp8_runs["on"], fp8_runs["off"], fp8_runs["outcome"]
+    assert outcome is not None and outcome.reason is None, outcome
+    plan = outcome.plan
+    assert {group.spec.kv_quant_mode.name for group in plan.groups} == {"fp8_per_tensor"}
+    config = on.kv_cache_config
+    assert on.num_gpu_blocks == config.num_blocks == plan.num_blocks == off.num_gpu_blocks
+    assert [
+        (t.size, t.layers, t.layer_stride, t.block_stride, t.offset)
+        for t in config.kv_cache_tensors
+    ] == [(t.size, list(t.layers), t.layer_stride, t.block_stride, t.offset) for t in plan.tensors]
+    # One byte an element, a quarter of float32's: 4 x the float32 engines' 2,048 blocks.
+    assert plan.num_blocks == vllm_engines.KV_BYTES // plan.pools[0].block_bytes == 4 * 2048
+    assert on.tokens == off.tokens and len(set(on.tokens[:3])) == 3
+    assert on.cached_tokens == off.cached_tokens and sum(on.cached_tokens[3:]) > 0
