@@ -110,9 +110,9 @@ def test_fp8_sliding_window_beside_full_is_planned_as_vllm_plans(vllm_config: An
     "mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "NVFP4", "TURBOQUANT_K8V4"]
 )
 def test_a_quant_mode_sized_otherwise_keeps_vllms_plan(vllm_config: Any, mode: str) -> None:
-    """vLLM's spec for these modes (scales outside the page unless the backend publishes
-    ``state_content_bytes``) sizes the page from the storage dtype alone; kvspec's mode of
-    the same name counts scales or packed bits, so the page check refuses the plan."""
+    """A spec whose backend published no content size (none of these runs on the CPU
+    build): vLLM sizes the page from the storage dtype alone, kvspec's mode of the same name
+    counts scales or packed bits, so the page check keeps vLLM's plan."""
     spec = vllm_specs.FullAttentionSpec(
         dtype=torch.uint8, kv_quant_mode=vllm_specs.KVQuantMode[mode], **GEOMETRY
     )
@@ -121,6 +121,49 @@ def test_a_quant_mode_sized_otherwise_keeps_vllms_plan(vllm_config: Any, mode: s
     assert outcome is not None and outcome.plan is None
     assert "kvspec sizes vLLM's FullAttentionSpec page at" in outcome.reason
     assert f"vLLM at {spec.page_size_bytes}" in outcome.reason
+
+
+@pytest.mark.parametrize(
+    "mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD", "INT4_PER_TOKEN_HEAD"]
+)
+def test_per_token_head_caches_as_the_backend_publishes_them_are_planned(
+    vllm_config: Any, mode: str
+) -> None:
+    """Per-token-head modes as vLLM's Triton backend customises the spec (inline float32
+    scales after each head's data, ``state_content_bytes`` published): kvspec plans them
+    under its mode of the same name, on vLLM's page."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    spec = TritonAttentionBackend.customize_spec(
+        vllm_specs.FullAttentionSpec(
+            dtype=torch.uint8, kv_quant_mode=vllm_specs.KVQuantMode[mode], **GEOMETRY
+        )
+    )
+    assert spec.state_content_bytes == (40 if mode.startswith("INT4") else 72)
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(2)}
+    plan = _assert_planned_as_vllm_plans(*_both_plans(vllm_config, specs))
+    (group,) = plan.groups
+    assert group.spec.kv_quant_mode.name == mode.lower()
+    assert group.spec.page_size_bytes == spec.page_size_bytes == 32 * 2 * spec.state_content_bytes
+
+
+def test_fp8_ds_mla_record_as_vllm_publishes_it_is_planned(vllm_config: Any) -> None:
+    """DeepSeek-V3.2's packed ``fp8_ds_mla`` latent as vLLM's MLA layer declares it (the
+    656-byte record published as ``state_content_bytes``, 64-token blocks)."""
+    latent = vllm_specs.MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=576,
+        dtype=torch.uint8,
+        cache_dtype_str="fp8_ds_mla",
+        kv_quant_mode=vllm_specs.KVQuantMode.FP8_PER_TENSOR,
+        state_content_bytes=656,
+    )
+    specs = {f"model.layers.{i}.self_attn.attn": latent for i in range(2)}
+    plan = _assert_planned_as_vllm_plans(*_both_plans(vllm_config, specs))
+    assert plan.groups[0].kind == "mla_attention"
+    assert plan.groups[0].spec.page_size_bytes == latent.page_size_bytes == 64 * 656
 
 
 def test_deepseek_mla_is_planned_as_vllm_plans(vllm_config: Any) -> None:
