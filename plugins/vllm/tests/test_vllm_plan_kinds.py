@@ -279,3 +279,13 @@ def test_fp8_engine_runs_kvspecs_plan_with_the_same_tokens(fp8_runs: dict[str, A
     assert plan.num_blocks == vllm_engines.KV_BYTES // plan.pools[0].block_bytes == 4 * 2048
     assert on.tokens == off.tokens and len(set(on.tokens[:3])) == 3
     assert on.cached_tokens == off.cached_tokens and sum(on.cached_tokens[3:]) > 0
+
+
+def test_a_quant_mode_kvspec_does_not_know_keeps_vllms_plan_naming_it(vllm_config: Any) -> None:
+    spec = vllm_specs.FullAttentionSpec(
+        dtype=torch.uint8, kv_quant_mode=vllm_specs.KVQuantMode.ULTRAQUANT_4BIT, **GEOMETRY
+    )
+    own, ours, outcome = _both_plans(vllm_config, {"model.layers.0.self_attn.attn": spec})
+    assert ours == own
+    assert outcome is not None and outcome.plan is None
+    assert "KV quant mode ULTRAQUANT_4BIT, which kvspec does not know" in outcome.reason
