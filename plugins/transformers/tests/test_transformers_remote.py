@@ -25,7 +25,7 @@ from transformers_testkit import (
 from valkey_server_path import ServerProcess
 
 from kvspec_core.runtime import Request
-from kvspec_core.runtime.remote_store import RemoteStoreConfig, _encode_value
+from kvspec_core.runtime.remote_store import RemoteStoreConfig
 from kvspec_transformers import EngineError, RemoteOptions, TransformersEngine
 
 redis = pytest.importorskip("redis", reason="the remote store's client (kvspec-core[remote])")
@@ -84,12 +84,14 @@ def corrupt(engine: TransformersEngine, port: int, block: int, forge: bool) -> N
     value's digest no longer matches), or ``forge`` a valid value of wrong pages."""
     assert engine.remote is not None
     store = engine.remote.stores[0]
-    key = store.key_of(engine.allocator.block_hashes(Request("probe", PROMPT_B), 0)[block])
+    block_hash = engine.allocator.block_hashes(Request("probe", PROMPT_B), 0)[block]
+    key = store.key_of(block_hash)
     client = redis.Redis(port=port, socket_timeout=2)
     value = bytearray(client.get(key))
     if forge:
+        # A replica publishing wrong pages under the right hash: a valid value.
         payload = bytes(reversed(value[-BLOCK_BYTES["llama"] :]))
-        client.set(key, _encode_value(key, payload))
+        assert store.put_many([(block_hash, payload)]) == 1
     else:
         value[-100] ^= 0x10
         client.set(key, bytes(value))
