@@ -9,9 +9,11 @@ and the plan's groups, block count and tensor placement become the ``KVCacheConf
 worker allocates and the scheduler manages. Layers that read another layer's cache
 (``kv_sharing_target_layer_name``, Gemma-3n) have no vLLM spec; they are planned as
 ``KVSharingSpec`` readers, holding nothing. Where the plan has no vLLM representation
-(several pools: Mamba hybrids; spec classes kvspec-vllm does not translate; workers holding
-different layers), a warning says why, once per reason, and vLLM's own configs are returned
-unchanged.
+(several pools: Mamba hybrids; spec classes kvspec-vllm does not translate; a pipeline stage
+whose own grouping differs from vLLM's projection of the whole model's groups), a warning
+says why, once per reason, and vLLM's own configs are returned unchanged. Under pipeline
+parallelism each stage is planned on its own layers and memory, every worker gets the least
+block count, and the groups keep vLLM's structure (:mod:`kvspec_vllm.pipeline_planning`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import attrs
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import KVSpecError, MissingFamilyError
 from kvspec_core.planner import KVCachePlan, plan_kv_cache
+from kvspec_core.planner.plan_parts import PlannedGroup
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.plugins.manager import load_plugins
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.encoder import CrossAttentionSpec
 from kvspec_core.specs.kv_sharing import KVSharingSpec
 from kvspec_vllm.errors import NotRepresentable
+from kvspec_vllm.pipeline_planning import groups_in_vllm_order, stages_of
 from kvspec_vllm.specs import kvspec_spec_of, vllm_group_spec, vllm_module
 
 #: A child of vLLM's logger, so the plugin's lines appear with vLLM's.
@@ -42,12 +46,14 @@ GetKVCacheConfigs = Callable[[Any, list[dict[str, Any]], list[int]], list[Any]]
 
 @attrs.frozen
 class Outcome:
-    """What the last call did: ``plan`` is kvspec's plan when vLLM runs on it, ``None``
+    """What the last call did: ``plan`` is kvspec's plan when vLLM runs on it (the first
+    pipeline stage's under pipeline parallelism; ``stage_plans`` holds every stage's), ``None``
     when vLLM kept its own config, then ``reason`` says why."""
 
     plan: KVCachePlan | None
     reason: str | None
     vllm_num_blocks: int
+    stage_plans: tuple[KVCachePlan, ...] = ()
 
 
 _last: list[Outcome] = []
@@ -68,7 +74,7 @@ def planned_by_kvspec(original: GetKVCacheConfigs) -> GetKVCacheConfigs:
         own = original(vllm_config, kv_cache_specs, available_memory)
         vllm_blocks = min(config.num_blocks for config in own) if own else 0
         try:
-            plan, configs = kvspec_configs(vllm_config, kv_cache_specs, available_memory, own)
+            plans, configs = kvspec_configs(vllm_config, kv_cache_specs, available_memory, own)
         except NotRepresentable as refusal:
             _record(Outcome(None, refusal.reason, vllm_blocks))
             if refusal.reason not in _warned:
@@ -79,14 +85,16 @@ def planned_by_kvspec(original: GetKVCacheConfigs) -> GetKVCacheConfigs:
                     refusal.reason,
                 )
             return own
-        _record(Outcome(plan, None, vllm_blocks))
+        plan = plans[0]
+        _record(Outcome(plan, None, vllm_blocks, tuple(plans)))
         logger.info(
-            "kvspec-vllm: KV cache planned by kvspec: %d blocks in %d groups (vLLM's own "
-            "plan: %d blocks), max concurrency %.2f at max_model_len %d",
+            "kvspec-vllm: KV cache planned by kvspec: %d blocks in %d groups on %d pipeline "
+            "stage(s) (vLLM's own plan: %d blocks), max concurrency %.2f at max_model_len %d",
             plan.num_blocks,
             len(plan.groups),
+            len(plans),
             vllm_blocks,
-            plan.max_concurrency,
+            min(stage.max_concurrency for stage in plans),
             plan.context.max_model_len,
         )
         return configs
@@ -105,46 +113,79 @@ def kvspec_configs(
     kv_cache_specs: list[dict[str, Any]],
     available_memory: list[int],
     own: Sequence[Any],
-) -> tuple[KVCachePlan, list[Any]]:
-    """kvspec's plan and the per-worker ``KVCacheConfig`` built from it; raises
-    :class:`NotRepresentable` where vLLM cannot run that plan."""
+) -> tuple[list[KVCachePlan], list[Any]]:
+    """kvspec's plan of each pipeline stage (one without pipeline parallelism) and the
+    per-worker ``KVCacheConfig`` built from them; raises :class:`NotRepresentable` where
+    vLLM cannot run those plans.
+
+    A stage's workers (its tensor-parallel ranks) hold the same layers; each stage is planned
+    on the least memory of its workers, and every worker gets the least block count of all
+    stages, as vLLM's one scheduler needs (``get_kv_cache_configs`` does the same)."""
     if not own or not any(kv_cache_specs):
         raise NotRepresentable("the model has no KV cache (attention-free)")
-    layer_sets = {frozenset(specs) for specs in kv_cache_specs}
-    if len(layer_sets) != 1:
-        raise NotRepresentable(
-            "workers hold different layers (pipeline parallelism); kvspec-vllm plans workers "
-            "that all hold the same layers"
-        )
     if vllm_config.speculative_config is not None:
         raise NotRepresentable("speculative decoding (draft and eagle groups) is not planned")
     if vllm_config.attention_config.hisparse_config is not None:
         raise NotRepresentable("HiSparse host pools are not planned")
-    grouped = _per_layer_specs(own[0])
-    if set(grouped) != set(kv_cache_specs[0]):
+    stages = stages_of(kv_cache_specs)
+    if len(stages) > 1 and any(not kv_cache_specs[workers[0]] for workers in stages):
+        raise NotRepresentable("a pipeline stage holds no KV-cache layer")
+    planned = [
+        _stage_plan(
+            vllm_config,
+            kv_cache_specs[workers[0]],
+            own[workers[0]],
+            min(available_memory[worker] for worker in workers),
+            pipeline=len(stages) > 1,
+        )
+        for workers in stages
+    ]
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    blocks = override if override is not None else min(plan.num_blocks for plan, _ in planned)
+    configs: list[Any] = [None] * len(kv_cache_specs)
+    plans: list[KVCachePlan] = []
+    for index, (workers, (plan, vllm_specs)) in enumerate(zip(stages, planned, strict=True)):
+        if plan.num_blocks != blocks:
+            block_bytes = plan.pools[0].block_bytes
+            plan = rebuild_with_blocks(
+                plan, [blocks], budget_bytes=max(plan.budget_bytes, blocks * block_bytes)
+            )
+        groups: Sequence[Any] = plan.groups
+        if len(stages) > 1:
+            groups = groups_in_vllm_order(plan, own[workers[0]].kv_cache_groups, index)
+        config = _vllm_config_of(plan, groups, vllm_specs, vllm_config)
+        for worker in workers:
+            configs[worker] = copy.deepcopy(config)
+        plans.append(plan)
+    return plans, configs
+
+
+def _stage_plan(
+    vllm_config: Any, worker_specs: dict[str, Any], worker_own: Any, memory: int, pipeline: bool
+) -> tuple[KVCachePlan, dict[str, Any]]:
+    """kvspec's plan of one worker's layers on ``memory`` and the vLLM spec planned for each
+    layer (vLLM's grouped spec, see :func:`_spec_to_plan`)."""
+    grouped = _per_layer_specs(worker_own)
+    if set(grouped) != set(worker_specs):
         raise NotRepresentable("vLLM's groups and the workers' layers disagree")
     vllm_specs = {
-        layer: _spec_to_plan(spec, grouped[layer]) for layer, spec in kv_cache_specs[0].items()
+        layer: _spec_to_plan(spec, grouped[layer]) for layer, spec in worker_specs.items()
     }
-    layers = list(vllm_specs)
-    specs: dict[str, KVSpec] = {layer: kvspec_spec_of(layer, vllm_specs[layer]) for layer in layers}
-    readers = _kv_sharing_readers(vllm_config, specs)
+    specs: dict[str, KVSpec] = {
+        layer: kvspec_spec_of(layer, vllm_spec) for layer, vllm_spec in vllm_specs.items()
+    }
+    readers = _kv_sharing_readers(vllm_config, specs, pipeline)
     specs.update(readers)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
-    plan = _plan(specs, min(available_memory), _sizing_context(vllm_config, specs), layout)
+    plan = _plan(specs, memory, _sizing_context(vllm_config, specs), layout)
     if readers:
         _check_readers_hold_nothing(plan, readers)
-    override = vllm_config.cache_config.num_gpu_blocks_override
-    if override is not None and override != plan.num_blocks:
-        block_bytes = plan.pools[0].block_bytes
-        plan = rebuild_with_blocks(
-            plan, [override], budget_bytes=max(plan.budget_bytes, override * block_bytes)
-        )
-    config = _vllm_config_of(plan, vllm_specs, vllm_config)
-    return plan, [copy.deepcopy(config) for _ in kv_cache_specs]
+    return plan, vllm_specs
 
 
-def _kv_sharing_readers(vllm_config: Any, specs: dict[str, KVSpec]) -> dict[str, KVSpec]:
+def _kv_sharing_readers(
+    vllm_config: Any, specs: dict[str, KVSpec], pipeline: bool
+) -> dict[str, KVSpec]:
     """The layers that read another layer's KV cache (cross-layer sharing, e.g. Gemma-3n),
     as kvspec ``KVSharingSpec`` specs, so that kvspec's plan lists them (``plan.kv_sharing``,
     ``plan.memoryless_layers``). vLLM's model runner gives such a layer no spec and binds it
@@ -158,6 +199,12 @@ def _kv_sharing_readers(vllm_config: Any, specs: dict[str, KVSpec]) -> dict[str,
         source = getattr(module, "kv_sharing_target_layer_name", None)
         if not source:
             continue
+        if pipeline:
+            raise NotRepresentable(
+                f"layer {name} reads the KV cache of {source} (kv_sharing_target_layer_name) "
+                "under pipeline parallelism; kvspec-vllm plans cross-layer KV sharing only "
+                "where every worker holds every layer"
+            )
         if name in specs:
             raise NotRepresentable(
                 f"layer {name} reads the KV cache of {source} (kv_sharing_target_layer_name) "
@@ -252,14 +299,21 @@ def _plan(specs: dict[str, KVSpec], budget: int, ctx: SizingContext, layout: str
     return plan
 
 
-def _vllm_config_of(plan: KVCachePlan, vllm_specs: dict[str, Any], vllm_config: Any) -> Any:
+def _vllm_config_of(
+    plan: KVCachePlan, groups: Sequence[Any], vllm_specs: dict[str, Any], vllm_config: Any
+) -> Any:
+    """vLLM's ``KVCacheConfig`` of ``plan`` with ``groups``: the plan's groups, in the order
+    vLLM's scheduler numbers them, or vLLM's own empty ones (a pipeline stage holding no
+    layer of that group)."""
     interface = vllm_module("vllm.v1.kv_cache_interface")
     utils = vllm_module("vllm.v1.core.kv_cache_utils")
-    groups = [
+    vllm_groups = [
         interface.KVCacheGroupSpec(
             list(group.layers), vllm_group_spec(group.spec, group.layers, vllm_specs)
         )
-        for group in plan.groups
+        if isinstance(group, PlannedGroup)
+        else copy.deepcopy(group)
+        for group in groups
     ]
     tensors = [
         interface.KVCacheTensor(
@@ -274,11 +328,11 @@ def _vllm_config_of(plan: KVCachePlan, vllm_specs: dict[str, Any], vllm_config: 
     config = interface.KVCacheConfig(
         num_blocks=plan.pools[0].num_blocks,
         kv_cache_tensors=tensors,
-        kv_cache_groups=groups,
+        kv_cache_groups=vllm_groups,
         prefix_cache_retention_interval=vllm_config.cache_config.prefix_cache_retention_interval,
     )
     config.kv_tp_replicas = utils.kv_cache_groups_tp_replicas(
-        groups,
+        vllm_groups,
         vllm_config.parallel_config.tensor_parallel_size,
         vllm_config.parallel_config.decode_context_parallel_size,
     )
