@@ -5,7 +5,8 @@ Part of :class:`~kvspec_core.runtime.offloading.TierManager` (see ``tier_state.p
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import compress
+from itertools import compress, repeat
+from typing import Any
 
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
@@ -212,6 +213,10 @@ class TierStoring(TierState):
         return pending
 
 
+#: What ``split_held`` reads for a hash its cache does not hold.
+_ABSENT: Any = object()
+
+
 def split_held(
     cache: dict[bytes, int], in_flight: dict[bytes, int], hashes: list[bytes], sources: list[int]
 ) -> tuple[list[int], list[bytes], list[int]]:
@@ -223,13 +228,19 @@ def split_held(
     last take, cached again in between: stored once, its first eviction).
     ``native.split_held`` in Python (the compiled one makes the lookups of a batch of
     hundreds of victims in one C loop)."""
-    found = list(map(cache.get, hashes))
+    containers = ((cache, dict), (in_flight, dict), (hashes, list), (sources, list))
+    if any(type(value) is not kind for value, kind in containers):
+        raise TypeError("split_held: cache and in_flight must be dicts, hashes and sources lists")
+    if len(hashes) != len(sources):
+        raise ValueError("split_held: hashes and sources differ in length")
+    # A sentinel, not None: a slot the cache maps to None is held, as the kernel counts it.
+    found: list[Any] = list(map(cache.get, hashes, repeat(_ABSENT)))
     held: list[int] = []
-    if found.count(None) != len(found):
-        absent = [slot is None for slot in found]
+    if found.count(_ABSENT) != len(found):
+        absent = [slot is _ABSENT for slot in found]
         hashes = list(compress(hashes, absent))
         sources = list(compress(sources, absent))
-        held = [slot for slot in found if slot is not None]
+        held = [slot for slot in found if slot is not _ABSENT]
     if (in_flight and not in_flight.keys().isdisjoint(hashes)) or len(set(hashes)) != len(hashes):
         seen: set[bytes] = set()
         kept_hashes: list[bytes] = []

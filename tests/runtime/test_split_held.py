@@ -59,10 +59,29 @@ def test_bad_containers_are_refused() -> None:
         ({}, {}, [digest], (1,)),
     )
     for args in bad:
-        with pytest.raises(TypeError):
-            native.split_held(*args)
-    with pytest.raises(ValueError):
-        native.split_held({}, {}, [digest], [1, 2])
+        for sort in (native.split_held, split_held):
+            with pytest.raises(TypeError):
+                sort(*args)
+    for sort in (native.split_held, split_held):
+        with pytest.raises(ValueError):  # the twin once paired them wrongly
+            sort({}, {}, [digest], [1, 2])
+        with pytest.raises(ValueError):
+            sort({digest: 1}, {}, [digest, b"y" * 32], [1])
+        with pytest.raises(TypeError):  # a list subclass's own methods would not run in C
+            sort({}, {}, _ListSubclass([digest]), [1])
+
+
+class _ListSubclass(list[bytes]):
+    pass
+
+
+def test_a_slot_of_none_counts_as_held_in_both() -> None:
+    """A cache value of None is a value (the twin once read it as absent)."""
+    assert native is not None
+    digest = b"x" * 32
+    cache: dict[bytes, Any] = {digest: None}
+    for sort in (native.split_held, split_held):
+        assert sort(cache, {}, [digest], [5]) == ([None], [], [])
 
 
 class _Clearing(bytes):

@@ -25,8 +25,10 @@ extern int kv_dict_layout_known;
  * with an exception (memory). Called once, when the module is created. */
 int kv_dict_prefetch_init(void);
 
+/* Never on a free-threaded build: there another thread may resize a dict while ma_keys is
+ * read without its lock. */
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 \
-    && (defined(__GNUC__) || defined(__clang__))
+    && (defined(__GNUC__) || defined(__clang__)) && !defined(Py_GIL_DISABLED)
 #define KV_DICT_PREFETCH 1
 
 /* struct _dictkeysobject of CPython 3.11 / 3.12. */

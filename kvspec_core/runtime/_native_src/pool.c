@@ -590,8 +590,8 @@ PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     PyObject *cache = args[0], *in_flight = args[1], *hashes = args[2], *sources = args[3];
-    if (!PyDict_CheckExact(cache) || !PyDict_CheckExact(in_flight) || !PyList_Check(hashes)
-        || !PyList_Check(sources)) {
+    if (!PyDict_CheckExact(cache) || !PyDict_CheckExact(in_flight) || !PyList_CheckExact(hashes)
+        || !PyList_CheckExact(sources)) {
         PyErr_SetString(PyExc_TypeError,
                         "split_held: cache and in_flight must be dicts, hashes and sources lists");
         return NULL;
