@@ -8,7 +8,7 @@ import functools
 import importlib
 import math
 import pkgutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +17,7 @@ import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import Allocated, CachedPrefix, KVCacheAllocator, Request
+from kvspec_core.runtime.tiers import LOAD, Transfer
 from kvspec_core.specs.base import KVSpec
 
 
@@ -347,3 +348,39 @@ def write_forward(
             if block and index * size < end and (index + 1) * size > start:
                 covered = min((index + 1) * size, end)
                 content[(0, pool, block)] = (gid, tokens_now[:covered])
+
+
+def copy_transfers(
+    content: dict[tuple[int, int, int], tuple],
+    transfers: Sequence[Transfer],
+    fail: int,
+    defer: int,
+    garbage: Iterator[int],
+) -> tuple[list[int], list[int], list[tuple[Transfer, bool]]]:
+    """Run ``transfers`` as an engine would, in order, for the tiered state machines: each
+    copies the content ids of its source blocks to its destination blocks, except one that
+    fails (bit ``position`` of ``fail``), which writes fresh garbage (``next(garbage)``).
+    Returns the ids to confirm, the ids that failed, and the ``(transfer, ok)`` pairs left
+    unconfirmed for later (bit ``position`` of ``defer``; a load is never deferred)."""
+    done: list[int] = []
+    failed: list[int] = []
+    deferred: list[tuple[Transfer, bool]] = []
+    for position, transfer in enumerate(transfers):
+        failing = bool(fail >> position & 1)
+        for source, destination in zip(
+            transfer.source_blocks, transfer.destination_blocks, strict=True
+        ):
+            key = (transfer.destination_tier, transfer.pool, destination)
+            if failing:
+                content[key] = ("garbage", next(garbage))
+            else:
+                content[key] = content.get(
+                    (transfer.source_tier, transfer.pool, source), ("never written",)
+                )
+        if defer >> position & 1 and transfer.kind != LOAD:
+            deferred.append((transfer, not failing))
+        elif failing:
+            failed.append(transfer.transfer_id)
+        else:
+            done.append(transfer.transfer_id)
+    return done, failed, deferred

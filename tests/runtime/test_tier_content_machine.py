@@ -16,17 +16,24 @@ say, over full attention, a tight full attention, full + sliding window and full
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from runtime_testkit import full, machine_test_cases, make_allocator, write_forward
+from runtime_testkit import (
+    copy_transfers,
+    full,
+    machine_test_cases,
+    make_allocator,
+    write_forward,
+)
 from test_tiered_state_machine import CONFIGS as TIERED_CONFIGS
 
 from kvspec_core.runtime import NotNow, Request
 from kvspec_core.runtime.tiers import (
     KEEP_EVERYTHING,
     KEEP_FAMILY_RULES,
-    LOAD,
     WRITE_BACK,
     WRITE_THROUGH,
     OffloadTier,
@@ -72,7 +79,7 @@ class ContentMachine(RuleBasedStateMachine):
         self.deferred: list[tuple[object, bool]] = []
         self.requests: dict[int, list] = {}  # id -> [Request, prompt tokens left]
         self.next_id = 0
-        self.garbage = 0
+        self.garbage = itertools.count(1)  # ids of what a failed copy writes
         self.tokens_of: dict[bytes, tuple[int, ...]] = {}
         self.freed_ids: list[int] = []
 
@@ -93,27 +100,10 @@ class ContentMachine(RuleBasedStateMachine):
 
     def _run_transfers(self, fail=0, defer=0):
         """Take the transfers and run them in order; returns the requests to drop."""
-        transfers = self.allocator.take_transfers()
-        done, failed = [], []
-        for position, transfer in enumerate(transfers):
-            failing = bool(fail >> position & 1)
-            for source, destination in zip(
-                transfer.source_blocks, transfer.destination_blocks, strict=True
-            ):
-                key = (transfer.destination_tier, transfer.pool, destination)
-                if failing:
-                    self.garbage += 1
-                    self.content[key] = ("garbage", self.garbage)
-                else:
-                    self.content[key] = self.content.get(
-                        (transfer.source_tier, transfer.pool, source), ("never written",)
-                    )
-            if defer >> position & 1 and transfer.kind != LOAD:
-                self.deferred.append((transfer, not failing))
-            elif failing:
-                failed.append(transfer.transfer_id)
-            else:
-                done.append(transfer.transfer_id)
+        done, failed, deferred = copy_transfers(
+            self.content, self.allocator.take_transfers(), fail, defer, self.garbage
+        )
+        self.deferred.extend(deferred)
         self.allocator.complete_transfers(done, ok=True)
         dropped = set(self.allocator.complete_transfers(failed, ok=False))
         self._check_tiers("after transfers")

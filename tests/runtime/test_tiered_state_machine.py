@@ -12,6 +12,8 @@ later, or failed; a destination in flight is never named by a lookup, never evic
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 from hypothesis import event
 from hypothesis.stateful import (
@@ -24,6 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 from runtime_testkit import (
+    copy_transfers,
     full,
     machine_test_cases,
     make_allocator,
@@ -37,7 +40,6 @@ from kvspec_core.runtime import NotNow, Request
 from kvspec_core.runtime.tiers import (
     KEEP_EVERYTHING,
     KEEP_FAMILY_RULES,
-    LOAD,
     WRITE_BACK,
     WRITE_THROUGH,
     OffloadTier,
@@ -91,7 +93,7 @@ class TieredMachine(RuleBasedStateMachine):
         self.deferred: list[tuple[Transfer, bool]] = []
         self.prefill_left: dict[int, int] = {}
         self.next_id = 0
-        self.garbage = 0
+        self.garbage = itertools.count(1)  # ids of what a failed copy writes
 
     # ----------------------------------------------------------------- the engine model
     def _pool(self, gid: int) -> int:
@@ -104,27 +106,12 @@ class TieredMachine(RuleBasedStateMachine):
     def _run_transfers(self, fail: int, defer: int) -> None:
         """Copy content ids as the engine would, in order, before the forward; confirm,
         defer or fail some (``fail`` / ``defer``: bit masks over the transfers)."""
-        transfers = self.allocator.take_transfers()
-        now_ok: list[int] = []
-        now_failed: list[int] = []
-        for position, transfer in enumerate(transfers):
-            failing = bool(fail >> position & 1)
-            for src, dst in zip(transfer.source_blocks, transfer.destination_blocks, strict=True):
-                key = (transfer.destination_tier, transfer.pool, dst)
-                if failing:
-                    self.garbage += 1
-                    self.content[key] = ("garbage", self.garbage)
-                else:
-                    self.content[key] = self.content.get(
-                        (transfer.source_tier, transfer.pool, src), ("never written",)
-                    )
-            if defer >> position & 1 and transfer.kind != LOAD:
-                self.deferred.append((transfer, not failing))
-                event("transfer deferred")
-            elif failing:
-                now_failed.append(transfer.transfer_id)
-            else:
-                now_ok.append(transfer.transfer_id)
+        now_ok, now_failed, deferred = copy_transfers(
+            self.content, self.allocator.take_transfers(), fail, defer, self.garbage
+        )
+        for pair in deferred:
+            self.deferred.append(pair)
+            event("transfer deferred")
         self.allocator.complete_transfers(now_ok, ok=True)
         dropped = self.allocator.complete_transfers(now_failed, ok=False)
         for rid in dropped:
