@@ -4,6 +4,7 @@ server. Its "forward" writes seeded random pages into the blocks it computes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,7 +12,12 @@ import torch
 from kvspec_core import FullAttentionSpec, SizingContext
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request, TransferRunner
-from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
+from kvspec_core.runtime.remote_store import (
+    BlockNamespace,
+    RemoteBlockStore,
+    RemoteServer,
+    RemoteStoreConfig,
+)
 from kvspec_core.runtime.remote_tier import RemoteTier
 
 BLOCK = 4
@@ -127,10 +133,19 @@ def sliding_window_manager() -> PluginManager:
 
 class HybridReplica(Replica):
     """A replica of a full attention + sliding window model (one shared pool), with a store
-    per group."""
+    per group, all on one ``RemoteServer`` (``shared_server=False``: a server per group, as
+    the tier had before: each group learns on its own that the server is down). ``clock``
+    is the breakers'."""
 
     def __init__(
-        self, port: int, parts: dict[str, Any] = LLAMA, *, sliding_only: bool = False, **config: Any
+        self,
+        port: int,
+        parts: dict[str, Any] = LLAMA,
+        *,
+        sliding_only: bool = False,
+        shared_server: bool = True,
+        clock: Callable[[], float] | None = None,
+        **config: Any,
     ) -> None:
         from kvspec_sliding_window.specs import SlidingWindowSpec
 
@@ -147,9 +162,13 @@ class HybridReplica(Replica):
         )
         self.device, self.host = pool_views(HYBRID_DEVICE_BLOCKS), pool_views(64)
         self.runner = TransferRunner({0: [self.device], 1: [self.host]})
+        store_config = RemoteStoreConfig(port=port, **config)
+        timing = {} if clock is None else {"clock": clock}
+        shared = RemoteServer(store_config, **timing)
         self.stores = {
             gid: RemoteBlockStore(
-                BlockNamespace.of(**parts, group=gid), RemoteStoreConfig(port=port, **config)
+                BlockNamespace.of(**parts, group=gid),
+                shared if shared_server else RemoteServer(store_config, **timing),
             )
             for gid in range(len(specs))
         }

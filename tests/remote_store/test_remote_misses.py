@@ -15,7 +15,7 @@ from valkey_server import ServerProcess
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.remote_misses import RecentMisses
-from kvspec_core.runtime.remote_store import _encode_value
+from kvspec_core.runtime.remote_values import encode_value
 
 
 class Clock:
@@ -159,7 +159,7 @@ def test_a_value_of_another_size_is_remembered_as_a_miss(valkey: ServerProcess) 
     key = replica_2.store.key_of(hashes[2])
     pages = replica_2.store.get_many([hashes[2]])[0]
     assert pages is not None
-    client.set(key, _encode_value(key, pages + b"\0" * 16))  # valid, 16 bytes too long
+    client.set(key, encode_value(key, pages + b"\0" * 16))  # valid, 16 bytes too long
     assert replica_2.remote.fetch(Request("b", PROMPT)) == 0  # the run holds block 2: refused
     assert replica_2.remote.counters.misses_remembered == 1
     assert replica_2.remote.misses.first_missed(hashes) == 2

@@ -20,9 +20,8 @@ from kvspec_core.runtime.remote_store import (
     BlockNamespace,
     RemoteBlockStore,
     RemoteStoreConfig,
-    _decode_value,
-    _encode_value,
 )
+from kvspec_core.runtime.remote_values import decode_value, encode_value
 
 LLAMA = {"checksum:layout": "3f0a", "checksum:groups[0].spec": "91bc", "pool": 0, "tp_rank": 0}
 #: Slack on top of a deadline for a loaded CI machine (two cores shared by many processes):
@@ -161,15 +160,15 @@ def test_any_bytes_round_trip(valkey: ServerProcess, payloads: list[bytes]) -> N
 @given(payload=st.binary(max_size=300), data=st.data())
 def test_no_truncation_or_bit_flip_of_a_value_decodes(payload: bytes, data: st.DataObject) -> None:
     key = b"kvspec/1/" + bytes(48)
-    value = _encode_value(key, payload)
-    assert _decode_value(key, value) == payload
+    value = encode_value(key, payload)
+    assert decode_value(key, value) == payload
     cut = data.draw(st.integers(0, len(value) - 1), label="truncated to")
-    assert _decode_value(key, value[:cut]) is None
+    assert decode_value(key, value[:cut]) is None
     bit = data.draw(st.integers(0, 8 * len(value) - 1), label="bit flipped")
     flipped = bytearray(value)
     flipped[bit // 8] ^= 1 << (bit % 8)
     # The reserved field is checked too, so every bit of header and payload counts.
-    assert _decode_value(key, bytes(flipped)) is None
+    assert decode_value(key, bytes(flipped)) is None
 
 
 NAMESPACE_PARTS = st.dictionaries(

@@ -153,6 +153,28 @@ def test_the_server_killed_mid_run_the_engine_keeps_working(valkey: ServerProces
     engine.allocator.check_invariants()
 
 
+def test_a_hybrids_groups_learn_once_that_the_server_is_down(valkey: ServerProcess) -> None:
+    """Gemma 2 (full attention + sliding window: a store per group) with its server killed:
+    the groups' stores share the server's breaker, so the engine pays ``failures_to_open``
+    failed calls in all, not that many per group; its tokens stay transformers' own."""
+    replica_1_publishes_a("gemma2", valkey.port)
+    engine = replica_2("gemma2", valkey.port, failures_to_open=2, open_for_s=3600.0)
+    assert engine.remote is not None
+    stores = list(engine.remote.stores.values())
+    assert len(stores) == 2
+    valkey.kill()
+    for seed in range(3):  # each fetches (both groups asked) and publishes its evictions
+        engine.generate(token_ids(57, seed=300 + seed), NEW_TOKENS)
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == 0  # nothing fetched: the server is gone
+    assert result.token_ids == model_case("gemma2").reference["b"]
+    failed = sum(store.counters.errors + store.counters.timeouts for store in stores)
+    assert failed == 2  # a server per group paid 2 each
+    assert sum(store.counters.skipped for store in stores) >= 2 * 4 - failed
+    assert all(store.breaker_open for store in stores)
+    engine.allocator.check_invariants()
+
+
 def test_what_the_remote_option_refuses(valkey: ServerProcess) -> None:
     case = model_case("llama")
     options = RemoteOptions(

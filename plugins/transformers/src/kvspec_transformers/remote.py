@@ -22,8 +22,10 @@ for an engine:
   random per process, so nothing would be shared).
 * **Failures.** Each store call ends by its deadline (``RemoteStoreConfig``: connect and
   reply timeouts plus the time its bytes take at ``min_bytes_per_s``) and the breaker
-  stops calling a failing server; a server down costs misses (counted), never an error in
-  ``generate``; a corrupt value is a miss. ``generate`` fetches once per request.
+  stops calling a failing server (one breaker for all the groups' stores, which share the
+  server: its ``failures_to_open`` failed calls are counted over all of them); a server
+  down costs misses (counted), never an error in ``generate``; a corrupt value is a miss.
+  ``generate`` fetches once per request.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ import attrs
 
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.remote_misses import DEFAULT_MISS_TTL_S
-from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
+from kvspec_core.runtime.remote_store import (
+    BlockNamespace,
+    RemoteBlockStore,
+    RemoteServer,
+    RemoteStoreConfig,
+)
 from kvspec_core.runtime.remote_tier import DEFAULT_MAX_FETCH_BLOCKS, RemoteTier
 from kvspec_transformers.errors import EngineError
 
@@ -92,7 +99,10 @@ def remote_tier(
     allocator: KVCacheAllocator,
     runner: TransferRunner,
 ) -> RemoteTier:
-    """The remote tier of an engine's allocator: one store per caching group."""
+    """The remote tier of an engine's allocator: one store per caching group, all on one
+    ``RemoteServer`` (one breaker and one connection pool: a server that is down costs the
+    engine ``failures_to_open`` failed calls, not that many per group)."""
+    server = RemoteServer(options.store)
     checksums = plan.to_dict()["input_checksums"]
     context = {f"context_{name}": getattr(plan.context, name) for name in PAGE_CONTEXT_FIELDS}
     groups = {group.id: group for group in plan.groups}
@@ -113,7 +123,7 @@ def remote_tier(
             pool=group.pool,
             tp_rank=0,
         )
-        stores[gid] = RemoteBlockStore(namespace, options.store)
+        stores[gid] = RemoteBlockStore(namespace, server)
     try:
         return RemoteTier(
             allocator,
