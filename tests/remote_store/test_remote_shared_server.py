@@ -7,9 +7,11 @@ the breaker's clock is the test's."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from replica_engine import BLOCK, HybridReplica
 from test_remote_hybrid import PROMPT, WINDOW_BLOCKS, published_by_replica_1
-from valkey_server import ServerProcess
+from valkey_server import ServerProcess, free_port
 
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.remote_store import (
@@ -126,3 +128,41 @@ def test_what_a_store_on_a_shared_server_refuses() -> None:
         RemoteBlockStore(namespace, {"port": 6379})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="RemoteServer: config must be a RemoteStoreConfig"):
         RemoteServer({"port": 6379})  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    failures_to_open=st.integers(1, 4),
+    calls=st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.0, 0.4, 1.0])), max_size=25),
+)
+def test_stores_on_a_dead_server_fail_as_one_breaker_counts(
+    failures_to_open: int, calls: list[tuple[int, float]]
+) -> None:
+    """Three stores on one server with nothing listening (each call refused), called in any
+    order with the clock moving: the failed calls, skips and openings are those of one
+    breaker over all the calls, and the stores' own counters add up to the server's."""
+    now = [0.0]
+    open_for_s = 1.0
+    server = RemoteServer(
+        RemoteStoreConfig(port=free_port(), failures_to_open=failures_to_open, open_for_s=1.0),
+        clock=lambda: now[0],
+    )
+    stores = [RemoteBlockStore(BlockNamespace.of(model="m", group=gid), server) for gid in range(3)]
+    # The model: one breaker (closed, open until a time, half open past it).
+    in_a_row, open_until, failed, skipped, opened = 0, None, 0, 0, 0
+    for index, advance in calls:
+        now[0] += advance
+        assert stores[index].contains_many([bytes(32)]) == [False]
+        if open_until is not None and now[0] < open_until:
+            skipped += 1
+            continue
+        failed += 1
+        in_a_row += 1
+        if open_until is not None or in_a_row >= failures_to_open:
+            open_until, opened = now[0] + open_for_s, opened + 1
+    counters = server.counters
+    assert (counters.failed, counters.skipped, counters.breaker_opened) == (failed, skipped, opened)
+    assert counters.calls == failed and counters.timeouts == 0
+    assert sum(store.counters.errors for store in stores) == failed
+    assert sum(store.counters.skipped for store in stores) == skipped
+    assert sum(store.counters.breaker_opened for store in stores) == opened
