@@ -260,3 +260,12 @@ def plan_options(args: argparse.Namespace, kv_cache_dtype: str) -> PlanOptions:
         tensor_parallel_size=args.tp,
         decode_context_parallel_size=args.dcp,
     )
+
+
+def kv_cache_dtypes(args: argparse.Namespace) -> list[str]:
+    """The ``--kv-cache-dtype`` values, in the order given, each once; ``[auto]`` when none is
+    given. A plan uses the first; ``--plot`` draws one curve per value. One string (the
+    option as ``simulate`` parses it, not repeatable) is one dtype, not its characters."""
+    given = args.kv_cache_dtype
+    values = [given] if isinstance(given, str) else given
+    return list(dict.fromkeys(values or [DEFAULT_KV_CACHE_DTYPE]))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvspec_core.cli.arguments import DEFAULT_KV_CACHE_DTYPE, plan_options
+from kvspec_core.cli.arguments import kv_cache_dtypes, plan_options
 from kvspec_core.cli.gpu_options import (
     budget_options,
     check_budget_options,
@@ -86,7 +86,9 @@ def _plans_at(
     try:
         prepared = prepare_model(
             config,
-            plan_options(argparse.Namespace(**{**vars(args), "tp": budget.tp}), _first_dtype(args)),
+            plan_options(
+                argparse.Namespace(**{**vars(args), "tp": budget.tp}), kv_cache_dtypes(args)[0]
+            ),
             manager,
             name=resolved.name,
             max_model_len=args.max_model_len,
@@ -96,13 +98,6 @@ def _plans_at(
     except (CapacityError, ConfigError):
         return False
     return True
-
-
-def _first_dtype(args: argparse.Namespace) -> str:
-    dtypes = args.kv_cache_dtype
-    if isinstance(dtypes, list):
-        return str(dtypes[0]) if dtypes else DEFAULT_KV_CACHE_DTYPE
-    return str(dtypes or DEFAULT_KV_CACHE_DTYPE)
 
 
 def _smallest_tp_for_a_request(

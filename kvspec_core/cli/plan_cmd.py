@@ -20,11 +20,11 @@ from typing import Any
 
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import (
-    DEFAULT_KV_CACHE_DTYPE,
     add_gpu_arguments,
     add_model_arguments,
     add_pipeline_arguments,
     add_tier_arguments,
+    kv_cache_dtypes,
     offload_tier_error,
     offload_tier_options,
     plan_options,
@@ -131,7 +131,7 @@ def _write_plot(
 def run(args: argparse.Namespace, manager: PluginManager) -> int:
     check_budget_options(args)
     budget = 0 if args.memory is None else parse_size(args.memory)
-    dtypes = list(dict.fromkeys(args.kv_cache_dtype or [DEFAULT_KV_CACHE_DTYPE]))
+    dtypes = kv_cache_dtypes(args)
     if args.plot is not None:
         if args.pp > 1 or args.pp_partition is not None:
             raise ConfigError(
