@@ -15,7 +15,12 @@ from kvspec_core.runtime.allocator import KVCacheAllocator
 from kvspec_core.runtime.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec_core.runtime.hashing import PrefixHasher
 from kvspec_core.runtime.pool import NULL_BLOCK, BlockPool
-from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
+from kvspec_core.runtime.remote_store import (
+    BlockNamespace,
+    RemoteBlockStore,
+    RemoteServer,
+    RemoteStoreConfig,
+)
 from kvspec_core.runtime.remote_tier import RemoteTier
 from kvspec_core.runtime.request import MultiModalInput, Request
 from kvspec_core.runtime.results import (
@@ -67,6 +72,7 @@ __all__ = [
     "OffloadTier",
     "PrefixHasher",
     "RemoteBlockStore",
+    "RemoteServer",
     "RemoteStoreConfig",
     "RemoteTier",
     "Request",
