@@ -84,6 +84,21 @@ SHRINK: Mapping[str, Mapping[str, Any]] = {
         "shared_expert_intermediate_size": 32,
         "initializer_range": 0.02,
     },
+    # MLA: the latent stays 512 + 64 wide (576), the only width vLLM's CPU MLA decode
+    # kernel takes; layer 0 dense, layer 1 MoE with 4 routed experts, as the real model.
+    "deepseek-v2-lite": {
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 64,
+        "max_position_embeddings": 1024,
+    },
 }
 
 _DROPPED = ("quantization_config", "rope_scaling_original", "auto_map")

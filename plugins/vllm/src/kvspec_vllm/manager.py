@@ -17,20 +17,33 @@ hashes), preemption and resumption, chunked prefill, vLLM's full-sequence admiss
 :class:`~kvspec_vllm.manager_views.NotCovered` naming it; what a configuration would need
 that this does not cover is refused when the scheduler is built
 (:mod:`kvspec_vllm.scheduler_seam`).
+
+This module holds the calls that change kvspec's allocator; the rest is in
+:mod:`kvspec_vllm.manager_coverage` (the scheduler features, groups and requests refused),
+:mod:`kvspec_vllm.manager_admission` (the prefix a request is admitted with, the
+full-sequence gate), :mod:`kvspec_vllm.manager_readouts` (block tables, usage, stats, the
+empty per-step hand-offs), :mod:`kvspec_vllm.manager_events` and
+:mod:`kvspec_vllm.manager_views` (the coordinator and block pool vLLM reads).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from kvspec_core.arithmetic import cdiv
 from kvspec_core.context import SizingContext
 from kvspec_core.runtime import CachedPrefix, KVCacheAllocator, Request
 from kvspec_core.runtime.results import NO_FREE_BLOCKS, STALE_PREFIX, NotNow
-from kvspec_vllm.errors import KVSpecVLLMError, NotRepresentable
+from kvspec_vllm.errors import KVSpecVLLMError
+from kvspec_vllm.manager_admission import admission_prefix, full_sequence_fits
+from kvspec_vllm.manager_coverage import (
+    COVERED_KINDS,
+    check_scheduler_features,
+    covered_specs,
+    kvspec_request_of,
+)
 from kvspec_vllm.manager_events import EventTranslator
+from kvspec_vllm.manager_readouts import KVCacheManagerReadouts
 from kvspec_vllm.manager_views import (
     BlockPoolView,
     CoordinatorView,
@@ -38,22 +51,12 @@ from kvspec_vllm.manager_views import (
     NotCovered,
     not_covered,
 )
-from kvspec_vllm.specs import kvspec_spec_of, vllm_module
+from kvspec_vllm.specs import vllm_module
 
 logger = logging.getLogger("vllm.kvspec.manager")
 
-#: kvspec kinds of the groups this manager runs.
-COVERED_KINDS = frozenset({"full_attention", "sliding_window"})
 
-
-def _refuse(what: str, fix: str) -> NoReturn:
-    raise KVSpecVLLMError(
-        f"kvspec-vllm: kvspec's allocator behind vLLM's scheduler does not cover {what}. "
-        f"{fix}, or unset KVSPEC_VLLM_ALLOCATOR to run vLLM's own KV-cache manager"
-    )
-
-
-class KVSpecKVCacheManager:
+class KVSpecKVCacheManager(KVCacheManagerReadouts):
     """vLLM's ``KVCacheManager`` surface over kvspec's allocator (same constructor
     arguments, so the scheduler builds it in place of vLLM's).
 
@@ -79,20 +82,14 @@ class KVSpecKVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        if use_eagle or num_prefill_lookahead:
-            _refuse("speculative decoding (EAGLE / MTP drafts)", "Drop speculative_config")
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            _refuse(
-                f"context parallelism (DCP {dcp_world_size}, PCP {pcp_world_size})",
-                "Run with decode_context_parallel_size=1",
-            )
-        if watermark:
-            _refuse(f"an admission watermark (watermark={watermark})", "Set watermark=0")
-        if kv_cache_config.has_mamba_layers or kv_cache_config.needs_kv_cache_zeroing:
-            _refuse(
-                "Mamba / linear-attention layers or mixed-precision caches (blocks vLLM zeroes)",
-                "Use a full-attention or sliding-window model",
-            )
+        check_scheduler_features(
+            kv_cache_config,
+            use_eagle=use_eagle,
+            num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            watermark=watermark,
+        )
         if metrics_collector is not None:
             logger.warning(
                 "kvspec-vllm: vLLM's KV-cache residency metrics are not fed by kvspec's "
@@ -100,29 +97,7 @@ class KVSpecKVCacheManager:
             )
         interface = vllm_module("vllm.v1.kv_cache_interface")
         groups = kv_cache_config.kv_cache_groups
-        specs = []
-        for index, group in enumerate(groups):
-            vllm_spec = group.kv_cache_spec
-            try:
-                spec = kvspec_spec_of(group.layer_names[0], vllm_spec)
-            except NotRepresentable as refusal:
-                _refuse(
-                    f"group {index}: {refusal.reason}",
-                    "Use a full-attention or sliding-window model",
-                )
-            if spec.kind not in COVERED_KINDS:
-                _refuse(
-                    f"group {index} ({type(vllm_spec).__name__}, kvspec kind {spec.kind!r}); "
-                    f"covered: {', '.join(sorted(COVERED_KINDS))}",
-                    "Use a full-attention or sliding-window model",
-                )
-            if vllm_spec.block_size != hash_block_size:
-                _refuse(
-                    f"group {index}'s block of {vllm_spec.block_size} tokens hashed in "
-                    f"{hash_block_size}-token blocks (partial-block hits)",
-                    "Use one block size for every group",
-                )
-            specs.append(spec)
+        specs = covered_specs(groups, hash_block_size)
         ctx = SizingContext(
             max_model_len=max_model_len,
             max_in_flight_tokens=max_in_flight_tokens or max_model_len,
@@ -197,65 +172,11 @@ class KVSpecKVCacheManager:
     def _mirror(self, request: Any) -> Request:
         rid = request.request_id
         mirror = self._mirrors.get(rid)
-        tokens = request._all_token_ids
-        if mirror is not None and mirror.token_ids is tokens:
+        if mirror is not None and mirror.token_ids is request._all_token_ids:
             return mirror
-        if request.prompt_embeds is not None or request.prompt_is_token_ids is not None:
-            _refuse(f"request {rid!r}: prompt embeddings", "Send token ids")
-        if request.mm_features:
-            _refuse(f"request {rid!r}: multimodal inputs", "Send text-only requests")
-        lora = request.lora_request
-        mirror = Request(
-            rid,
-            tokens,  # vLLM's own list: the tokens it appends are the ones kvspec hashes
-            cache_salt=request.cache_salt,
-            # vLLM hashes the adapter's name and path: a name pointed at another adapter
-            # must not hit the K/V the previous one computed.
-            lora_name=repr((lora.lora_name, lora.lora_path)) if lora is not None else None,
-        )
+        mirror = kvspec_request_of(request)
         self._mirrors[rid] = mirror
         return mirror
-
-    def _blocks_of(self, block_ids: Sequence[Sequence[int]]) -> Any:
-        blocks = self._blocks
-        return self._kv_cache_blocks(tuple([blocks[i] for i in ids] for ids in block_ids))
-
-    # ----------------------------------------------------------------- stats
-    @property
-    def usage(self) -> float:
-        """Share of the usable blocks held by requests (cached free blocks count as free)."""
-        return self.allocator.usage.fraction
-
-    def make_prefix_cache_stats(self) -> Any:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._prefix_cache_stats_cls()
-        return stats
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
-
-    def estimate_cached_tokens(self, request: Any) -> int:
-        """Tokens of ``request`` its cached blocks cover (what vLLM reports as cache
-        creation): the full blocks of its computed, known tokens, 0 without caching."""
-        rid = request.request_id
-        if not self.enable_caching or not self.allocator.is_running(rid):
-            return 0
-        known = min(self.allocator.num_computed_tokens(rid), request.num_tokens)
-        return min(
-            known // group.block_size * group.block_size
-            for group in self.coordinator.single_type_managers
-        )
 
     # ----------------------------------------------------------------- the scheduler's calls
     def new_step_starts(self) -> None:
@@ -323,13 +244,23 @@ class KVSpecKVCacheManager:
                 )
             # A request holding blocks meets the gate too: a streaming-input session's next
             # chunk (its blocks kept between turns) waits while its whole sequence cannot fit.
-            if full_sequence_must_fit and not self._full_sequence_fits(request, None):
+            if full_sequence_must_fit and not full_sequence_fits(
+                allocator, request, None, self.max_model_len
+            ):
                 return None
             mirror = self._mirrors[rid]
             result = allocator.allocate_slots(mirror, num_new_tokens, num_lookahead_tokens)
         else:
-            prefix = self._admission_prefix(request, num_new_computed_tokens)
-            if full_sequence_must_fit and not self._full_sequence_fits(request, prefix):
+            prefix = admission_prefix(
+                allocator,
+                request,
+                num_new_computed_tokens,
+                self._prefixes.pop(rid, None),
+                self.num_kv_cache_groups,
+            )
+            if full_sequence_must_fit and not full_sequence_fits(
+                allocator, request, prefix, self.max_model_len
+            ):
                 return None
             result = allocator.allocate_slots(
                 self._mirror(request), num_new_tokens, num_lookahead_tokens, prefix=prefix
@@ -345,57 +276,6 @@ class KVSpecKVCacheManager:
             return self.empty_kv_cache_blocks
         return self._blocks_of(result.new_block_ids)
 
-    def _admission_prefix(self, request: Any, num_new_computed_tokens: int) -> CachedPrefix:
-        """The prefix a request not running is admitted with: the one its lookup found
-        (the scheduler must have taken that hit whole), or none."""
-        rid = request.request_id
-        prefix = self._prefixes.pop(rid, None)
-        if request.num_computed_tokens:
-            not_covered(
-                f"allocate_slots of request {rid!r} with {request.num_computed_tokens} tokens "
-                "computed elsewhere",
-                "a KV connector",
-            )
-        if num_new_computed_tokens == 0:
-            # An explicit empty prefix: also re-admits a preempted request from token 0.
-            epochs = tuple(pool.epoch for pool in self.allocator.pools)
-            empty = tuple(() for _ in range(self.num_kv_cache_groups))
-            return CachedPrefix(request_id=rid, num_tokens=0, block_ids=empty, epochs=epochs)
-        if prefix is None or prefix.num_tokens != num_new_computed_tokens:
-            found = prefix.num_tokens if prefix is not None else 0
-            raise KVSpecVLLMError(
-                f"kvspec-vllm: request {rid!r} admitted with {num_new_computed_tokens} cached "
-                f"tokens, but kvspec's lookup found {found}: the scheduler changed the hit "
-                "(a KV connector or prefix replay), which kvspec's allocator does not follow"
-            )
-        return prefix
-
-    def _full_sequence_fits(self, request: Any, prefix: CachedPrefix | None) -> bool:
-        """vLLM's admission gate (``scheduler_reserve_full_isl``) on kvspec's pool: the
-        blocks the whole known sequence needs past the hit (at most a group's admission cap,
-        so a sliding window counts its window), plus the hit blocks no request holds (a hit
-        revives them out of the free blocks), fit in the free blocks. ``prefix`` ``None``:
-        the request holds blocks already; past its table, as vLLM counts a known request."""
-        allocator = self.allocator
-        full = min(request.num_tokens, self.max_model_len)
-        pool = allocator.pools[0]
-        held = allocator.block_ids(request.request_id) if prefix is None else ()
-        need = 0
-        for gid, rules in enumerate(allocator.rules):
-            cap = allocator.admission_caps[gid]
-            if cap <= 0:
-                continue
-            tokens = rules.block_tokens
-            wanted = min(cdiv(full, tokens), cap)
-            if prefix is None:
-                need += max(wanted - len(held[gid]), 0)
-                continue
-            table = list(prefix.block_ids[gid])
-            skipped = rules.skipped_tokens(prefix.num_tokens) // tokens
-            need += max(wanted - max(skipped, len(table)), 0)
-            need += pool.num_unreferenced(table[skipped:])
-        return need <= allocator.usage.free_blocks
-
     def free(self, request: Any) -> None:
         """Release the request's blocks (a finish, an abort or a preemption); a finished
         request is forgotten, a preempted one keeps its hashes for its resumption."""
@@ -406,23 +286,6 @@ class KVSpecKVCacheManager:
             self._collect_events(None)
         if request.is_finished():
             self._mirrors.pop(rid, None)
-
-    def get_blocks(self, request_id: str) -> Any:
-        if not self.allocator.is_running(request_id):
-            return self.empty_kv_cache_blocks
-        return self._blocks_of(self.allocator.block_ids(request_id))
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        if not self.allocator.is_running(request_id):
-            return tuple([] for _ in range(self.num_kv_cache_groups))
-        return tuple(list(ids) for ids in self.allocator.block_ids(request_id))
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Cascade attention is gone from vLLM 0.32: 0 per group, as vLLM answers."""
-        return [0] * self.num_kv_cache_groups
-
-    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> Any:
-        return self._kv_cache_blocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's manager does only when no request holds
@@ -453,19 +316,6 @@ class KVSpecKVCacheManager:
             mirror = self._mirrors.get(request.request_id) if request is not None else None
             hashes = mirror.block_hashes if mirror is not None else []
             self._pending_events.extend(self._events.translate(events, request, hashes))
-
-    # ----------------------------------------------------------------- per-step hand-offs
-    def take_new_block_ids(self) -> list[int]:
-        """No block needs zeroing (Mamba and mixed precision are refused)."""
-        return []
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """No copy-on-write: kvspec's hits end on block boundaries."""
-        return [], []
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """No Mamba boundary states."""
-        return {}
 
     def __getattr__(self, name: str) -> NoReturn:
         # Only names the class does not define: KV-connector and Mamba paths
