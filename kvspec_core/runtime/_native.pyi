@@ -90,6 +90,17 @@ def split_held(
     sources: list[int],
     /,
 ) -> tuple[list[int], list[bytes], list[int]]: ...
+def store_victims(
+    pool: Any,
+    in_flight: dict[bytes, int],
+    hashes: list[bytes],
+    sources: list[int],
+    out_sources: list[int],
+    out_destinations: list[int],
+    out_hashes: list[bytes],
+    transfer_id: int,
+    /,
+) -> int: ...
 def register_types(
     state_class: type,
     request_class: type,

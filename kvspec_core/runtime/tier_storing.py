@@ -9,6 +9,7 @@ from itertools import compress, repeat
 from typing import Any
 
 from kvspec_core.runtime.native import native
+from kvspec_core.runtime.pool import BlockPool
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
 from kvspec_core.runtime.tiers import STORE
 
@@ -107,10 +108,7 @@ class TierStoring(TierState):
             elif digest not in storing[gid] and (gid, digest) not in seen:
                 seen.add((gid, digest))
                 kept.append((gid, digest, source))
-        if refresh:
-            refresh = list(dict.fromkeys(refresh))
-            slots.touch(refresh, known_cached=True)
-            slots._release_unchecked(refresh)
+        refresh_held(slots, refresh)
         room = slots.num_free_blocks
         if len(kept) > room:
             kept = kept[len(kept) - room :]
@@ -142,8 +140,28 @@ class TierStoring(TierState):
         is held by the tier already)."""
         slots = self.tier_pools[index][pool]
         assert slots is not None
-        cache = slots.caches[gid]
         in_flight = self._storing[index][gid]
+        if slots._on_evict is None and hashes.__class__ is list and sources.__class__ is list:
+            # No tier below this one: taking its slots records no transfer, so the copies'
+            # transfer is chosen first and filled in the same call that sorts the victims,
+            # refreshes the held ones and takes the slots.
+            pending, new = self._store_target(gid, pool, source_tier, index + 1)
+            kernels = native if slots._compiled else None
+            store = store_victims if kernels is None else kernels.store_victims
+            stored = store(
+                slots,
+                in_flight,
+                hashes,
+                sources,
+                pending.source,
+                pending.destination,
+                pending.hashes,
+                pending.transfer_id,
+            )
+            if stored and new:
+                self._enqueue(pending)
+            return
+        cache = slots.caches[gid]
         kernels = native if slots._compiled else None
         if (
             kernels is not None
@@ -155,11 +173,7 @@ class TierStoring(TierState):
             held, hashes, sources = kernels.split_held(cache, in_flight, hashes, sources)
         else:
             held, hashes, sources = split_held(cache, in_flight, hashes, sources)
-        if held:
-            # Held already: the slot becomes the tier's most recently used entry.
-            refresh = list(dict.fromkeys(held)) if len(held) > 1 else held
-            slots.touch(refresh, known_cached=True)
-            slots._release_unchecked(refresh)
+        refresh_held(slots, held)
         self._store_all(index, pool, gid, hashes, source_tier, sources)
 
     def _store_all(
@@ -193,24 +207,45 @@ class TierStoring(TierState):
     ) -> PendingTransfer:
         """The transfer to extend: the last one not handed out if it is the same kind of
         copy (so an eviction of many blocks is one batch), else a new one."""
+        if kind == STORE:
+            pending, new = self._store_target(gid, pool, source_tier, destination_tier)
+        else:
+            pending, new = (
+                PendingTransfer(
+                    self._next_id, kind, gid, pool, source_tier, destination_tier, self.generation
+                ),
+                True,
+            )
+        if new:
+            self._enqueue(pending)
+        return pending
+
+    def _store_target(
+        self, gid: int, pool: int, source_tier: int, destination_tier: int
+    ) -> tuple[PendingTransfer, bool]:
+        """The store to extend with copies of ``gid``'s blocks from ``source_tier`` to
+        ``destination_tier``: the last transfer not handed out if it is one (False), else a
+        new one, not yet recorded (True: :meth:`_enqueue` records it once it copies any)."""
         queue = self._queue
         if queue:
             last = queue[-1]
             if (
-                kind == STORE
-                and last.kind == STORE
+                last.kind == STORE
                 and last.group == gid
                 and last.source_tier == source_tier
                 and last.destination_tier == destination_tier
             ):
-                return last
+                return last, False
         pending = PendingTransfer(
-            self._next_id, kind, gid, pool, source_tier, destination_tier, self.generation
+            self._next_id, STORE, gid, pool, source_tier, destination_tier, self.generation
         )
+        return pending, True
+
+    def _enqueue(self, pending: PendingTransfer) -> None:
+        """Record ``pending`` (made with the next id) as in flight, last in the queue."""
         self._next_id += 1
         self._pending[pending.transfer_id] = pending
-        queue.append(pending)
-        return pending
+        self._queue.append(pending)
 
 
 #: What ``split_held`` reads for a hash its cache does not hold.
@@ -252,3 +287,95 @@ def split_held(
                 kept_sources.append(source)
         hashes, sources = kept_hashes, kept_sources
     return held, hashes, sources
+
+
+def store_victims(
+    pool: BlockPool,
+    in_flight: dict[bytes, int],
+    hashes: list[bytes],
+    sources: list[int],
+    out_sources: list[int],
+    out_destinations: list[int],
+    out_hashes: list[bytes],
+    transfer_id: int,
+) -> int:
+    """Store one group's victims (``hashes``, copied from ``sources``) into ``pool``, an
+    offload tier's pool of that one group, as one transfer: the hashes its cache holds
+    become its most recently used entries (each once, in order of first sight), those in
+    flight to it (``in_flight``: hash -> transfer id) and repeats are skipped, and the rest,
+    the newest as many as it has free slots for, get slots (``pool.take``: free ones, then
+    its oldest entries), appended to ``out_sources`` / ``out_destinations`` / ``out_hashes``
+    (the transfer's lists), their hashes in flight to ``transfer_id``. Returns how many.
+    Refuses, changing nothing, other containers than dicts and lists, hashes that are not
+    bytes, sources that are not ints, lists of different lengths, a pool of several groups
+    or one recording events, and a cache naming no slot of the pool.
+    ``native.store_victims`` in Python (the compiled one does it in one C call)."""
+    containers = (hashes, sources, out_sources, out_destinations, out_hashes)
+    if (
+        type(in_flight) is not dict
+        or any(type(value) is not list for value in containers)
+        or type(transfer_id) is not int
+    ):
+        raise TypeError(
+            "store_victims: in_flight must be a dict, hashes, sources and the three outputs "
+            "lists, transfer_id an int"
+        )
+    if len(hashes) != len(sources):
+        raise ValueError("store_victims: hashes and sources differ in length")
+    if any(type(digest) is not bytes for digest in hashes) or any(
+        type(source) is not int for source in sources
+    ):
+        raise TypeError("store_victims: hashes must be bytes and sources ints")
+    refs = pool.ref_counts
+    if type(refs) is not list:
+        raise TypeError("store_victims: the pool's ref_counts must be a list")
+    size = len(refs)
+    if pool._events is not None:
+        raise ValueError("store_victims: the pool records events (a tier pool records none)")
+    caches = pool.caches
+    if type(caches) is not dict or len(caches) != 1 or type(_only(caches)) is not dict:
+        raise TypeError("store_victims: the pool must serve one group (its caches: one dict)")
+    # The kernel works on a pool built with it (its eviction orders are BlockQueues) and
+    # refuses another before changing anything: so does this, where the kernels are built.
+    orders = (pool._evictable, pool._protected)
+    if native is not None and any(type(order) is not native.BlockQueue for order in orders):
+        raise TypeError(
+            "store_victims: the pool's eviction orders must be its BlockQueues (a pool built "
+            "with the compiled kernels)"
+        )
+    held, kept_hashes, kept_sources = split_held(_only(caches), in_flight, hashes, sources)
+    if any(type(slot) is not int or not 1 <= slot < size for slot in held):
+        raise ValueError(
+            "store_victims: the tier's cache maps a hash to a value that is no slot of its pool"
+        )
+    refresh_held(pool, held)
+    room = pool.num_free_blocks
+    if len(kept_hashes) > room:
+        kept_hashes = kept_hashes[len(kept_hashes) - room :]
+        kept_sources = kept_sources[len(kept_sources) - room :]
+    if not kept_hashes:
+        return 0
+    taken = pool.take(len(kept_hashes))
+    if type(taken) is not list:
+        raise TypeError("BlockPool.take must return a list")
+    if len(taken) != len(kept_hashes):
+        raise RuntimeError("store_victims: the pool handed out a wrong count")
+    out_sources.extend(kept_sources)
+    out_destinations.extend(taken)
+    out_hashes.extend(kept_hashes)
+    in_flight.update(dict.fromkeys(kept_hashes, transfer_id))
+    return len(kept_hashes)
+
+
+def refresh_held(pool: BlockPool, held: list[int]) -> None:
+    """The slots ``held`` (a tier's entries for victims it holds already; repeats allowed)
+    become ``pool``'s most recently used entries, each once, in order of first sight (one in
+    use keeps its count)."""
+    if held:
+        refresh = list(dict.fromkeys(held)) if len(held) > 1 else held
+        pool.touch(refresh, known_cached=True)
+        pool._release_unchecked(refresh)
+
+
+def _only(caches: dict[int, dict[bytes, int]]) -> dict[bytes, int]:
+    return next(iter(caches.values()))

@@ -265,6 +265,8 @@ def features(op: dict[str, Any]) -> list[str]:
     for entry in op.get("append", []) + op.get("tokens", []):
         if not isinstance(entry, int):
             tags.add("token:" + entry[1])
+    if op.get("hostile"):
+        tags.add("store:" + op["hostile"])
     for name in ("prefix", "target", "count", "valid", "lookahead", "ids"):
         value = op.get(name)
         if isinstance(value, (list, str)) and value not in ("find", "none", "rest"):
@@ -310,6 +312,8 @@ def simplified(op: dict[str, Any]) -> list[dict[str, Any]]:
         variant(lambda o: o.update(target=0))
     if isinstance(op.get("prefix"), list):
         variant(lambda o: o.update(prefix="find"))
+    if op.get("hostile"):
+        variant(lambda o: o.update(hostile=None))
     for field, plain in (("count", 1), ("lookahead", 0), ("valid", "zero"), ("ids", None)):
         if isinstance(op.get(field), list):
             variant(lambda o, f=field, v=plain: o.update({f: v}))

@@ -49,6 +49,7 @@ from kvspec_core.runtime import (
     native as native_switch,
 )
 from kvspec_core.runtime.pool import EVICTION_POLICIES
+from kvspec_core.runtime.tier_storing import store_victims as tier_store_victims
 from kvspec_core.specs.base import KVSpec
 
 # The runtime tests' spec builders (small full / sliding / chunked / Mamba specs).
@@ -95,6 +96,31 @@ FORGERIES = (
 #: like ``epochs``: the allocator may only look again).
 TIER_FORGERIES = ("tier_slot", "tier_number", "load_position", "load_dropped", "tier_epochs")
 #: Bad ``transfer_ids`` entries for ``complete_transfers``.
+#: Hostile inputs of a direct store of victims into a tier (``store_victims``): containers
+#: of other types, a hash that is no exact bytes, a source that is no exact int, lists of
+#: different lengths, a bad transfer id (all refused alike, nothing changed); and, in the
+#: configurations whose sides are not compared, a key of the tier's cache colliding with
+#: the victims whose ``__eq__`` empties the victim lists, replaces one of the pool's
+#: containers by a copy or another type, empties its cache, or raises.
+STORE_HOSTILE = (
+    "in_flight_list",
+    "hashes_tuple",
+    "out_tuple",
+    "hash_str",
+    "hash_bytes_sub",
+    "source_bool",
+    "source_int_sub",
+    "length",
+    "transfer_bool",
+    "key_clear",
+    "key_ref_counts",
+    "key_caches",
+    "key_evictable",
+    "key_fresh",
+    "key_retype",
+    "key_reset",
+    "key_raise",
+)
 BAD_TRANSFER_IDS = ("unknown", "twice", "bool", "str", "int_sub", "negative")
 
 
@@ -346,6 +372,7 @@ class Generator:
         )
         if self.tiered:
             kinds += ["take"] * 14 + ["complete"] * 12 + ["free"] * 8 + ["find"] * 4
+            kinds += ["store"] * 6
         return [getattr(self, self.rng.choice(kinds))() for _ in range(length)]
 
     def _hostile(self, share: float = 0.3) -> bool:
@@ -519,6 +546,27 @@ class Generator:
 
     def take(self) -> Op:
         return {"op": "take"}
+
+    def store(self) -> Op:
+        """A batch of victims stored into the last tier (its pools have no tier below: the
+        compiled side stores a one-group pool's batch with ``native.store_victims``):
+        hashes the tier caches, copies in flight to it, repeats and new hashes, more of
+        them than it has free slots now and then; now and then a hostile input
+        (:data:`STORE_HOSTILE`)."""
+        rng = self.rng
+        kinds = ("cached", "flying", "repeat", "new")
+        victims = [
+            [rng.choice(kinds), rng.randrange(1_000)] for _ in range(rng.choice((1, 3, 8, 20)))
+        ]
+        sources = [rng.randrange(1, 16) for _ in victims]
+        hostile = rng.choice(STORE_HOSTILE) if self._hostile(0.3) else None
+        return {
+            "op": "store",
+            "pool": rng.randrange(2),
+            "victims": victims,
+            "sources": sources,
+            "hostile": hostile,
+        }
 
     def complete(self) -> Op:
         """Complete some of the pending transfers (by their place in the pending list, any
@@ -931,6 +979,73 @@ class Side:
             self.pending += [transfer.transfer_id for transfer in answer]
         return [show(answer)]
 
+    def op_store(self, op: Op) -> list[str]:
+        tiers = self.allocator._tiers
+        if tiers is None:
+            return ["skip"]
+        index = len(tiers.tiers) - 1
+        pools = [
+            (number, pool)
+            for number, pool in enumerate(tiers.tier_pools[index])
+            if pool is not None and len(pool.caches) == 1
+        ]
+        if not pools:
+            return ["skip"]
+        number, pool = pools[op["pool"] % len(pools)]
+        (gid,) = pool.caches
+        cached = sorted(pool.caches[gid])
+        in_flight = tiers._storing[index][gid]
+        flying = sorted(in_flight)
+        hashes: list[Any] = []
+        for kind, pick in op["victims"]:
+            if kind == "cached" and cached:
+                hashes.append(cached[pick % len(cached)])
+            elif kind == "flying" and flying:
+                hashes.append(flying[pick % len(flying)])
+            elif kind == "repeat" and hashes:
+                hashes.append(hashes[pick % len(hashes)])
+            else:  # 32 bytes no block hash is (content nothing can hit)
+                hashes.append(b"new" + pick.to_bytes(29, "little"))
+        sources: list[Any] = list(op["sources"])
+        hostile = op["hostile"]
+        # Copied from the tier's own slots (source tier = destination): a source no rule
+        # reads (a device source would be held by the write-through bookkeeping).
+        store = partial(tiers._store, index, number, [gid] * len(hashes), hashes, index + 1)
+        if hostile is None:
+            return [show(self.attempt(lambda: store(sources))), repr(sorted(in_flight.items()))]
+        if hostile.startswith("key_"):
+            if self.config not in CRASH_ONLY_CONFIGS:
+                return ["skip"]
+            key = _StoreKey(hostile[4:], pool, hashes, sources, hashes[0])
+            pool.caches[gid][key] = 1
+            answer = self.attempt(lambda: store(sources))
+            for cache in list(getattr(pool, "caches", {}).values()):
+                with contextlib.suppress(Exception):
+                    cache.pop(key, None)
+            return [show(answer)]
+        compiled = native_switch.native
+        kernel = compiled.store_victims if self.kernels and compiled else tier_store_victims
+        args: list[Any] = [pool, in_flight, hashes, sources, [], [], [], 10**6]
+        if hostile == "in_flight_list":
+            args[1] = list(in_flight)
+        elif hostile == "hashes_tuple":
+            args[2] = tuple(hashes)
+        elif hostile == "out_tuple":
+            args[4 + op["pool"] % 3] = ()
+        elif hostile == "hash_str":
+            hashes[-1] = "not bytes"
+        elif hostile == "hash_bytes_sub":
+            hashes[-1] = _BytesSub(hashes[-1])
+        elif hostile == "source_bool":
+            sources[-1] = True
+        elif hostile == "source_int_sub":
+            sources[-1] = IntSub(sources[-1])
+        elif hostile == "length":
+            sources.append(1)
+        elif hostile == "transfer_bool":
+            args[7] = True
+        return [show(self.attempt(lambda: kernel(*args)))]
+
     def op_complete(self, op: Op) -> list[str]:
         if not self.pending:
             return ["skip"]
@@ -994,6 +1109,49 @@ class Side:
                 f"false hit: {found.num_tokens} tokens found, at most {backed} of them held "
                 "by an earlier request of the same tenant"
             )
+
+
+class _BytesSub(bytes):
+    """A bytes subclass (its own __eq__ / __hash__ could run code: refused)."""
+
+
+class _StoreKey(bytes):
+    """A key of a tier's cache colliding with a victim's hash: its ``__eq__`` (run by the
+    lookup of that hash) does ``action`` to the pool or the victim lists, then says no."""
+
+    action: str
+    pool: Any
+    lists: tuple[list[Any], list[Any]]
+    collide: bytes
+
+    def __new__(
+        cls, action: str, pool: Any, hashes: list[Any], sources: list[Any], collide: bytes
+    ) -> _StoreKey:
+        key = super().__new__(cls, b"hostile-store-key")
+        key.action, key.pool, key.lists, key.collide = action, pool, (hashes, sources), collide
+        return key
+
+    def __hash__(self) -> int:
+        return hash(self.collide)
+
+    def __eq__(self, other: object) -> bool:
+        import copy
+
+        pool, action = self.pool, self.action
+        if action == "clear":
+            for victims in self.lists:
+                victims.clear()
+        elif action == "retype":
+            pool.ref_counts = tuple(pool.ref_counts)
+        elif action == "reset":
+            pool.reset_prefix_cache(record_event=False)
+        elif action == "raise":
+            raise RuntimeError("hostile cache key")
+        else:
+            name = {"ref_counts": "ref_counts", "caches": "caches"}.get(action, "_" + action)
+            old = getattr(pool, name)
+            setattr(pool, name, dict(old) if name == "caches" else copy.copy(old))
+        return False
 
 
 def _same_prefix(first: Any, second: CachedPrefix) -> bool:

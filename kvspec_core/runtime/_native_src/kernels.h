@@ -41,6 +41,16 @@ PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t n
 PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_count_unreferenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* split_held's loop (store_victims' too) over exact lists ``hashes`` / ``sources`` and exact
+ * dicts ``cache`` / ``in_flight`` (held by the caller): the slots ``cache`` holds some hashes
+ * in onto ``held`` (with ``slot_limit`` >= 0 each must be an exact int in 1 .. slot_limit - 1,
+ * else ValueError; with a set ``held_seen`` (else NULL) each goes on once), the others, less
+ * those in flight and repeats (``seen``, a set), onto ``kept_hashes`` / ``kept_sources``.
+ * Code a key runs may change the lists: the loop stops at their new length. -1 with an
+ * exception. */
+int kv_sort_victims(PyObject *cache, PyObject *in_flight, PyObject *hashes, PyObject *sources,
+                    Py_ssize_t slot_limit, PyObject *held, PyObject *held_seen,
+                    PyObject *kept_hashes, PyObject *kept_sources, PyObject *seen);
 /* The position in ``blocks`` (a list) of the first non-null block a prefix hit cannot revive
  * (out of the pool's range, or neither in use nor in one of its eviction orders), -1 if none,
  * -2 with an exception. ``refs``: the pool's ref counts (a list); ``num_real`` and
@@ -76,6 +86,9 @@ int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *
  * ``hashes[start:stop]`` (a group block is one hash block); -1 with an exception. */
 int kv_pool_cache_range(PyObject *pool, PyObject *pool_dict, Py_ssize_t gid, PyObject *hashes,
                         PyObject *table, Py_ssize_t start, Py_ssize_t stop);
+
+/* tier_store.c: store_victims, the store of one group's victims into a tier pool. */
+PyObject *kv_py_store_victims(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* grow.c: the block-boundary step of a one-group full-attention allocator. */
 typedef struct {

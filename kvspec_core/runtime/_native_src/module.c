@@ -10,6 +10,7 @@
  *   block_queue.c  BlockQueue: the pools' eviction orders
  *   pool.c         release, touch, evict_take, cache_blocks, longest_hit,
  *                  count_unreferenced, split_held: the pool's loops
+ *   tier_store.c   store_victims: a batch of victims stored into an offload tier's pool
  *   dict_prefetch.h  asking for a dict lookup's memory a few keys ahead (large tier caches)
  *   records.c      register_types: the Python records read and written in place
  *   step.c         step, decode_step, SlotsFastPath: the per-step fast paths
@@ -52,6 +53,9 @@ static PyMethodDef native_methods[] = {
     {"split_held", (PyCFunction)(void (*)(void))kv_py_split_held, METH_FASTCALL,
      "split_held(cache, in_flight, hashes, sources) -> (held slots, hashes to store, their "
      "sources)"},
+    {"store_victims", (PyCFunction)(void (*)(void))kv_py_store_victims, METH_FASTCALL,
+     "store_victims(pool, in_flight, hashes, sources, out_sources, out_destinations, "
+     "out_hashes, transfer_id) -> int: one group's victims stored into a tier pool"},
     {"register_types", (PyCFunction)(void (*)(void))kv_py_register_types, METH_FASTCALL,
      "register_types(state_class, request_class, allocated_class, prefix_class): the records "
      "read and written in place"},

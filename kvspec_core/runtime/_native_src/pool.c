@@ -584,6 +584,66 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
  * hashes it does not hold, less those ``in_flight`` (``hash -> transfer id``) has and any
  * repeat of an earlier one, with their sources. tier_storing.split_held in Python.
  * ``cache`` and ``in_flight`` are exact dicts (a subclass's own lookup would not run here). */
+/* A slot a tier's cache names: an exact int in 1 .. limit - 1; else -1 with ValueError (a
+ * cache that names no slot of its pool: nothing may be refreshed from it). */
+static Py_ssize_t cached_slot(PyObject *slot, Py_ssize_t limit) {
+    Py_ssize_t value = PyLong_CheckExact(slot) ? PyLong_AsSsize_t(slot) : -1;
+    if (value == -1) PyErr_Clear();
+    if (value < 1 || value >= limit) {
+        PyErr_SetString(PyExc_ValueError,
+                        "store_victims: the tier's cache maps a hash to a value that is no "
+                        "slot of its pool");
+        return -1;
+    }
+    return value;
+}
+
+int kv_sort_victims(PyObject *cache, PyObject *in_flight, PyObject *hashes, PyObject *sources,
+                    Py_ssize_t slot_limit, PyObject *held, PyObject *held_seen,
+                    PyObject *kept_hashes, PyObject *kept_sources, PyObject *seen) {
+    /* The lists are re-read each time: a key's __hash__ / __eq__ may change them (the pair at
+     * hand is held meanwhile). */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes) && i < PyList_GET_SIZE(sources); i++) {
+        prefetch_lookups(cache, hashes, i);
+        PyObject *digest = PyList_GET_ITEM(hashes, i), *source = PyList_GET_ITEM(sources, i);
+        Py_INCREF(digest);
+        Py_INCREF(source);
+        PyObject *slot = PyDict_GetItemWithError(cache, digest); /* borrowed */
+        int failed = 0;
+        if (slot != NULL) {
+            Py_INCREF(slot);
+            if (slot_limit >= 0 && cached_slot(slot, slot_limit) < 0) {
+                failed = 1;
+            } else if (held_seen != NULL) {
+                /* An exact int (checked above): adding it runs no code. */
+                Py_ssize_t before = PySet_GET_SIZE(held_seen);
+                failed = PySet_Add(held_seen, slot) < 0;
+                if (!failed && PySet_GET_SIZE(held_seen) != before)
+                    failed = PyList_Append(held, slot) < 0;
+            } else {
+                failed = PyList_Append(held, slot) < 0;
+            }
+            Py_DECREF(slot);
+        } else if (PyErr_Occurred()) {
+            failed = 1;
+        } else {
+            int flying = PyDict_GET_SIZE(in_flight) ? PyDict_Contains(in_flight, digest) : 0;
+            failed = flying < 0;
+            if (!failed && !flying) {
+                Py_ssize_t before = PySet_GET_SIZE(seen);
+                failed = PySet_Add(seen, digest) < 0;
+                if (!failed && PySet_GET_SIZE(seen) != before)
+                    failed = PyList_Append(kept_hashes, digest) < 0
+                             || PyList_Append(kept_sources, source) < 0;
+            }
+        }
+        Py_DECREF(digest);
+        Py_DECREF(source);
+        if (failed) return -1;
+    }
+    return 0;
+}
+
 PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "split_held(cache, in_flight, hashes, sources)");
@@ -601,48 +661,14 @@ PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     PyObject *held = PyList_New(0), *kept_hashes = PyList_New(0), *kept_sources = PyList_New(0);
-    PyObject *seen = PySet_New(NULL);
-    if (held == NULL || kept_hashes == NULL || kept_sources == NULL || seen == NULL) goto fail;
-    /* The lists are re-read each time: a key's __hash__ / __eq__ may change them (the pair at
-     * hand is held meanwhile). */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes) && i < PyList_GET_SIZE(sources); i++) {
-        prefetch_lookups(cache, hashes, i);
-        PyObject *digest = PyList_GET_ITEM(hashes, i), *source = PyList_GET_ITEM(sources, i);
-        Py_INCREF(digest);
-        Py_INCREF(source);
-        PyObject *slot = PyDict_GetItemWithError(cache, digest); /* borrowed */
-        int failed = 0;
-        if (slot != NULL) {
-            Py_INCREF(slot);
-            failed = PyList_Append(held, slot) < 0;
-            Py_DECREF(slot);
-        } else if (PyErr_Occurred()) {
-            failed = 1;
-        } else {
-            int flying = PyDict_GET_SIZE(in_flight) ? PyDict_Contains(in_flight, digest) : 0;
-            failed = flying < 0;
-            if (!failed && !flying) {
-                Py_ssize_t before = PySet_GET_SIZE(seen);
-                failed = PySet_Add(seen, digest) < 0;
-                if (!failed && PySet_GET_SIZE(seen) != before)
-                    failed = PyList_Append(kept_hashes, digest) < 0
-                             || PyList_Append(kept_sources, source) < 0;
-            }
-        }
-        Py_DECREF(digest);
-        Py_DECREF(source);
-        if (failed) goto fail;
-    }
-    Py_DECREF(seen);
-    PyObject *result = PyTuple_Pack(3, held, kept_hashes, kept_sources);
-    Py_DECREF(held);
-    Py_DECREF(kept_hashes);
-    Py_DECREF(kept_sources);
-    return result;
-fail:
+    PyObject *seen = PySet_New(NULL), *result = NULL;
+    if (held != NULL && kept_hashes != NULL && kept_sources != NULL && seen != NULL
+        && kv_sort_victims(cache, in_flight, hashes, sources, -1, held, NULL, kept_hashes,
+                           kept_sources, seen) == 0)
+        result = PyTuple_Pack(3, held, kept_hashes, kept_sources);
     Py_XDECREF(held);
     Py_XDECREF(kept_hashes);
     Py_XDECREF(kept_sources);
     Py_XDECREF(seen);
-    return NULL;
+    return result;
 }

@@ -82,10 +82,20 @@ static int take_fresh(PyObject *fresh, PyObject *refs, Py_ssize_t count, PyObjec
     return failed ? -1 : PySequence_DelSlice(fresh, first, length);
 }
 
-PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
-    PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
-    PyObject *fresh = refs == NULL ? NULL : kv_pool_get(pool_dict, POOL_FRESH);
-    PyObject *evictable = fresh == NULL ? NULL : kv_pool_get(pool_dict, POOL_EVICTABLE);
+/* The pool's attribute ``field``, held in ``held[field]`` (released by kv_pool_take), or
+ * NULL with AttributeError. */
+static PyObject *held_field(PyObject *pool_dict, int field, PyObject **held) {
+    PyObject *value = kv_pool_get(pool_dict, field);
+    Py_XINCREF(value);
+    held[field] = value;
+    return value;
+}
+
+static PyObject *take_held(PyObject *pool, PyObject *pool_dict, Py_ssize_t count,
+                           PyObject **held) {
+    PyObject *refs = held_field(pool_dict, POOL_REF_COUNTS, held);
+    PyObject *fresh = refs == NULL ? NULL : held_field(pool_dict, POOL_FRESH, held);
+    PyObject *evictable = fresh == NULL ? NULL : held_field(pool_dict, POOL_EVICTABLE, held);
     if (evictable == NULL) return NULL;
     if (!PyList_CheckExact(refs)) {
         PyErr_SetString(PyExc_TypeError, "the pool's ref_counts changed type");
@@ -103,15 +113,15 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
         return taken;
     }
     if ((num_evictable = PyObject_Length(evictable)) < 0) return NULL;
-    PyObject *on_evict = kv_pool_get(pool_dict, POOL_ON_EVICT);
+    PyObject *on_evict = held_field(pool_dict, POOL_ON_EVICT, held);
     if (on_evict == NULL) return NULL;
     if (count - num_fresh <= num_evictable) {
         /* Every uncached block, then never-reused cached ones evicted in one pass; a pool
          * with an eviction hook (offload tiers) then tells it the victims, as
          * BlockPool.take does. */
-        PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
-        PyObject *block_group = caches ? kv_pool_get(pool_dict, POOL_BLOCK_GROUP) : NULL;
-        PyObject *block_hash = block_group ? kv_pool_get(pool_dict, POOL_BLOCK_HASH) : NULL;
+        PyObject *caches = held_field(pool_dict, POOL_CACHES, held);
+        PyObject *block_group = caches ? held_field(pool_dict, POOL_BLOCK_GROUP, held) : NULL;
+        PyObject *block_hash = block_group ? held_field(pool_dict, POOL_BLOCK_HASH, held) : NULL;
         PyObject *taken = block_hash == NULL ? NULL : PyList_New(0);
         if (taken == NULL) return NULL;
         int hooked = on_evict != Py_None;
@@ -128,7 +138,7 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
             done = kv_py_evict_take(NULL, args, hooked ? 9 : 7);
         }
         Py_XDECREF(rest);
-        PyObject *epoch = done == NULL ? NULL : kv_pool_get(pool_dict, POOL_EPOCH);
+        PyObject *epoch = done == NULL ? NULL : held_field(pool_dict, POOL_EPOCH, held);
         PyObject *next = epoch == NULL ? NULL : PyNumber_Add(epoch, kv_one);
         int failed = next == NULL || PyDict_SetItem(pool_dict, names[POOL_EPOCH], next) < 0;
         Py_XDECREF(done);
@@ -160,6 +170,16 @@ PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
         PyErr_SetString(PyExc_TypeError, "BlockPool.take must return a list");
         return NULL;
     }
+    return taken;
+}
+
+PyObject *kv_pool_take(PyObject *pool, PyObject *pool_dict, Py_ssize_t count) {
+    /* Everything read from the pool is held for the whole take: a container's __len__, a
+     * hostile cache key's __eq__ (an eviction deletes keys) or the hook may replace the
+     * pool's attributes, freeing what a borrowed pointer would still read. */
+    PyObject *held[POOL_FIELDS] = {NULL};
+    PyObject *taken = take_held(pool, pool_dict, count, held);
+    for (int i = 0; i < POOL_FIELDS; i++) Py_XDECREF(held[i]);
     return taken;
 }
 
