@@ -26,6 +26,7 @@ to be stored at its eviction.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import compress
 from typing import Any
 
 from kvspec_core.errors import AllocatorError
@@ -158,23 +159,30 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
             taken_total += len(taken)
             refs = device.ref_counts
             table = tables[gid]
-            stride = hash_strides[gid]
-            by_tier: dict[int, PendingTransfer] = {}
-            for (index, tier, slot), block in zip(group_loads, taken, strict=True):
+            for (index, _, _), block in zip(group_loads, taken, strict=True):
                 table[index] = block
+            for block in taken:
                 refs[block] += 1  # the transfer's own reference
-                pending = by_tier.get(tier)
-                if pending is None:
-                    pending = self._append(LOAD, gid, pool_index, tier, DEVICE_TIER)
-                    pending.request_id = request_id
-                    pending.request = state
-                    pending.first_position = index * block_tokens[gid]
-                    by_tier[tier] = pending
-                elif index * block_tokens[gid] < pending.first_position:
-                    pending.first_position = index * block_tokens[gid]
-                pending.source.append(slot)
-                pending.destination.append(block)
-                pending.hashes.append(fine[(index + 1) * stride - 1])
+            stride = hash_strides[gid]
+            tokens = block_tokens[gid]
+            # One load per tier, made in the order the tiers first appear (whole lists at
+            # a time: a prefix loads up to thousands of blocks).
+            tiers = dict.fromkeys(entry[1] for entry in group_loads)
+            for tier in tiers:
+                if len(tiers) == 1:
+                    picked, blocks = group_loads, taken
+                else:
+                    mask = [entry[1] == tier for entry in group_loads]
+                    picked = list(compress(group_loads, mask))
+                    blocks = list(compress(taken, mask))
+                indices = [entry[0] for entry in picked]
+                pending = self._append(LOAD, gid, pool_index, tier, DEVICE_TIER)
+                pending.request_id = request_id
+                pending.request = state
+                pending.first_position = min(indices) * tokens
+                pending.source.extend([entry[2] for entry in picked])
+                pending.destination.extend(blocks)
+                pending.hashes.extend([fine[(index + 1) * stride - 1] for index in indices])
         return taken_total
 
     # ----------------------------------------------------------------- the engine's side

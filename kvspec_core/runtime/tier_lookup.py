@@ -43,14 +43,22 @@ class TierLookup(TierState):
                 block_ids.append(())
                 loads.append(())
                 continue
-            group_loads = []
             table = list(ids)
-            for index, block in enumerate(table) if table and min(table) < 0 else ():
-                if block < 0:
-                    code = -block
-                    number = (code - 1) % count + 1
-                    group_loads.append((index, number, (code - number) // count))
-                    table[index] = 0
+            # A tier's slot is coded as -(slot * count + tier number): see continued_run.
+            if not table or min(table) >= 0:
+                group_loads = []
+            elif count == 1:
+                group_loads = [
+                    (index, 1, -block - 1) for index, block in enumerate(table) if block < 0
+                ]
+            else:
+                group_loads = [
+                    (index, (-block - 1) % count + 1, (-block - 1) // count)
+                    for index, block in enumerate(table)
+                    if block < 0
+                ]
+            for index, _, _ in group_loads:
+                table[index] = 0
             block_ids.append(tuple(table))
             loads.append(tuple(group_loads))
             any_load = any_load or bool(group_loads)
