@@ -11,6 +11,8 @@ engine on another model object with the same weights, starts empty: its lookup f
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from remote_testkit import SALT, publish_a, remote_engine
 from transformers_testkit import (
@@ -150,6 +152,45 @@ def test_the_server_killed_mid_run_the_engine_keeps_working(valkey: ServerProces
     again = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B again")
     assert again.cached_tokens == SHARED_PREFIX
     assert again.token_ids == model_case("llama").reference["b"]
+    engine.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_the_server_back_the_engine_gets_remote_hits_again(
+    name: str, valkey: ServerProcess
+) -> None:
+    """Recovery: replica 2 runs while the server is dead (its breaker opens; misses, its
+    own tokens), the server comes back empty on the same port, a new replica 1 publishes A
+    again, and once the breaker's open period is over replica 2's next lookup for B is a
+    remote hit again, token-identical, with no restart of replica 2. Gemma 2: both groups'
+    stores recover through their one server."""
+    open_for_s = 2.0
+    engine = replica_2(name, valkey.port, failures_to_open=2, open_for_s=open_for_s)
+    assert engine.remote is not None
+    stores = list(engine.remote.stores.values())
+    valkey.kill()
+    # Requests until the breaker opens (its fetches and publishes fail): tokens their own.
+    for seed in range(3):
+        result = engine.generate(token_ids(57, seed=400 + seed), NEW_TOKENS)
+        assert result.cached_tokens == 0
+        if all(store.breaker_open for store in stores):
+            break
+    assert all(store.breaker_open for store in stores)
+    failed = sum(store.counters.errors + store.counters.timeouts for store in stores)
+    assert failed >= 2
+
+    valkey.start()  # empty: what replica 2 could not publish is not there
+    replica_1_publishes_a(name, valkey.port)
+    # The breaker's clock is the real monotonic one: past its open period, the next call
+    # is tried, answered, and closes the breaker for every group.
+    time.sleep(open_for_s * 1.2)
+    result = engine.generate(PROMPT_B, NEW_TOKENS, request_id="B")
+    assert result.cached_tokens == SHARED_PREFIX
+    assert result.cached_tokens_by_tier == {"device": 0, "host": SHARED_PREFIX}
+    assert result.token_ids == model_case(name).reference["b"]
+    assert not any(store.breaker_open for store in stores)
+    assert sum(store.counters.errors + store.counters.timeouts for store in stores) == failed
+    assert engine.remote.counters.fetched > 0
     engine.allocator.check_invariants()
 
 
