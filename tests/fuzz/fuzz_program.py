@@ -49,7 +49,7 @@ from kvspec_core.runtime import (
     native as native_switch,
 )
 from kvspec_core.runtime.pool import EVICTION_POLICIES
-from kvspec_core.runtime.tier_storing import store_victims as tier_store_victims
+from kvspec_core.runtime.tier_victims import store_victims as tier_store_victims
 from kvspec_core.specs.base import KVSpec
 
 # The runtime tests' spec builders (small full / sliding / chunked / Mamba specs).

@@ -1,5 +1,5 @@
 """``native.split_held`` (the tier store's sorting of a batch of victims: held by the tier,
-in flight to it, repeated, to copy) answers as its Python twin, ``tier_storing.split_held``,
+in flight to it, repeated, to copy) answers as its Python twin, ``tier_victims.split_held``,
 and refuses or survives what a hostile caller passes without crashing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvspec_core.runtime.native import native
-from kvspec_core.runtime.tier_storing import split_held
+from kvspec_core.runtime.tier_victims import split_held
 
 pytestmark = [
     pytest.mark.both_kernels,

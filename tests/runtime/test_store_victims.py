@@ -1,7 +1,7 @@
 """``native.store_victims`` (a batch of one group's victims stored into an offload tier's pool
 in one C call: sorted against the tier's cache and the copies in flight, the held ones
 refreshed, slots taken, the copies recorded) answers as its Python twin,
-``tier_storing.store_victims``: the same result, the same pool afterwards, the same
+``tier_victims.store_victims``: the same result, the same pool afterwards, the same
 refusals (same exception, nothing changed)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 
 from kvspec_core.runtime import pool as pool_module
-from kvspec_core.runtime import tier_storing
+from kvspec_core.runtime import tier_victims
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.pool import BlockPool
-from kvspec_core.runtime.tier_storing import store_victims
+from kvspec_core.runtime.tier_victims import store_victims
 
 pytestmark = [
     pytest.mark.both_kernels,
@@ -109,7 +109,7 @@ def test_the_kernel_stores_a_batch_as_the_python_twin(
     assert outcome(native.store_victims, build_pool(*plan), args) == expected
     # The twin on the pure-Python pool (OrderedDict eviction orders) stores the same.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tier_storing, "native", None)
+        patch.setattr(tier_victims, "native", None)
         assert outcome(store_victims, pure_pool(*plan), args) == expected
     # What the twin promises, stated directly (a model of the store).
     stored, after, flying, _, _, (out_sources, out_slots, out_hashes) = expected

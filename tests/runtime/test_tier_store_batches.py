@@ -6,11 +6,13 @@ the stores of one group's evictions (``TierStoring._store_group`` against the pe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
-from runtime_testkit import full, make_allocator
+from runtime_testkit import full, make_allocator, sliding
 
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.pool import BlockPool
@@ -80,6 +82,22 @@ def tiered_allocator(reference: bool) -> Any:
     return allocator
 
 
+def hybrid_allocator(reference: bool) -> Any:
+    """Full attention and a sliding window (2 blocks) sharing one pool and its tiers: a
+    batch of victims mixes the groups' blocks (``_store_mixed``; the reference stores
+    them block by block, ``_store_each``)."""
+    allocator = make_allocator(
+        [full(2), sliding(2, 4)],
+        12,
+        pool_of_group=[0, 0],
+        offload_tiers=[OffloadTier("host", 7), OffloadTier("disk", 6)],
+    )
+    if reference:
+        tiers: Any = allocator._tiers
+        tiers._store_mixed = tiers._store_each
+    return allocator
+
+
 def transfers_of(allocator: Any, taken: list[Any]) -> list[tuple[Any, ...]]:
     return [
         (
@@ -98,9 +116,19 @@ def transfers_of(allocator: Any, taken: list[Any]) -> list[tuple[Any, ...]]:
 def tier_state(allocator: Any) -> list[Any]:
     tiers = allocator._tiers
     return [
-        [(dict(slots.caches[0]), list(slots._evictable), slots.num_free_blocks) for slots in row]
+        [
+            (
+                {gid: dict(cache) for gid, cache in slots.caches.items()},
+                list(slots._evictable),
+                slots.num_free_blocks,
+            )
+            for slots in row
+        ]
         for row in tiers.tier_pools
-    ] + [tiers.blocks_moved, [dict(storing[0]) for storing in tiers._storing]]
+    ] + [
+        tiers.blocks_moved,
+        [{gid: dict(flying) for gid, flying in storing.items()} for storing in tiers._storing],
+    ]
 
 
 PROMPTS = [
@@ -120,10 +148,14 @@ actions = st.lists(
 )
 
 
-def serve_both(actions: list[tuple[str, int, int]]) -> None:
+def serve_both(
+    actions: list[tuple[str, int, int]], allocator_for: Callable[[bool], Any] | None = None
+) -> None:
     """Run ``actions`` on an allocator storing in batches and on one storing block by
-    block: the same hits, transfers, tier contents and eviction orders after each."""
-    batched, reference = tiered_allocator(False), tiered_allocator(True)
+    block (``allocator_for(reference)``; default :func:`tiered_allocator`): the same hits,
+    transfers, tier contents and eviction orders after each."""
+    make = allocator_for or tiered_allocator
+    batched, reference = make(False), make(True)
     handed: list[list[Any]] = [[], []]
     for step, (kind, prompt, extra) in enumerate(actions):
         seen: list[Any] = []
@@ -162,28 +194,69 @@ def test_batched_stores_are_the_per_block_stores(actions: list[tuple[str, int, i
     serve_both(actions)
 
 
-def test_batched_stores_skip_what_is_held_in_flight_or_evicted_twice() -> None:
-    """A hash stored and loaded back, evicted again (held by the host: refreshed); one
-    evicted twice between takes (stored once); one evicted while its store is in flight
-    (skipped)."""
-    serve_both(
-        [
-            ("serve and settle", 0, 0),
-            ("serve and settle", 3, 0),  # 0's blocks to the host
-            ("serve and settle", 0, 0),  # loaded back from the host
-            ("serve and settle", 3, 0),  # evicted again: the host holds them
-            ("serve", 0, 1),
-            ("serve", 3, 1),
-            ("serve", 0, 1),
-            ("serve", 3, 1),  # 0's new blocks evicted twice since the last take
-            ("take", 0, 0),
-            ("serve", 0, 1),
-            ("serve", 3, 1),  # evicted while their stores are in flight
-            ("take", 0, 0),
-            ("complete", 0, 2),
-            ("serve and settle", 2, 2),
-        ]
-    )
+HELD_IN_FLIGHT_OR_EVICTED_TWICE = [
+    ("serve and settle", 0, 0),
+    ("serve and settle", 3, 0),  # 0's blocks to the host
+    ("serve and settle", 0, 0),  # loaded back from the host
+    ("serve and settle", 3, 0),  # evicted again: the host holds them
+    ("serve", 0, 1),
+    ("serve", 3, 1),
+    ("serve", 0, 1),
+    ("serve", 3, 1),  # 0's new blocks evicted twice since the last take
+    ("take", 0, 0),
+    ("serve", 0, 1),
+    ("serve", 3, 1),  # evicted while their stores are in flight
+    ("take", 0, 0),
+    ("complete", 0, 2),
+    ("serve and settle", 2, 2),
+]
+
+
+@pytest.mark.parametrize("allocator_for", [tiered_allocator, hybrid_allocator])
+def test_batched_stores_skip_what_is_held_in_flight_or_evicted_twice(
+    allocator_for: Callable[[bool], Any],
+) -> None:
+    """A hash stored and loaded back, evicted again (held by the host: refreshed, several
+    at once, in batch order); one evicted twice between takes (stored once); one evicted
+    while its store is in flight (skipped). One group, and a hybrid's two."""
+    serve_both(HELD_IN_FLIGHT_OR_EVICTED_TWICE, allocator_for)
+
+
+@settings(max_examples=300, deadline=None)
+@given(actions=actions)
+def test_a_hybrids_mixed_batches_store_as_block_by_block(
+    actions: list[tuple[str, int, int]],
+) -> None:
+    """Both groups' victims in one batch, held, in flight, repeated or new, room or not:
+    the whole-list form gives the reference's transfers (ids, order, blocks), tier
+    contents, eviction orders and in-flight maps."""
+    serve_both(actions, hybrid_allocator)
+
+
+def test_a_hybrids_mixed_batches_go_through_the_whole_list_form() -> None:
+    """The hybrid test above exercises ``_store_mixed`` (not only the bulk path): a
+    batch holding blocks the host tier already has takes it."""
+    allocator = hybrid_allocator(False)
+    tiers: Any = allocator._tiers
+    calls: list[int] = []
+    mixed = tiers._store_mixed
+
+    def counted(*args: Any) -> None:
+        calls.append(len(args[2]))
+        mixed(*args)
+
+    tiers._store_mixed = counted
+    for step, prompt in enumerate((0, 3, 0, 3, 0, 3)):
+        request = Request(f"r{step}", PROMPTS[prompt])
+        prefix = allocator.find_cached_prefix(request)
+        if allocator.allocate_slots(
+            request, len(request.token_ids) - prefix.num_tokens, prefix=prefix
+        ):
+            allocator.free(request.request_id)
+        taken = allocator.take_transfers()
+        allocator.complete_transfers([t.transfer_id for t in taken], True)
+    assert calls, "no batch took the whole-list form"
+    allocator.check_invariants()
 
 
 # ----------------------------------------------------------------- the eviction hook

@@ -582,7 +582,7 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
  * dict lookups instead of a Python call per block: ``held`` the slots ``cache`` (the tier's
  * ``hash -> slot``) holds some of the hashes in, in order (repeats included); then the
  * hashes it does not hold, less those ``in_flight`` (``hash -> transfer id``) has and any
- * repeat of an earlier one, with their sources. tier_storing.split_held in Python.
+ * repeat of an earlier one, with their sources. tier_victims.split_held in Python.
  * ``cache`` and ``in_flight`` are exact dicts (a subclass's own lookup would not run here). */
 /* A slot a tier's cache names: an exact int in 1 .. limit - 1; else -1 with ValueError (a
  * cache that names no slot of its pool: nothing may be refreshed from it). */

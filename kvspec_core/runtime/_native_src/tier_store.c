@@ -1,5 +1,5 @@
 /* store_victims: the store of a batch of one group's victims into an offload tier's pool in
- * one call (tier_storing.store_victims in Python, the reference; TierStoring._store_group
+ * one call (tier_victims.store_victims in Python, the reference; TierStoring._store_group
  * calls it for a tier pool of one group): sorting the victims against the tier's cache
  * and the copies in flight (split_held's loop), refreshing the entries the tier holds,
  * taking slots for the rest (free ones, then the tier's LRU victims) and recording the
@@ -63,7 +63,7 @@ static int refresh(PyObject *pool_dict, PyObject *slots) {
 }
 
 /* store_victims(pool, in_flight, hashes, sources, out_sources, out_destinations, out_hashes,
- * transfer_id) -> int. See tier_storing.store_victims. */
+ * transfer_id) -> int. See tier_victims.store_victims. */
 PyObject *kv_py_store_victims(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8) {
         PyErr_SetString(PyExc_TypeError,
