@@ -627,3 +627,39 @@ def test_a_held_requests_next_chunk_meets_the_full_sequence_gate(
         )
         answers.append(None if blocks is None else len(blocks.get_block_ids()[0]))
     assert answers == ([None, None] if growth == 400 else [2, 2])
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral", "gemma2"])
+def test_estimated_cached_tokens_as_vllms_manager(tmp_path: Path, model: str) -> None:
+    """``estimate_cached_tokens`` (what the scheduler reports as a request's cached tokens
+    when its prefill stats are finalised) answers as vLLM's manager step by step, called as
+    ``Scheduler.update_from_output`` calls it: after the step's tokens are counted computed
+    and its sampled token appended. Two requests sharing 64 tokens, each through its
+    prefill and 40 decode steps (crossing block boundaries; the window is 256 tokens)."""
+    config = vllm_scheduler_step.vllm_config_for(model, tmp_path, blocks=64)
+    shared = list(range(1, 65))
+    answers = []
+    for manager in _vllms_manager_and_kvspecs(config, 64):
+        first, second = _requests([shared + list(range(100, 136)), shared + list(range(200, 250))])
+        seen = []
+        for request in (first, second):
+            blocks, hit = manager.get_computed_blocks(request)[:2]
+            for step in range(41):  # the prefill, then 40 decode steps
+                if step == 0:
+                    allocated = manager.allocate_slots(
+                        request,
+                        request.num_tokens - hit,
+                        num_new_computed_tokens=hit,
+                        new_computed_blocks=blocks,
+                    )
+                    request.num_computed_tokens = request.num_tokens
+                else:
+                    allocated = manager.allocate_slots(request, 1)
+                    request.num_computed_tokens += 1
+                assert allocated is not None
+                request.append_output_token_ids(1000 + step)
+                seen.append((hit, manager.estimate_cached_tokens(request)))
+        answers.append(seen)
+    vllms, kvspecs = answers
+    assert kvspecs == vllms
+    assert vllms[0] == (0, 96) and vllms[-1][0] == 64
