@@ -96,6 +96,8 @@ class TierStoring(TierState):
         slots = self.tier_pools[index][pool]
         assert slots is not None
         storing = self._storing[index]
+        if not len(groups) == len(hashes) == len(sources):
+            raise ValueError("_store_mixed: groups, hashes and sources differ in length")
         lookups = {gid: cache.get for gid, cache in slots.caches.items()}
         held = [lookups[gid](digest) for gid, digest in zip(groups, hashes, strict=True)]
         kept = [

@@ -124,11 +124,13 @@ def store_victims(
         raise TypeError("BlockPool.take must return a list")
     if len(taken) != len(kept_hashes):
         raise RuntimeError("store_victims: the pool handed out a wrong count")
+    # Counted before the outputs grow: an output list may be the caller's victim list too.
+    stored = len(kept_hashes)
+    in_flight.update(dict.fromkeys(kept_hashes, transfer_id))
     out_sources.extend(kept_sources)
     out_destinations.extend(taken)
     out_hashes.extend(kept_hashes)
-    in_flight.update(dict.fromkeys(kept_hashes, transfer_id))
-    return len(kept_hashes)
+    return stored
 
 
 def refresh_held(pool: BlockPool, held: list[int]) -> None:

@@ -1016,9 +1016,13 @@ class Side:
         if hostile.startswith("key_"):
             if self.config not in CRASH_ONLY_CONFIGS:
                 return ["skip"]
-            key = _StoreKey(hostile[4:], pool, hashes, sources, hashes[0])
+            # Inserted disarmed (it collides with hashes[0], which the cache may hold:
+            # the insert itself compares them), armed for the store only.
+            key = _StoreKey(None, pool, hashes, sources, hashes[0])
             pool.caches[gid][key] = 1
+            key.action = hostile[4:]
             answer = self.attempt(lambda: store(sources))
+            key.action = None
             for cache in list(getattr(pool, "caches", {}).values()):
                 with contextlib.suppress(Exception):
                     cache.pop(key, None)
@@ -1119,13 +1123,18 @@ class _StoreKey(bytes):
     """A key of a tier's cache colliding with a victim's hash: its ``__eq__`` (run by the
     lookup of that hash) does ``action`` to the pool or the victim lists, then says no."""
 
-    action: str
+    action: str | None  # None: disarmed (no action)
     pool: Any
     lists: tuple[list[Any], list[Any]]
     collide: bytes
 
     def __new__(
-        cls, action: str, pool: Any, hashes: list[Any], sources: list[Any], collide: bytes
+        cls,
+        action: str | None,
+        pool: Any,
+        hashes: list[Any],
+        sources: list[Any],
+        collide: bytes,
     ) -> _StoreKey:
         key = super().__new__(cls, b"hostile-store-key")
         key.action, key.pool, key.lists, key.collide = action, pool, (hashes, sources), collide
@@ -1138,6 +1147,8 @@ class _StoreKey(bytes):
         import copy
 
         pool, action = self.pool, self.action
+        if action is None:
+            return False
         if action == "clear":
             for victims in self.lists:
                 victims.clear()

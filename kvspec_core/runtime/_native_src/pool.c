@@ -577,13 +577,6 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
     return found;
 }
 
-/* split_held(cache, in_flight, hashes, sources) -> (held, hashes, sources): the tier store's
- * sorting of one group's victims (``hashes``, copied from ``sources``), in one pass of C-level
- * dict lookups instead of a Python call per block: ``held`` the slots ``cache`` (the tier's
- * ``hash -> slot``) holds some of the hashes in, in order (repeats included); then the
- * hashes it does not hold, less those ``in_flight`` (``hash -> transfer id``) has and any
- * repeat of an earlier one, with their sources. tier_victims.split_held in Python.
- * ``cache`` and ``in_flight`` are exact dicts (a subclass's own lookup would not run here). */
 /* A slot a tier's cache names: an exact int in 1 .. limit - 1; else -1 with ValueError (a
  * cache that names no slot of its pool: nothing may be refreshed from it). */
 static Py_ssize_t cached_slot(PyObject *slot, Py_ssize_t limit) {
@@ -644,6 +637,13 @@ int kv_sort_victims(PyObject *cache, PyObject *in_flight, PyObject *hashes, PyOb
     return 0;
 }
 
+/* split_held(cache, in_flight, hashes, sources) -> (held, hashes, sources): the tier store's
+ * sorting of one group's victims (``hashes``, copied from ``sources``), in one pass of C-level
+ * dict lookups instead of a Python call per block: ``held`` the slots ``cache`` (the tier's
+ * ``hash -> slot``) holds some of the hashes in, in order (repeats included); then the
+ * hashes it does not hold, less those ``in_flight`` (``hash -> transfer id``) has and any
+ * repeat of an earlier one, with their sources. tier_victims.split_held in Python.
+ * ``cache`` and ``in_flight`` are exact dicts (a subclass's own lookup would not run here). */
 PyObject *kv_py_split_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "split_held(cache, in_flight, hashes, sources)");
