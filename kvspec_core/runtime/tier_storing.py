@@ -124,14 +124,16 @@ class TierStoring(TierState):
         kept_groups = [entry[0] for entry in kept]
         starts = [0, *(i for i in range(1, len(kept)) if kept_groups[i] != kept_groups[i - 1])]
         for start, end in zip(starts, [*starts[1:], len(kept)], strict=True):
-            gid = kept_groups[start]
             run = kept[start:end]
-            run_hashes = [entry[1] for entry in run]
-            pending = self._append(STORE, gid, pool, source_tier, index + 1)
-            pending.source.extend([entry[2] for entry in run])
-            pending.destination.extend(taken[start:end])
-            pending.hashes.extend(run_hashes)
-            storing[gid].update(dict.fromkeys(run_hashes, pending.transfer_id))
+            self._record_stores(
+                index,
+                pool,
+                kept_groups[start],
+                source_tier,
+                [entry[2] for entry in run],
+                taken[start:end],
+                [entry[1] for entry in run],
+            )
 
     def _store_each(
         self,
@@ -248,9 +250,24 @@ class TierStoring(TierState):
         if not hashes:
             return
         taken = slots.take(len(hashes))  # may evict: those slots' stores are recorded first
+        self._record_stores(index, pool, gid, source_tier, sources, taken, hashes)
+
+    def _record_stores(
+        self,
+        index: int,
+        pool: int,
+        gid: int,
+        source_tier: int,
+        sources: list[int],
+        slots: list[int],
+        hashes: list[bytes],
+    ) -> None:
+        """Record copies of ``gid``'s blocks ``sources`` (of tier ``source_tier``) into the
+        taken ``slots`` of tier ``index`` under ``hashes``: extending the last store not
+        handed out where it is the same copy, each hash in flight to that transfer."""
         pending = self._append(STORE, gid, pool, source_tier, index + 1)
         pending.source.extend(sources)
-        pending.destination.extend(taken)
+        pending.destination.extend(slots)
         pending.hashes.extend(hashes)
         self._storing[index][gid].update(dict.fromkeys(hashes, pending.transfer_id))
 
