@@ -76,7 +76,11 @@ class Admission(BlockCaching):
                 table[index] = 0  # never touched, so nothing to release
             num_skipped[gid] = skip
             if isinstance(prefix, TieredPrefix):
-                kept = [entry for entry in prefix.loads[gid] if entry[0] >= skip]
+                kept = (
+                    [entry for entry in prefix.loads[gid] if entry[0] >= skip]
+                    if skip
+                    else list(prefix.loads[gid])
+                )
                 if kept:
                     loads[gid] = kept
             nulls, real = rules.blocks_needed(len(table), known, total, request.num_encoder_tokens)
@@ -218,6 +222,11 @@ class Admission(BlockCaching):
         loaded: list[set[int]] = [set() for _ in block_ids]
         if tiered:
             assert self._tiers is not None and isinstance(prefix, TieredPrefix)
+            if not evicted_since and self._tiers.handed_out_unchanged(request, prefix):
+                # Handed out for this very request, unchanged, no pool or tier evicted
+                # since: every device block is still cached and every load's slot still
+                # holds its hash (the structure was checked above).
+                return None
             stale, why = self._tiers.check_loads(
                 request, prefix, fine, self._holding, self._hash_stride
             )

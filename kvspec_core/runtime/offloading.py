@@ -25,8 +25,10 @@ to be stored at its eviction.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from itertools import compress
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import compress, repeat
+from operator import add, eq, itemgetter, mul, sub
 from typing import Any
 
 from kvspec_core.errors import AllocatorError
@@ -140,14 +142,29 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         """Lock the tier slots of ``loads`` (per group), give each a new device block at its
         position of ``tables``, and record the loads (one transfer per group and tier).
         The caller counted these blocks in its shortfall check. Returns the blocks taken."""
+        # Whole lists at a time: a prefix loads up to thousands of blocks. Per group, per
+        # tier in the order the tiers first appear: the table positions and the slots.
+        columns: dict[int, dict[int, tuple[list[int], list[int], list[bool] | None]]] = {}
+        for gid, group_loads in loads.items():
+            indices = list(map(itemgetter(0), group_loads))
+            tiers = list(map(itemgetter(1), group_loads))
+            sources = list(map(itemgetter(2), group_loads))
+            if not tiers or tiers.count(tiers[0]) == len(tiers):
+                columns[gid] = {tiers[0]: (indices, sources, None)} if tiers else {}
+                continue
+            columns[gid] = {}
+            for tier in dict.fromkeys(tiers):
+                mask = list(map(eq, tiers, repeat(tier)))
+                columns[gid][tier] = (
+                    list(compress(indices, mask)),
+                    list(compress(sources, mask)),
+                    mask,
+                )
         # Lock every source slot first: taking device blocks may evict into the tiers,
         # and a tier's eviction must not take a slot this admission reads.
-        for gid, group_loads in loads.items():
+        for gid, by_tier in columns.items():
             pool = self.pool_of_group[gid]
-            by_tier_slots: dict[int, list[int]] = {}
-            for _, tier, slot in group_loads:
-                by_tier_slots.setdefault(tier, []).append(slot)
-            for tier, tier_slots in by_tier_slots.items():
+            for tier, (_, tier_slots, _) in by_tier.items():
                 slots = self.tier_pools[tier - 1][pool]
                 assert slots is not None
                 slots.touch(tier_slots, known_cached=True)
@@ -159,30 +176,30 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
             taken_total += len(taken)
             refs = device.ref_counts
             table = tables[gid]
-            for (index, _, _), block in zip(group_loads, taken, strict=True):
-                table[index] = block
-            for block in taken:
-                refs[block] += 1  # the transfer's own reference
+            if len(taken) != len(group_loads):
+                raise AllocatorError(
+                    f"admit_loads: the device pool gave {len(taken)} of {len(group_loads)} blocks"
+                )
+            _scatter(table, map(itemgetter(0), group_loads), taken)
+            # The transfer's own reference.
+            _scatter(refs, taken, map(add, map(refs.__getitem__, taken), repeat(1)))
             stride = hash_strides[gid]
             tokens = block_tokens[gid]
-            # One load per tier, made in the order the tiers first appear (whole lists at
-            # a time: a prefix loads up to thousands of blocks).
-            tiers = dict.fromkeys(entry[1] for entry in group_loads)
-            for tier in tiers:
-                if len(tiers) == 1:
-                    picked, blocks = group_loads, taken
-                else:
-                    mask = [entry[1] == tier for entry in group_loads]
-                    picked = list(compress(group_loads, mask))
-                    blocks = list(compress(taken, mask))
-                indices = [entry[0] for entry in picked]
+            # One load per tier.
+            for tier, (indices, tier_slots, picked) in columns[gid].items():
                 pending = self._append(LOAD, gid, pool_index, tier, DEVICE_TIER)
                 pending.request_id = request_id
                 pending.request = state
                 pending.first_position = min(indices) * tokens
-                pending.source.extend([entry[2] for entry in picked])
-                pending.destination.extend(blocks)
-                pending.hashes.extend([fine[(index + 1) * stride - 1] for index in indices])
+                pending.source.extend(tier_slots)
+                pending.destination.extend(taken if picked is None else compress(taken, picked))
+                # Each block's hash: the last hash block it covers.
+                pending.hashes.extend(
+                    map(
+                        fine.__getitem__,
+                        map(sub, map(mul, indices, repeat(stride)), repeat(1 - stride)),
+                    )
+                )
         return taken_total
 
     # ----------------------------------------------------------------- the engine's side
@@ -216,14 +233,16 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         return [pending.record() for pending in queue]
 
     def complete(
-        self, transfer_ids: Sequence[int], ok: bool
+        self, transfer_ids: Sequence[int], ok: bool, *, checked: bool = False
     ) -> list[tuple[str | int, object, int]]:
         """Confirm (``ok``) or fail the transfers; returns, for failed loads, ``(request
         id, running state, first token position whose content did not arrive)`` per load
         (the caller discards those requests). Refuses unknown, repeated or not yet handed
-        out ids with :class:`AllocatorError`, changing nothing."""
+        out ids with :class:`AllocatorError`, changing nothing (``checked``: the caller
+        ran :meth:`check_completion` on these very arguments, nothing changed since)."""
         ids = list(transfer_ids)
-        self.check_completion(ids, ok)
+        if not checked:
+            self.check_completion(ids, ok)
         failed_loads: list[tuple[str | int, object, int]] = []
         for transfer_id in ids:
             pending = self._pending.pop(transfer_id)
@@ -387,3 +406,8 @@ def _still_valid(pending: PendingTransfer) -> tuple[list[bytes], list[int]]:
         if digest not in dropped
     ]
     return [digest for digest, _ in kept], [block for _, block in kept]
+
+
+def _scatter(target: list[int], positions: Iterable[int], values: Iterable[int]) -> None:
+    """``target[position] = value`` for each pair, without a Python step per pair."""
+    deque(map(target.__setitem__, positions, values), maxlen=0)

@@ -4,7 +4,9 @@ its hit tokens per tier, and the check of a prefix's loads at admission. Part of
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from operator import itemgetter
 
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.tier_state import TierState
@@ -43,23 +45,13 @@ class TierLookup(TierState):
                 block_ids.append(())
                 loads.append(())
                 continue
-            table = list(ids)
-            # A tier's slot is coded as -(slot * count + tier number): see continued_run.
-            if not table or min(table) >= 0:
-                group_loads = []
-            elif count == 1:
-                group_loads = [
-                    (index, 1, -block - 1) for index, block in enumerate(table) if block < 0
-                ]
-            else:
-                group_loads = [
-                    (index, (-block - 1) % count + 1, (-block - 1) // count)
-                    for index, block in enumerate(table)
-                    if block < 0
-                ]
-            for index, _, _ in group_loads:
-                table[index] = 0
-            block_ids.append(tuple(table))
+            group_loads = _loads_of(ids, count)
+            if group_loads:
+                # The loaded positions become null entries (a load fills them).
+                ids = list(ids)
+                for index, _, _ in group_loads:
+                    ids[index] = 0
+            block_ids.append(tuple(ids))
             loads.append(tuple(group_loads))
             any_load = any_load or bool(group_loads)
         if not any_load:
@@ -77,7 +69,9 @@ class TierLookup(TierState):
             epochs=epochs,
             checkpoint_at=checkpoint_at,
             loads=tuple(loads),
-            tokens_by_tier=self._tokens_by_tier(hit, found, block_tokens, hash_block_size, count),
+            tokens_by_tier=self._tokens_by_tier(
+                hit, found, block_tokens, hash_block_size, count, loads
+            ),
             tier_epochs=self.tier_epochs(),
         )
 
@@ -88,18 +82,26 @@ class TierLookup(TierState):
         block_tokens: Sequence[int],
         hash_block_size: int,
         count: int,
+        loads: Sequence[Sequence[tuple[int, int, int]]],
     ) -> tuple[int, ...]:
         """Hit tokens per tier (device first): each hash block counts for the slowest tier
         any group takes its content from; a position a group does not need (null) counts
-        for the tier of the group's next block."""
+        for the tier of the group's next block. ``loads``: per group, what
+        :meth:`prefix` found to load (``(index, tier, slot)``)."""
         (ids,) = found.values() if len(found) == 1 else ([0],)
-        if block_tokens[next(iter(found))] == hash_block_size and 0 not in ids:
-            # One group whose blocks are hash blocks, all real (full attention).
+        gid = next(iter(found))
+        if block_tokens[gid] == hash_block_size and 0 not in ids:
+            # One group whose blocks are hash blocks, all real (full attention): its loads
+            # (found by the caller, one per tier entry) count for their tiers, the rest
+            # for the device.
+            group_loads = loads[gid]
             counts = [0] * (count + 1)
-            counts[0] = len(ids) - sum(1 for block in ids if block < 0)
-            for block in ids:
-                if block < 0:
-                    counts[(-block - 1) % count + 1] += 1
+            if count == 1:
+                counts[1] = len(group_loads)
+            else:
+                for tier, number in Counter(map(itemgetter(1), group_loads)).items():
+                    counts[tier] = number
+            counts[0] = len(ids) - len(group_loads)
             return tuple(number * hash_block_size for number in counts)
         slowest = [0] * (hit // hash_block_size)
         for gid, ids in found.items():
@@ -133,7 +135,29 @@ class TierLookup(TierState):
             prefix.loads,
             prefix.block_ids,
             prefix.tier_epochs,
+            prefix.epochs,
+            prefix.num_tokens,
         )
+
+    def handed_out_unchanged(self, request: object, prefix: TieredPrefix) -> bool:
+        """Whether ``prefix`` is the very one :meth:`hand_out` remembered for ``request``
+        (the same tuples) and no tier evicted since: then every load's slot still holds its
+        hash. True forgets it (an admission trusts a handed-out prefix once)."""
+        entry = self._handed.get(prefix.request_id)
+        if (
+            entry is None
+            or entry[0] is not prefix
+            or entry[1] is not request
+            or entry[2] is not prefix.loads
+            or entry[3] is not prefix.block_ids
+            or entry[4] is not prefix.tier_epochs
+            or entry[5] is not prefix.epochs
+            or entry[6] is not prefix.num_tokens
+            or prefix.tier_epochs != self.tier_epochs()
+        ):
+            return False
+        del self._handed[prefix.request_id]
+        return True
 
     def check_loads(
         self,
@@ -198,3 +222,17 @@ class TierLookup(TierState):
                         )
                     return gid, None
         return None, None
+
+
+def _loads_of(table: Sequence[int], count: int) -> list[tuple[int, int, int]]:
+    """``(index, tier, slot)`` for each tier entry of a group's hit ``table``, coded
+    ``-(slot * count + tier)`` by :func:`~kvspec_core.runtime.tier_view.continued_run`."""
+    if not table or min(table) >= 0:
+        return []
+    if count == 1:
+        return [(index, 1, -block - 1) for index, block in enumerate(table) if block < 0]
+    return [
+        (index, (-block - 1) % count + 1, (-block - 1) // count)
+        for index, block in enumerate(table)
+        if block < 0
+    ]

@@ -83,7 +83,8 @@ class TierTransfers(Freeing, AllocatorBase):
         marks = {
             request_id: self._keep_marks(self._running[request_id]) for request_id in first_lost
         }
-        self._tiers.complete(ids, ok)
+        # Checked above, unless keep rules (plugin code) ran since.
+        self._tiers.complete(ids, ok, checked=not first_lost)
         for request_id, position in first_lost.items():
             state = self._running[request_id]
             self._discard(request_id, state, min(position, state.computed), marks[request_id])

@@ -184,6 +184,58 @@ def test_a_forged_tier_prefix_is_refused() -> None:
     allocator.check_invariants()
 
 
+@pytest.mark.parametrize("field", ["block_ids", "num_tokens"])
+def test_a_handed_out_tier_prefix_changed_in_place_is_checked_again(field) -> None:
+    # An admission trusts a handed-out TieredPrefix without a per-block check only while
+    # it is the very one handed out: a field replaced in place (a frozen class's
+    # object.__setattr__) makes it check every block, and refuse the forgery.
+    allocator = tiered(num_blocks=8)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)  # a's blocks to the host
+    serve(allocator, "a3", PROMPT_A[:5])  # its first two back on the device
+    request = Request("a2", PROMPT_A)
+    prefix = allocator.find_cached_prefix(request)
+    assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier == (4, 4, 0)
+    device_block = next(block for block in prefix.block_ids[0] if block)
+    forged = {
+        # a device block named at a position it is not cached for
+        "block_ids": ((device_block, device_block, 0, 0),),
+        # a hit two tokens (one block) shorter: the table no longer fits it
+        "num_tokens": prefix.num_tokens - 2,
+    }[field]
+    object.__setattr__(prefix, field, forged)
+    with pytest.raises(AllocatorError, match="not one this allocator handed out"):
+        allocator.allocate_slots(request, 1, prefix=prefix)
+    allocator.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["handed_out", "copy", "epochs_replaced"])
+def test_only_the_handed_out_tier_prefix_skips_the_per_block_check(kind) -> None:
+    # Handed out and unchanged, it is admitted (loads recorded) without the per-block
+    # check; a copy (same values, another object) or one whose epochs were replaced in
+    # place (same values) is checked, and admitted alike.
+    allocator = tiered(num_blocks=8)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)
+    serve(allocator, "a3", PROMPT_A[:5])
+    request = Request("a2", PROMPT_A)
+    prefix = allocator.find_cached_prefix(request)
+    assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier == (4, 4, 0)
+    if kind == "copy":
+        prefix = attrs.evolve(prefix)
+    elif kind == "epochs_replaced":
+        object.__setattr__(prefix, "epochs", tuple(list(prefix.epochs)))
+    checked = []
+    check_loads = allocator._tiers.check_loads
+    allocator._tiers.check_loads = lambda *args: checked.append(1) or check_loads(*args)
+    assert allocator.allocate_slots(request, 1, prefix=prefix)
+    assert checked == ([] if kind == "handed_out" else [1])
+    loads = [t for t in allocator.take_transfers() if t.kind == LOAD]
+    assert sum(t.num_blocks for t in loads) == sum(map(len, prefix.loads))
+    allocator.complete_transfers([t.transfer_id for t in loads], ok=True)
+    allocator.check_invariants()
+
+
 def test_sliding_window_hits_across_tiers_follow_the_window_rules() -> None:
     # Full attention and a window of 5 tokens (3 blocks of 2), in one pool.
     specs = [full(2), sliding(2, 5)]
