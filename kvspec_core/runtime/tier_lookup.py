@@ -103,20 +103,20 @@ class TierLookup(TierState):
                     counts[tier] = number
             counts[0] = len(ids) - len(group_loads)
             return tuple(number * hash_block_size for number in counts)
-        slowest = [0] * (hit // hash_block_size)
+        # Per group, each block's tier spread over its hash blocks; a position counts for
+        # the slowest group's.
+        length = hit // hash_block_size
+        spread = []
         for gid, ids in found.items():
+            tiers = _block_tiers(ids, count)
             stride = block_tokens[gid] // hash_block_size
-            tier = 0
-            for index in range(len(ids) - 1, -1, -1):
-                block = ids[index]
-                if block:
-                    tier = 0 if block > 0 else (-block - 1) % count + 1
-                for fine in range(index * stride, min((index + 1) * stride, len(slowest))):
-                    if tier > slowest[fine]:
-                        slowest[fine] = tier
+            if stride != 1:
+                tiers = [tier for tier in tiers for _ in range(stride)]
+            spread.append(tiers[:length] + [0] * (length - len(tiers)))
+        slowest = list(map(max, *spread)) if len(spread) > 1 else spread[0]
         totals = [0] * (count + 1)
-        for tier in slowest:
-            totals[tier] += hash_block_size
+        for tier, number in Counter(slowest).items():
+            totals[tier] = number * hash_block_size
         return tuple(totals)
 
     def tier_epochs(self) -> tuple[tuple[int, ...], ...]:
@@ -236,3 +236,21 @@ def _loads_of(table: Sequence[int], count: int) -> list[tuple[int, int, int]]:
         for index, block in enumerate(table)
         if block < 0
     ]
+
+
+def _block_tiers(ids: Sequence[int], count: int) -> list[int]:
+    """The tier each entry of a group's hit table comes from (0: the device), where a null
+    entry (a position the group does not need) counts for the tier of the group's next
+    block (0 past its last)."""
+    if count == 1:
+        tiers = [1 if block < 0 else 0 for block in ids]
+    else:
+        tiers = [(-block - 1) % count + 1 if block < 0 else 0 for block in ids]
+    if 0 in ids:
+        after = 0
+        for index in range(len(ids) - 1, -1, -1):
+            if ids[index]:
+                after = tiers[index]
+            else:
+                tiers[index] = after
+    return tiers

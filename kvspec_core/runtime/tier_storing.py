@@ -5,7 +5,8 @@ Part of :class:`~kvspec_core.runtime.offloading.TierManager` (see ``tier_state.p
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import compress
+from itertools import compress, repeat
+from operator import contains, eq, is_, ne, not_
 
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
@@ -66,8 +67,8 @@ class TierStoring(TierState):
             return
         per_group = {}
         for gid in caches:
-            mask = [group == gid for group in groups]
-            if any(mask):
+            mask = list(map(eq, groups, repeat(gid)))
+            if True in mask:
                 per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
         if len(hashes) <= slots.num_free_blocks and all(
             not storing[gid]
@@ -98,41 +99,61 @@ class TierStoring(TierState):
         storing = self._storing[index]
         if not len(groups) == len(hashes) == len(sources):
             raise ValueError("_store_mixed: groups, hashes and sources differ in length")
-        lookups = {gid: cache.get for gid, cache in slots.caches.items()}
-        held = [lookups[gid](digest) for gid, digest in zip(groups, hashes, strict=True)]
-        kept = [
-            (gid, digest, source)
-            for gid, digest, source, slot in zip(groups, hashes, sources, held, strict=True)
-            if slot is None and digest not in storing[gid]
-        ]
-        if len(kept) > 1 and len({entry[:2] for entry in kept}) != len(kept):
+        caches = slots.caches
+        # Per victim, the tier's slot for its hash (None: not held), without a Python
+        # step per victim (a batch is up to thousands).
+        held = list(map(dict.get, map(caches.__getitem__, groups), hashes))
+        absent = list(map(is_, held, repeat(None)))
+        kept_groups = list(compress(groups, absent))
+        kept_hashes = list(compress(hashes, absent))
+        kept_sources = list(compress(sources, absent))
+        if any(storing[gid] for gid in set(kept_groups)):
+            # Those in flight to the tier are skipped.
+            landing = list(
+                map(not_, map(contains, map(storing.__getitem__, kept_groups), kept_hashes))
+            )
+            kept_groups = list(compress(kept_groups, landing))
+            kept_hashes = list(compress(kept_hashes, landing))
+            kept_sources = list(compress(kept_sources, landing))
+        pairs = list(zip(kept_groups, kept_hashes, strict=True))
+        if len(set(pairs)) != len(pairs):
             # A hash evicted twice since the last take (cached again in between): its
             # first victim is stored, once.
-            firsts: dict[tuple[int, bytes], tuple[int, bytes, int]] = {}
-            for entry in kept:
-                firsts.setdefault(entry[:2], entry)
-            kept = list(firsts.values())
-        refresh_held(slots, [slot for slot in held if slot is not None])
+            firsts: dict[tuple[int, bytes], int] = {}
+            for position, pair in enumerate(pairs):
+                firsts.setdefault(pair, position)
+            picked = list(firsts.values())
+            kept_groups = list(map(kept_groups.__getitem__, picked))
+            kept_hashes = list(map(kept_hashes.__getitem__, picked))
+            kept_sources = list(map(kept_sources.__getitem__, picked))
+        refresh_held(slots, list(compress(held, map(not_, absent))))
         room = slots.num_free_blocks
-        if len(kept) > room:
-            kept = kept[len(kept) - room :]
-        if not kept:
+        if len(kept_hashes) > room:
+            cut = len(kept_hashes) - room
+            kept_groups, kept_hashes, kept_sources = (
+                kept_groups[cut:],
+                kept_hashes[cut:],
+                kept_sources[cut:],
+            )
+        if not kept_hashes:
             return
-        taken = slots.take(len(kept))  # may evict: those slots' stores are recorded first
-        if len(taken) != len(kept):
-            raise ValueError(f"_store_mixed: the tier pool gave {len(taken)} of {len(kept)} slots")
-        kept_groups = [entry[0] for entry in kept]
-        starts = [0, *(i for i in range(1, len(kept)) if kept_groups[i] != kept_groups[i - 1])]
-        for start, end in zip(starts, [*starts[1:], len(kept)], strict=True):
-            run = kept[start:end]
+        taken = slots.take(len(kept_hashes))  # may evict: those slots' stores are recorded first
+        if len(taken) != len(kept_hashes):
+            raise ValueError(
+                f"_store_mixed: the tier pool gave {len(taken)} of {len(kept_hashes)} slots"
+            )
+        # One transfer per run of a group's victims, in batch order.
+        count = len(kept_groups)
+        starts = [0, *compress(range(1, count), map(ne, kept_groups[1:], kept_groups[:-1]))]
+        for start, end in zip(starts, [*starts[1:], count], strict=True):
             self._record_stores(
                 index,
                 pool,
                 kept_groups[start],
                 source_tier,
-                [entry[2] for entry in run],
+                kept_sources[start:end],
                 taken[start:end],
-                [entry[1] for entry in run],
+                kept_hashes[start:end],
             )
 
     def _store_each(
