@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import add, eq, itemgetter, mul, sub
 from typing import Any
 
@@ -220,9 +220,9 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
                 if len(victims) == 1:
                     groups, hashes, blocks = victims[0]
                 else:
-                    groups = [gid for batch in victims for gid in batch[0]]
-                    hashes = [digest for batch in victims for digest in batch[1]]
-                    blocks = [block for batch in victims for block in batch[2]]
+                    groups, hashes, blocks = (
+                        list(chain.from_iterable(column)) for column in zip(*victims, strict=True)
+                    )
                 self._store(0, pool, groups, hashes, DEVICE_TIER, blocks)
         if self._through_groups or self._through_ready:
             self._write_through(running or {})

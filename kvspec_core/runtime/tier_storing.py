@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import compress, repeat
 from operator import contains, eq, is_, ne, not_
+from typing import cast
 
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
@@ -126,7 +127,7 @@ class TierStoring(TierState):
             kept_groups = list(map(kept_groups.__getitem__, picked))
             kept_hashes = list(map(kept_hashes.__getitem__, picked))
             kept_sources = list(map(kept_sources.__getitem__, picked))
-        refresh_held(slots, list(compress(held, map(not_, absent))))
+        refresh_held(slots, cast(list[int], list(compress(held, map(not_, absent)))))
         room = slots.num_free_blocks
         if len(kept_hashes) > room:
             cut = len(kept_hashes) - room
