@@ -236,6 +236,51 @@ def test_only_the_handed_out_tier_prefix_skips_the_per_block_check(kind) -> None
     allocator.check_invariants()
 
 
+def test_a_handed_out_tier_prefix_is_stale_when_only_a_tier_dropped_its_slots() -> None:
+    # Another request's failed load takes the slots out of the host tier (its epoch
+    # moves) while the device evicts nothing: the unchanged, handed-out prefix is stale.
+    allocator = tiered(num_blocks=8)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)
+    serve(allocator, "a3", PROMPT_A[:5])
+    other = Request("y", list(PROMPT_A))
+    assert allocator.allocate_slots(other, 1, prefix=allocator.find_cached_prefix(other))
+    request = Request("x", list(PROMPT_A))
+    prefix = allocator.find_cached_prefix(request)
+    assert isinstance(prefix, TieredPrefix)
+    allocator.free("y")
+    device_epochs = tuple(pool.epoch for pool in allocator.pools)
+    transfers = allocator.take_transfers()
+    allocator.complete_transfers([t.transfer_id for t in transfers], ok=False)
+    assert tuple(pool.epoch for pool in allocator.pools) == device_epochs
+    assert prefix.tier_epochs != allocator._tiers.tier_epochs()
+    result = allocator.allocate_slots(request, 1, prefix=prefix)
+    assert isinstance(result, NotNow) and result.reason == "stale_prefix"
+    allocator.check_invariants()
+
+
+def test_a_handed_out_tier_prefix_is_stale_when_only_the_device_dropped_its_blocks() -> None:
+    # A request holding the prefix's device blocks is discarded (its blocks leave the
+    # device cache, the device epoch moves) while no tier changes.
+    allocator = tiered(num_blocks=8)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)
+    serve(allocator, "a3", PROMPT_A[:5])
+    request = Request("x", list(PROMPT_A))
+    prefix = allocator.find_cached_prefix(request)
+    assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier[0] > 0
+    holder = Request("z", PROMPT_A[:5])
+    found = allocator.find_cached_prefix(holder)
+    assert allocator.allocate_slots(holder, 5 - found.num_tokens, prefix=found)
+    tier_epochs = allocator._tiers.tier_epochs()
+    allocator.discard_uncomputed("z", 0)
+    assert allocator._tiers.tier_epochs() == tier_epochs == prefix.tier_epochs
+    assert tuple(pool.epoch for pool in allocator.pools) != prefix.epochs
+    result = allocator.allocate_slots(request, 1, prefix=prefix)
+    assert isinstance(result, NotNow) and result.reason == "stale_prefix"
+    allocator.check_invariants()
+
+
 def test_sliding_window_hits_across_tiers_follow_the_window_rules() -> None:
     # Full attention and a window of 5 tokens (3 blocks of 2), in one pool.
     specs = [full(2), sliding(2, 5)]
