@@ -145,8 +145,9 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         # Whole lists at a time: a prefix loads up to thousands of blocks. Per group, per
         # tier in the order the tiers first appear: the table positions and the slots.
         columns: dict[int, dict[int, tuple[list[int], list[int], list[bool] | None]]] = {}
+        positions: dict[int, list[int]] = {}
         for gid, group_loads in loads.items():
-            indices = list(map(itemgetter(0), group_loads))
+            indices = positions[gid] = list(map(itemgetter(0), group_loads))
             tiers = list(map(itemgetter(1), group_loads))
             sources = list(map(itemgetter(2), group_loads))
             if not tiers or tiers.count(tiers[0]) == len(tiers):
@@ -180,7 +181,7 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
                 raise AllocatorError(
                     f"admit_loads: the device pool gave {len(taken)} of {len(group_loads)} blocks"
                 )
-            _scatter(table, map(itemgetter(0), group_loads), taken)
+            _scatter(table, positions[gid], taken)
             # The transfer's own reference.
             _scatter(refs, taken, map(add, map(refs.__getitem__, taken), repeat(1)))
             stride = hash_strides[gid]

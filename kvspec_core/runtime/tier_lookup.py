@@ -170,20 +170,11 @@ class TierLookup(TierState):
         """``(stale group, None)`` when a load's slot no longer holds its hash and a tier
         evicted since the lookup; ``(None, why)`` when a load is not one this allocator
         could have handed out (the caller refuses the prefix); ``(None, None)`` if fine."""
-        entry = self._handed.pop(prefix.request_id, None)
-        if (
-            entry is not None
-            and entry[0] is prefix
-            and entry[1] is request
-            and entry[2] is prefix.loads
-            and entry[3] is prefix.block_ids
-            and entry[4] is prefix.tier_epochs
-            and prefix.tier_epochs == self.tier_epochs()
-        ):
-            # Handed out for this very request, unchanged, no tier evicted since: every
-            # load's slot still holds its hash (a tier's cached entries change only with
-            # its epoch).
+        if self.handed_out_unchanged(request, prefix):
+            # Every load's slot still holds its hash (a tier's cached entries change only
+            # with its epoch).
             return None, None
+        self._handed.pop(prefix.request_id, None)
         loads = prefix.loads
         if loads.__class__ is not tuple or len(loads) != len(prefix.block_ids):
             return None, f"loads must be a tuple of {len(prefix.block_ids)} tuples"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import compress, repeat
 from operator import contains, eq, is_, ne, not_
-from typing import cast
+from typing import Any, cast
 
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
@@ -105,28 +105,26 @@ class TierStoring(TierState):
         # step per victim (a batch is up to thousands).
         held = list(map(dict.get, map(caches.__getitem__, groups), hashes))
         absent = list(map(is_, held, repeat(None)))
-        kept_groups = list(compress(groups, absent))
-        kept_hashes = list(compress(hashes, absent))
-        kept_sources = list(compress(sources, absent))
+        kept_groups, kept_hashes, kept_sources = _kept((groups, hashes, sources), absent)
         if any(storing[gid] for gid in set(kept_groups)):
             # Those in flight to the tier are skipped.
             landing = list(
                 map(not_, map(contains, map(storing.__getitem__, kept_groups), kept_hashes))
             )
-            kept_groups = list(compress(kept_groups, landing))
-            kept_hashes = list(compress(kept_hashes, landing))
-            kept_sources = list(compress(kept_sources, landing))
+            kept_groups, kept_hashes, kept_sources = _kept(
+                (kept_groups, kept_hashes, kept_sources), landing
+            )
         pairs = list(zip(kept_groups, kept_hashes, strict=True))
         if len(set(pairs)) != len(pairs):
             # A hash evicted twice since the last take (cached again in between): its
             # first victim is stored, once.
             firsts: dict[tuple[int, bytes], int] = {}
-            for position, pair in enumerate(pairs):
-                firsts.setdefault(pair, position)
-            picked = list(firsts.values())
-            kept_groups = list(map(kept_groups.__getitem__, picked))
-            kept_hashes = list(map(kept_hashes.__getitem__, picked))
-            kept_sources = list(map(kept_sources.__getitem__, picked))
+            first = [
+                firsts.setdefault(pair, position) == position for position, pair in enumerate(pairs)
+            ]
+            kept_groups, kept_hashes, kept_sources = _kept(
+                (kept_groups, kept_hashes, kept_sources), first
+            )
         refresh_held(slots, cast(list[int], list(compress(held, map(not_, absent)))))
         room = slots.num_free_blocks
         if len(kept_hashes) > room:
@@ -337,3 +335,8 @@ class TierStoring(TierState):
         self._next_id += 1
         self._pending[pending.transfer_id] = pending
         self._queue.append(pending)
+
+
+def _kept(columns: tuple[list[Any], ...], mask: list[bool]) -> tuple[list[Any], ...]:
+    """Each of ``columns`` (lists of one length) with only the items ``mask`` keeps."""
+    return tuple(list(compress(column, mask)) for column in columns)

@@ -184,15 +184,21 @@ def test_a_forged_tier_prefix_is_refused() -> None:
     allocator.check_invariants()
 
 
+def split_between_device_and_host():
+    """An allocator whose PROMPT_A hit is half on the device, half in the host tier."""
+    allocator = tiered(num_blocks=8)
+    serve(allocator, "a", PROMPT_A)
+    serve(allocator, "b", PROMPT_B)  # a's blocks to the host
+    serve(allocator, "a3", PROMPT_A[:5])  # its first two back on the device
+    return allocator
+
+
 @pytest.mark.parametrize("field", ["block_ids", "num_tokens"])
 def test_a_handed_out_tier_prefix_changed_in_place_is_checked_again(field) -> None:
     # An admission trusts a handed-out TieredPrefix without a per-block check only while
     # it is the very one handed out: a field replaced in place (a frozen class's
     # object.__setattr__) makes it check every block, and refuse the forgery.
-    allocator = tiered(num_blocks=8)
-    serve(allocator, "a", PROMPT_A)
-    serve(allocator, "b", PROMPT_B)  # a's blocks to the host
-    serve(allocator, "a3", PROMPT_A[:5])  # its first two back on the device
+    allocator = split_between_device_and_host()
     request = Request("a2", PROMPT_A)
     prefix = allocator.find_cached_prefix(request)
     assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier == (4, 4, 0)
@@ -214,10 +220,7 @@ def test_only_the_handed_out_tier_prefix_skips_the_per_block_check(kind) -> None
     # Handed out and unchanged, it is admitted (loads recorded) without the per-block
     # check; a copy (same values, another object) or one whose epochs were replaced in
     # place (same values) is checked, and admitted alike.
-    allocator = tiered(num_blocks=8)
-    serve(allocator, "a", PROMPT_A)
-    serve(allocator, "b", PROMPT_B)
-    serve(allocator, "a3", PROMPT_A[:5])
+    allocator = split_between_device_and_host()
     request = Request("a2", PROMPT_A)
     prefix = allocator.find_cached_prefix(request)
     assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier == (4, 4, 0)
@@ -239,10 +242,7 @@ def test_only_the_handed_out_tier_prefix_skips_the_per_block_check(kind) -> None
 def test_a_handed_out_tier_prefix_is_stale_when_only_a_tier_dropped_its_slots() -> None:
     # Another request's failed load takes the slots out of the host tier (its epoch
     # moves) while the device evicts nothing: the unchanged, handed-out prefix is stale.
-    allocator = tiered(num_blocks=8)
-    serve(allocator, "a", PROMPT_A)
-    serve(allocator, "b", PROMPT_B)
-    serve(allocator, "a3", PROMPT_A[:5])
+    allocator = split_between_device_and_host()
     other = Request("y", list(PROMPT_A))
     assert allocator.allocate_slots(other, 1, prefix=allocator.find_cached_prefix(other))
     request = Request("x", list(PROMPT_A))
@@ -262,10 +262,7 @@ def test_a_handed_out_tier_prefix_is_stale_when_only_a_tier_dropped_its_slots() 
 def test_a_handed_out_tier_prefix_is_stale_when_only_the_device_dropped_its_blocks() -> None:
     # A request holding the prefix's device blocks is discarded (its blocks leave the
     # device cache, the device epoch moves) while no tier changes.
-    allocator = tiered(num_blocks=8)
-    serve(allocator, "a", PROMPT_A)
-    serve(allocator, "b", PROMPT_B)
-    serve(allocator, "a3", PROMPT_A[:5])
+    allocator = split_between_device_and_host()
     request = Request("x", list(PROMPT_A))
     prefix = allocator.find_cached_prefix(request)
     assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier[0] > 0
