@@ -81,7 +81,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -398,6 +398,48 @@ def mooncake_events(path: str, num_requests: int) -> tuple[list[tuple], int]:
     return list(trace_events(requests)), len(requests)
 
 
+class LoadedTrace(NamedTuple):
+    """A trace's events and how to replay them."""
+
+    events: list[tuple]
+    #: Requests taken from the trace.
+    requests: int
+    #: The file read (a Mooncake trace), else None.
+    trace_file: str | None
+    max_model_len: int
+    #: Tokens per prefill step (``--hybrid`` on Mooncake), None: a prompt in one step.
+    prefill_chunk: int | None
+
+
+def load_trace(
+    trace_name: str, requests: int | None, hybrid: bool = False, seed: int | None = None
+) -> LoadedTrace:
+    """The trace ``--trace`` names (``shared``, ``chat``, ``mooncake[:FILE]``; a Mooncake
+    file defaults to ``$MOONCAKE_TRACE_FILE``, else :data:`MOONCAKE_DEFAULT_FILE`), its
+    first ``requests`` requests (None: the trace's default); ``hybrid``: the sliding-window
+    model, whose Mooncake prompts are prefilled in chunks. Raises ValueError naming the
+    option on a bad name or a seed given to a Mooncake trace."""
+    name, _, trace_file = trace_name.partition(":")
+    if name == "mooncake":
+        if seed is not None:
+            raise ValueError("--seed applies to shared and chat; a Mooncake trace has no seed")
+        trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
+        trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
+        events, taken = mooncake_events(trace_file, requests or MOONCAKE_REQUESTS)
+        # Its sliding-window group admits at most max_in_flight_tokens prompt tokens per
+        # step: longer prompts are prefilled in chunks of that many.
+        chunk = SizingContext(max_model_len=MOONCAKE_MAX_MODEL_LEN).max_in_flight_tokens
+        return LoadedTrace(
+            events, taken, trace_file, MOONCAKE_MAX_MODEL_LEN, chunk if hybrid else None
+        )
+    if name in TRACES and not trace_file:
+        make_trace, default_requests = TRACES[name]
+        taken = default_requests if requests is None else requests
+        events = list(make_trace(seed=0 if seed is None else seed, num_requests=taken))
+        return LoadedTrace(events, taken, None, MAX_MODEL_LEN, None)
+    raise ValueError(f"--trace {trace_name!r}: give shared, chat, mooncake or mooncake:FILE")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -468,27 +510,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--profile", action="store_true", help="print a cProfile summary")
     args = parser.parse_args()
-    trace_name, _, trace_file = args.trace.partition(":")
-    prefill_chunk = None
-    max_model_len = MAX_MODEL_LEN
-    if trace_name == "mooncake":
-        if args.seed is not None:
-            parser.error("--seed applies to shared and chat; a Mooncake trace has no seed")
-        trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
-        trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
-        if args.hybrid:
-            # Its sliding-window group admits at most max_in_flight_tokens prompt tokens
-            # per step: longer prompts are prefilled in chunks of that many.
-            prefill_chunk = SizingContext(max_model_len=MOONCAKE_MAX_MODEL_LEN).max_in_flight_tokens
-        events, requests = mooncake_events(trace_file, args.requests or MOONCAKE_REQUESTS)
-        max_model_len = MOONCAKE_MAX_MODEL_LEN
-    elif trace_name in TRACES and not trace_file:
-        make_trace, default_requests = TRACES[trace_name]
-        requests = default_requests if args.requests is None else args.requests
-        seed = 0 if args.seed is None else args.seed
-        events = list(make_trace(seed=seed, num_requests=requests))
-    else:
-        parser.error(f"--trace {args.trace!r}: give shared, chat, mooncake or mooncake:FILE")
+    try:
+        loaded = load_trace(args.trace, args.requests, args.hybrid, args.seed)
+    except ValueError as error:
+        parser.error(str(error))
+    events, requests, trace_file, max_model_len, prefill_chunk = loaded
+    trace_name = args.trace.partition(":")[0]
     if args.disk_blocks and not args.host_blocks:
         parser.error("--disk-blocks needs --host-blocks: the disk tier sits below the host tier")
     if args.host_blocks < 0 or args.disk_blocks < 0:

@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import sys
 import time
@@ -80,19 +79,13 @@ from typing import Any
 
 import torch
 from replay_trace import (
-    MAX_MODEL_LEN,
-    MOONCAKE_DEFAULT_FILE,
-    MOONCAKE_MAX_MODEL_LEN,
-    MOONCAKE_REQUESTS,
-    TRACES,
     build_allocator,
     engine_steps,
-    mooncake_events,
+    load_trace,
     replay,
 )
 from vs_vllm import _import_vllm, build_vllm_manager, interleaved_runs
 
-from kvspec_core.context import SizingContext
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 
 #: The models both sides are driven on here (``vs_vllm.py``'s names).
@@ -474,24 +467,13 @@ def main() -> None:
         raise SystemExit(MAMBA_NOT_DRIVEN)
     model_name = "hybrid" if args.hybrid else "full_attention"
     vllm = _import_vllm()
-    trace_name, _, trace_file = args.trace.partition(":")
-    prefill_chunk = None
-    if trace_name == "mooncake":
-        trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
-        trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
-        events, requests = mooncake_events(trace_file, args.requests or MOONCAKE_REQUESTS)
-        max_model_len = MOONCAKE_MAX_MODEL_LEN
-        if model_name == "hybrid":
-            # As replay_trace.py --hybrid: the sliding-window group admits at most
-            # max_in_flight_tokens prompt tokens per step; both sides chunk alike.
-            prefill_chunk = SizingContext(max_model_len=max_model_len).max_in_flight_tokens
-    elif trace_name in TRACES and not trace_file:
-        make_trace, default_requests = TRACES[trace_name]
-        requests = args.requests or default_requests
-        events = list(make_trace(seed=0, num_requests=requests))
-        max_model_len = MAX_MODEL_LEN
-    else:
-        parser.error(f"--trace {args.trace!r}: give shared, chat, mooncake or mooncake:FILE")
+    try:
+        events, requests, trace_file, max_model_len, prefill_chunk = load_trace(
+            args.trace, args.requests, model_name == "hybrid"
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    trace_name = args.trace.partition(":")[0]
     sides = {
         "kvspec": (
             lambda: (
@@ -531,7 +513,7 @@ def main() -> None:
         summary[name] = figures
     header = {
         "trace": trace_name,
-        "trace_file": trace_file or None,
+        "trace_file": trace_file,
         "requests": requests,
         "events": len(events),
         "blocks": args.blocks,

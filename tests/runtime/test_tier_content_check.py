@@ -1,0 +1,115 @@
+"""``benchmarks/tier_content_check.py``: a trace through tiered allocators with a shadow of
+every block's content finds every hit block holding its own prefix, and it does find the
+false hits of a wrong copy or a missing load."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import attrs
+import pytest
+from runtime_testkit import REPLAY_TRACE_SCRIPT, load_replay_trace
+
+from kvspec_core.runtime import chat_trace
+from kvspec_core.runtime.tiers import LOAD, WRITE_THROUGH
+
+SCRIPT = REPLAY_TRACE_SCRIPT.parent / "tier_content_check.py"
+MAX_MODEL_LEN = load_replay_trace("replay_trace_for_content_check").MAX_MODEL_LEN
+
+
+@pytest.fixture(scope="module")
+def checker() -> Iterator[ModuleType]:
+    # The script imports replay_trace from its own folder, as when run from there.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("tier_content_check_under_test", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.fixture(scope="module")
+def chat_events() -> list[tuple]:
+    return list(chat_trace.make_trace(seed=0, num_requests=150))
+
+
+@pytest.mark.parametrize(
+    ("model", "tiers", "write_policy"),
+    [
+        ("full_attention", (3000, 0), "write_back"),
+        ("full_attention", (600, 3000), "write_back"),
+        ("full_attention", (600, 3000), WRITE_THROUGH),
+        ("hybrid", (600, 3000), "write_back"),
+        ("mamba_hybrid", (600, 3000), "write_back"),
+    ],
+)
+def test_every_hit_block_holds_its_prefix(
+    checker: ModuleType,
+    chat_events: list[tuple],
+    model: str,
+    tiers: tuple[int, int],
+    write_policy: str,
+) -> None:
+    allocator = checker.build_allocator(400, model, "lru", MAX_MODEL_LEN, *tiers, write_policy)
+    figures = checker.check_replay(chat_events, allocator)
+    assert figures["mismatches"] == 0, figures["shown_mismatches"]
+    moved = figures["blocks_moved"]
+    # The tiers were used: blocks came back from the host (and the disk) and were checked.
+    assert moved.get("host->device", 0) > 0
+    assert tiers[1] == 0 or moved.get("host->disk", 0) > 0
+    assert figures["blocks_checked"] > figures["hit_tokens"] // 16 // 2 > 0
+
+
+def _take_then(allocator: object, change: object) -> None:
+    take = allocator.take_transfers  # type: ignore[attr-defined]
+    allocator.take_transfers = lambda *args: change(take(*args))  # type: ignore[attr-defined]
+
+
+def test_a_load_from_the_wrong_slots_is_found(
+    checker: ModuleType, chat_events: list[tuple]
+) -> None:
+    allocator = checker.build_allocator(400, "full_attention", "lru", MAX_MODEL_LEN, 3000)
+
+    def rotate_loads(transfers: list) -> list:
+        # An allocator that named its loads' slots one place off.
+        return [
+            attrs.evolve(t, source_blocks=t.source_blocks[1:] + t.source_blocks[:1])
+            if t.kind == LOAD and len(set(t.source_blocks)) > 1
+            else t
+            for t in transfers
+        ]
+
+    _take_then(allocator, rotate_loads)
+    figures = checker.check_replay(chat_events, allocator)
+    assert figures["mismatches"] > 0
+    assert "never written" not in str(figures["shown_mismatches"][0]["expected"])
+
+
+def test_a_load_the_engine_never_ran_is_found(
+    checker: ModuleType, chat_events: list[tuple], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allocator = checker.build_allocator(400, "mamba_hybrid", "lru", MAX_MODEL_LEN, 600)
+    skipped: list[object] = []
+    copy = checker.Shadow.copy
+
+    def copy_but_the_first_load(shadow: object, transfers: list) -> None:
+        # The first load is confirmed without being run: its destination keeps whatever
+        # the device block held before.
+        kept = []
+        for transfer in transfers:
+            if transfer.kind == LOAD and not skipped:
+                skipped.append(transfer)
+            else:
+                kept.append(transfer)
+        copy(shadow, kept)
+
+    monkeypatch.setattr(checker.Shadow, "copy", copy_but_the_first_load)
+    figures = checker.check_replay(chat_events, allocator)
+    assert skipped
+    assert figures["mismatches"] > 0
