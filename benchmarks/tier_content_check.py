@@ -19,8 +19,12 @@ small whatever the prompt's length.
 
 Checked after each admission: for each group, each block of the hit in the request's table
 (a sliding window's kept blocks, a Mamba group's state block at the hit) holds exactly the
-prefix it stands for. A mismatch is a false hit (a stale slot, a wrong copy, a hit no step
-computed); ``mismatches`` must be 0. ::
+prefix it stands for, and no block the next token reads is missing (full attention: every
+block of the hit; a sliding window: those of its last ``window - 1`` tokens; Mamba: the
+state block). A mismatch is a false hit (a stale slot, a wrong copy, a hit no step
+computed, a hole in the hit); ``mismatches`` must be 0. What it cannot see: a forward's tag
+stands for the tokens it computed, not for what it read, so a corrupted block the forward
+read (a Mamba start state, a window block) shows only if that very block is hit later. ::
 
     python benchmarks/tier_content_check.py --trace mooncake --host-blocks 262144
         [--disk-blocks N] [--hybrid | --mamba] [--write-through] [--family-keep]
@@ -54,6 +58,8 @@ from kvspec_core.runtime.tiers import (
     Transfer,
 )
 
+#: The group kinds whose hit blocks the check knows (``Shadow._read``).
+KNOWN_KINDS = ("full_attention", "sliding_window", "mamba")
 #: Mismatches printed in full.
 SHOWN_MISMATCHES = 5
 #: A tag: (group, tokens covered, chained hash of their whole blocks, the tail's tokens).
@@ -68,7 +74,15 @@ class Shadow:
             raise ValueError(f"every group's block must be {BLOCK_SIZE} tokens")
         self.allocator = allocator
         self.pool_of = allocator._pool_of
-        self.is_state = [spec.kind == "mamba" for spec in allocator.specs]
+        kinds = [spec.kind for spec in allocator.specs]
+        unknown = set(kinds) - set(KNOWN_KINDS)
+        if unknown:
+            raise ValueError(
+                f"groups of kind {sorted(unknown)}: the check knows which blocks a hit of "
+                f"{', '.join(KNOWN_KINDS)} groups holds, not theirs"
+            )
+        self.is_state = [kind == "mamba" for kind in kinds]
+        self.windows = [getattr(spec, "sliding_window", None) for spec in allocator.specs]
         self.content: dict[tuple[int, int, int], object] = {}
         # Per request, the chained hash of each whole block of its tokens so far.
         self.chains: dict[str | int, list[int]] = {}
@@ -113,21 +127,19 @@ class Shadow:
                 )
 
     def check(self, request: Request, hit: int) -> None:
-        """Each block of ``request``'s hit of ``hit`` tokens holds its prefix."""
+        """Each block of ``request``'s hit of ``hit`` tokens holds its prefix, and none the
+        next token reads is missing (:meth:`_read`)."""
         if hit == 0:
             return
         for gid, table in enumerate(self.allocator.block_ids(request.request_id)):
             pool = self.pool_of[gid]
-            indices = (
-                [(hit - 1) // BLOCK_SIZE]
-                if self.is_state[gid]
-                else range(min(len(table), hit // BLOCK_SIZE))
-            )
-            for index in indices:
+            read = self._read(gid, hit)
+            checked = read if self.is_state[gid] else range(hit // BLOCK_SIZE)
+            for index in checked:
                 block = table[index] if index < len(table) else 0
                 if not block:
-                    if self.is_state[gid]:
-                        self._mismatch(request, gid, index, block, "no state block", None)
+                    if index in read:
+                        self._mismatch(request, gid, index, block, "a block", "none")
                     continue
                 end = hit if self.is_state[gid] else (index + 1) * BLOCK_SIZE
                 expected = self._tag(gid, request, end)
@@ -135,6 +147,16 @@ class Shadow:
                 self.blocks_checked += 1
                 if found != expected:
                     self._mismatch(request, gid, index, block, expected, found)
+
+    def _read(self, gid: int, hit: int) -> range:
+        """The table positions the token after a hit of ``hit`` tokens reads: a state
+        group's block at the hit, a sliding window's last ``window - 1`` tokens, every
+        block of full attention."""
+        if self.is_state[gid]:
+            return range((hit - 1) // BLOCK_SIZE, (hit - 1) // BLOCK_SIZE + 1)
+        window = self.windows[gid]
+        first = 0 if window is None else max(0, hit - window + 1) // BLOCK_SIZE
+        return range(first, hit // BLOCK_SIZE)
 
     def _mismatch(
         self, request: Request, gid: int, index: int, block: int, expected: object, found: object
@@ -179,7 +201,7 @@ def check_replay(
             allocator.complete_transfers([transfer.transfer_id for transfer in transfers], True)
 
     def admit(request: Request) -> bool:
-        nonlocal hit_tokens
+        nonlocal hit_tokens, admitted
         prefix = allocator.find_cached_prefix(request)
         start = prefix.num_tokens
         total = len(request.token_ids)
@@ -205,6 +227,7 @@ def check_replay(
                 return False
             run_transfers()
             shadow.forward(request, begin, end)
+        admitted += 1
         hit_tokens += prefix.num_tokens
         requests[request.request_id] = request
         return True
@@ -216,7 +239,7 @@ def check_replay(
                 break
             del waiting[head.request_id]
 
-    aborted = 0
+    aborted = admitted = 0
     started = time.process_time()
     for event in events:
         kind = event[0]
@@ -254,6 +277,8 @@ def check_replay(
     return {
         "hit_tokens": hit_tokens,
         "blocks_moved": dict(sorted(moved.items())),
+        "admitted_requests": admitted,
+        "waiting_at_end": len(waiting),
         "aborted_requests": aborted,
         "blocks_checked": shadow.blocks_checked,
         "mismatches": shadow.mismatches,
@@ -279,8 +304,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.blocks < 2 or args.host_blocks < 0 or args.disk_blocks < 0:
         parser.error("--blocks must be >= 2, --host-blocks and --disk-blocks >= 0")
-    if args.disk_blocks and not args.host_blocks:
-        parser.error("--disk-blocks needs --host-blocks: the disk tier sits below the host tier")
+    if (args.disk_blocks or args.write_through or args.family_keep) and not args.host_blocks:
+        parser.error(
+            "--disk-blocks, --write-through and --family-keep need --host-blocks: the disk "
+            "tier sits below the host tier, the policies are the host tier's"
+        )
     model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
     try:
         events, requests, _, max_model_len, prefill_chunk = load_trace(
@@ -318,8 +346,9 @@ def main() -> None:
             f"{args.host_blocks:,} host + {args.disk_blocks:,} disk blocks: hit tokens "
             f"{figures['hit_tokens']:,}; blocks moved {figures['blocks_moved']}; hit blocks "
             f"checked {figures['blocks_checked']:,}, mismatches {figures['mismatches']} "
-            f"({figures['cpu_seconds']:.1f} CPU s; {figures['aborted_requests']} requests "
-            "aborted for want of a block)"
+            f"({figures['cpu_seconds']:.1f} CPU s); requests admitted "
+            f"{figures['admitted_requests']:,}, aborted for want of a block "
+            f"{figures['aborted_requests']}, still waiting {figures['waiting_at_end']}"
         )
         for shown in figures["shown_mismatches"]:
             print(f"  mismatch: {shown}")

@@ -14,10 +14,11 @@ are printed with how many of the blocks kvspec's hit uses, per group, vLLM's cac
 history backs is a bug).
 
 The check that needs no second engine: a hit of ``H`` tokens is backed when an earlier step
-of the trace (a prefill chunk or a decode, either side: they run the same steps) computed
-those very ``H`` tokens, and, for a model with a state group (Mamba), ended a step exactly at
-``H`` (a state exists only where a step ended, or where a decode crossed a block boundary).
-``unbacked_hits`` counts hits that fail it, per side; it must be 0.
+of the same side (a prefill step or a decode; a side's steps start at its own hit) computed
+those very ``H`` tokens, and, for a model with a state group (Mamba), ended exactly at ``H``
+(a state exists only where a step ended, or where a decode crossed a block boundary).
+``unbacked_hits`` counts hits that fail it, per side; it must be 0. It cannot see a block
+evicted and handed out since (``tier_content_check.py`` checks content).
 
 vLLM is driven as ``vs_vllm.py`` drives it (``replay_vllm``): ``get_computed_blocks``, then,
 for ``--mamba``, chunks of at most ``--vllm-max-num-batched-tokens`` less one token per
@@ -133,14 +134,15 @@ def lockstep(
 
     sampling = SamplingParams(max_tokens=max_model_len)
     pool = manager.block_pool
-    history = History()
+    # Each side's own steps back its own hits (kvspec runs from its hit, which may differ).
+    histories = {"vllm": History(), "kvspec": History()}
     running: dict[int, tuple[Any, Request]] = {}
     waiting: collections.OrderedDict[int, tuple[Any, Request]] = collections.OrderedDict()
     figures: dict[str, Any] = {
         "admissions": 0,
         "hit_tokens": {"vllm": 0, "kvspec": 0},
-        "differing_admissions": 0,
-        "differing_tokens": 0,
+        "longer_for_kvspec": {"admissions": 0, "tokens": 0},
+        "longer_for_vllm": {"admissions": 0, "tokens": 0},
         "unbacked_hits": {"vllm": 0, "kvspec": 0},
         "refused_by_vllm": 0,
         "differences": [],
@@ -185,10 +187,10 @@ def lockstep(
         prefix = allocator.find_cached_prefix(request)
         hit = prefix.num_tokens
         tokens = request.token_ids
-        # Per group, how many of the blocks kvspec's hit uses vLLM's cache lacked, read
-        # before this admission caches anything (the groups are in the same order).
+        # Where kvspec's hit is longer: per group, how many of the blocks it uses vLLM's
+        # cache lacked, read before this admission caches anything (same group order).
         missing = None
-        if hit != vllm_hit and hit:
+        if hit > vllm_hit:
             missing = [
                 sum(
                     pool.get_cached_block(vllm_request.block_hashes[index], [group]) is None
@@ -203,8 +205,11 @@ def lockstep(
             # decisions, is not asked (its lookup changed nothing).
             figures["refused_by_vllm"] += 1
             return False
-        # kvspec's first step ends at vLLM's first end past kvspec's own hit.
+        # kvspec's steps end where vLLM's do past kvspec's own hit (a step from a shorter
+        # hit than vLLM's is cut at the prefill chunk, which a window group needs).
         steps = [end for end in ends if end > hit]
+        if not mamba and prefill_chunk is not None:
+            steps = sorted({*steps, *range(hit + prefill_chunk, steps[0], prefill_chunk)})
         starts = [hit, *steps[:-1]]
         if not allocator.allocate_slots(request, steps[0] - hit, prefix=prefix):
             raise Diverged(f"request {rid}: vLLM admitted it, kvspec refuses")
@@ -214,11 +219,12 @@ def lockstep(
         figures["admissions"] += 1
         for side, side_hit in (("vllm", vllm_hit), ("kvspec", hit)):
             figures["hit_tokens"][side] += side_hit
-            if not history.backs(rid, tokens, side_hit, mamba):
+            if not histories[side].backs(rid, tokens, side_hit, mamba):
                 figures["unbacked_hits"][side] += 1
         if hit != vllm_hit:
-            figures["differing_admissions"] += 1
-            figures["differing_tokens"] += hit - vllm_hit
+            longer = figures["longer_for_kvspec" if hit > vllm_hit else "longer_for_vllm"]
+            longer["admissions"] += 1
+            longer["tokens"] += abs(hit - vllm_hit)
             if len(figures["differences"]) < SHOWN_DIFFERENCES:
                 figures["differences"].append(
                     {
@@ -231,7 +237,9 @@ def lockstep(
                     }
                 )
         for start, end in zip([vllm_hit, *ends[:-1]], ends, strict=True):
-            history.ran(rid, tokens, start, end)
+            histories["vllm"].ran(rid, tokens, start, end)
+        for start, end in zip(starts, steps, strict=True):
+            histories["kvspec"].ran(rid, tokens, start, end)
         running[rid] = (vllm_request, request)
         return True
 
@@ -255,7 +263,8 @@ def lockstep(
                     raise Diverged(f"request {event[1]}: a decode stalls on both sides")
                 vllm_request.num_computed_tokens += 1
                 end = len(request.token_ids)
-                history.ran(event[1], request.token_ids, end - 1, end)
+                for history in histories.values():
+                    history.ran(event[1], request.token_ids, end - 1, end)
             elif kind == "admit":
                 rid = event[1]
                 pair = (
@@ -271,7 +280,8 @@ def lockstep(
                 vllm_request, _ = running.pop(rid)
                 manager.free(vllm_request)
                 allocator.free(rid)
-                history.forget(rid)
+                for history in histories.values():
+                    history.forget(rid)
                 while waiting:
                     head = next(iter(waiting))
                     if not admit(head, *waiting[head]):
@@ -344,8 +354,11 @@ def main() -> None:
     hits = figures["hit_tokens"]
     print(
         f"  admissions {figures['admissions']:,}; hit tokens vLLM {hits['vllm']:,}, kvspec "
-        f"{hits['kvspec']:,}; differing admissions {figures['differing_admissions']:,} "
-        f"({figures['differing_tokens']:+,} tokens for kvspec); unbacked hits vLLM "
+        f"{hits['kvspec']:,}; longer for kvspec in "
+        f"{figures['longer_for_kvspec']['admissions']:,} admissions "
+        f"(+{figures['longer_for_kvspec']['tokens']:,} tokens), for vLLM in "
+        f"{figures['longer_for_vllm']['admissions']:,} "
+        f"(+{figures['longer_for_vllm']['tokens']:,}); unbacked hits vLLM "
         f"{figures['unbacked_hits']['vllm']}, kvspec {figures['unbacked_hits']['kvspec']}; "
         f"admissions vLLM refused (both waited) {figures['refused_by_vllm']:,}"
     )

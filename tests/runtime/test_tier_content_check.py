@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import attrs
 import pytest
@@ -113,3 +115,41 @@ def test_a_load_the_engine_never_ran_is_found(
     figures = checker.check_replay(chat_events, allocator)
     assert skipped
     assert figures["mismatches"] > 0
+
+
+@pytest.mark.parametrize(("model", "group"), [("full_attention", 0), ("hybrid", 1)])
+def test_a_hole_in_a_hit_is_found(
+    checker: ModuleType,
+    chat_events: list[tuple],
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    group: int,
+) -> None:
+    allocator = checker.build_allocator(400, model, "lru", MAX_MODEL_LEN, 600, 3000)
+    check = checker.Shadow.check
+    holes: list[object] = []
+
+    def check_with_a_hole(shadow: Any, request: Any, hit: int) -> None:
+        # The first hit's table, as the check sees it, lacks the block before the hit:
+        # one the next token reads, in full attention as in a sliding window.
+        if not hit or holes:
+            check(shadow, request, hit)
+            return
+        holes.append(request.request_id)
+
+        def block_ids(request_id: object) -> tuple[tuple[int, ...], ...]:
+            tables = [list(table) for table in allocator.block_ids(request_id)]
+            tables[group][hit // 16 - 1] = 0
+            return tuple(map(tuple, tables))
+
+        shadow.allocator = types.SimpleNamespace(block_ids=block_ids)
+        try:
+            check(shadow, request, hit)
+        finally:
+            shadow.allocator = allocator
+
+    monkeypatch.setattr(checker.Shadow, "check", check_with_a_hole)
+    figures = checker.check_replay(chat_events, allocator)
+    assert holes
+    assert figures["mismatches"] == 1
+    assert figures["shown_mismatches"][0]["found"] == "'none'"
