@@ -16,7 +16,13 @@ import pytest
 from runtime_testkit import REPLAY_TRACE_SCRIPT, load_replay_trace
 
 from kvspec_core.runtime import chat_trace
-from kvspec_core.runtime.tiers import LOAD, WRITE_THROUGH
+from kvspec_core.runtime.tiers import (
+    KEEP_EVERYTHING,
+    KEEP_FAMILY_RULES,
+    LOAD,
+    WRITE_BACK,
+    WRITE_THROUGH,
+)
 
 SCRIPT = REPLAY_TRACE_SCRIPT.parent / "tier_content_check.py"
 MAX_MODEL_LEN = load_replay_trace("replay_trace_for_content_check").MAX_MODEL_LEN
@@ -42,13 +48,16 @@ def chat_events() -> list[tuple]:
 
 
 @pytest.mark.parametrize(
-    ("model", "tiers", "write_policy"),
+    ("model", "tiers", "policies", "prefill_chunk"),
     [
-        ("full_attention", (3000, 0), "write_back"),
-        ("full_attention", (600, 3000), "write_back"),
-        ("full_attention", (600, 3000), WRITE_THROUGH),
-        ("hybrid", (600, 3000), "write_back"),
-        ("mamba_hybrid", (600, 3000), "write_back"),
+        ("full_attention", (3000, 0), (WRITE_BACK, KEEP_EVERYTHING), None),
+        ("full_attention", (600, 3000), (WRITE_BACK, KEEP_EVERYTHING), None),
+        ("full_attention", (600, 3000), (WRITE_THROUGH, KEEP_EVERYTHING), None),
+        ("full_attention", (600, 3000), (WRITE_BACK, KEEP_EVERYTHING), 48),
+        ("hybrid", (600, 3000), (WRITE_BACK, KEEP_EVERYTHING), None),
+        ("hybrid", (600, 3000), (WRITE_THROUGH, KEEP_FAMILY_RULES), 48),
+        ("mamba_hybrid", (600, 3000), (WRITE_BACK, KEEP_EVERYTHING), None),
+        ("mamba_hybrid", (600, 3000), (WRITE_THROUGH, KEEP_FAMILY_RULES), 48),
     ],
 )
 def test_every_hit_block_holds_its_prefix(
@@ -56,10 +65,11 @@ def test_every_hit_block_holds_its_prefix(
     chat_events: list[tuple],
     model: str,
     tiers: tuple[int, int],
-    write_policy: str,
+    policies: tuple[str, str],
+    prefill_chunk: int | None,
 ) -> None:
-    allocator = checker.build_allocator(400, model, "lru", MAX_MODEL_LEN, *tiers, write_policy)
-    figures = checker.check_replay(chat_events, allocator)
+    allocator = checker.build_allocator(400, model, "lru", MAX_MODEL_LEN, *tiers, *policies)
+    figures = checker.check_replay(chat_events, allocator, prefill_chunk)
     assert figures["mismatches"] == 0, figures["shown_mismatches"]
     moved = figures["blocks_moved"]
     # The tiers were used: blocks came back from the host (and the disk) and were checked.
