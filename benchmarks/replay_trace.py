@@ -80,6 +80,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -207,6 +208,41 @@ def engine_steps(events: list[tuple]) -> list[tuple]:
     return merged
 
 
+def prefill_steps(
+    hit: int, num_tokens: int, checkpoint_at: int | None, prefill_chunk: int | None
+) -> list[int]:
+    """The tokens of each prefill step of a prompt of ``num_tokens`` past a hit of ``hit``:
+    one step, or two split at ``checkpoint_at`` (where the prompt shares content with earlier
+    ones, so the state groups save a checkpoint there), each cut into steps of at most
+    ``prefill_chunk`` tokens (``None``: uncut)."""
+    if checkpoint_at is None:
+        steps = [num_tokens - hit]
+    else:
+        steps = [checkpoint_at - hit, num_tokens - checkpoint_at]
+    if prefill_chunk is None:
+        return steps
+    return [
+        min(prefill_chunk, step - start)
+        for step in steps
+        for start in range(0, step, prefill_chunk)
+    ]
+
+
+def prefix_chain(chain: list[int], tokens: Sequence[int], upto: int) -> list[int]:
+    """``chain`` extended in place to one entry per whole :data:`BLOCK_SIZE`-token block of
+    ``tokens[:upto]``: each entry Python's hash of the one before and the block's tokens, an
+    id of that prefix for the benchmarks' checks (not the allocator's salted hashes)."""
+    for block in range(len(chain), upto // BLOCK_SIZE):
+        previous = chain[-1] if chain else 0
+        chain.append(hash((previous, tuple(tokens[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]))))
+    return chain
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The :data:`MODELS` name ``--hybrid`` / ``--mamba`` select."""
+    return "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
+
+
 def replay(
     events: list[tuple],
     allocator: KVCacheAllocator,
@@ -256,15 +292,7 @@ def replay(
             # Several prefill steps: the first ends where the prompt shares content with
             # earlier ones (checkpoint_at), so the state groups save a checkpoint there;
             # with prefill_chunk none is longer than that.
-            steps = [remaining] if split is None else [split - prefix.num_tokens]
-            if split is not None:
-                steps.append(remaining - steps[0])
-            if prefill_chunk is not None:
-                steps = [
-                    min(prefill_chunk, step - start)
-                    for step in steps
-                    for start in range(0, step, prefill_chunk)
-                ]
+            steps = prefill_steps(prefix.num_tokens, len(request.token_ids), split, prefill_chunk)
             if not allocate_slots(request, steps[0], prefix=prefix):
                 return False
             for step in steps[1:]:
@@ -526,10 +554,10 @@ def main() -> None:
         parser.error("--family-keep is the host tier's keep policy: give --host-blocks too")
     write_policy = WRITE_THROUGH if args.write_through else WRITE_BACK
     keep = KEEP_FAMILY_RULES if args.family_keep else KEEP_EVERYTHING
-    model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
+    model = model_name(args)
     allocator = build_allocator(
         args.blocks,
-        model_name,
+        model,
         args.eviction,
         max_model_len,
         args.host_blocks,
@@ -554,7 +582,7 @@ def main() -> None:
         figures = replay(events, allocator, args.batched, prefill_chunk)
     ideal = ideal_hit_tokens(events)
     figures.update(
-        mode=model_name,
+        mode=model,
         trace=trace_name,
         trace_file=trace_file or None,
         blocks=args.blocks,

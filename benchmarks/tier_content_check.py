@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import json
 import sys
 import time
@@ -46,6 +45,9 @@ from replay_trace import (
     BLOCK_SIZE,
     build_allocator,
     load_trace,
+    model_name,
+    prefill_steps,
+    prefix_chain,
 )
 
 from kvspec_core.runtime import KVCacheAllocator, Request
@@ -91,11 +93,8 @@ class Shadow:
         self.shown: list[dict[str, Any]] = []
 
     def _tag(self, gid: int, request: Request, end: int) -> Tag:
-        chain = self.chains.setdefault(request.request_id, [])
         tokens = request.token_ids
-        for block in range(len(chain), end // BLOCK_SIZE):
-            previous = chain[-1] if chain else 0
-            chain.append(hash((previous, *tokens[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE])))
+        chain = prefix_chain(self.chains.setdefault(request.request_id, []), tokens, end)
         whole = end // BLOCK_SIZE
         return (gid, end, chain[whole - 1] if whole else 0, tuple(tokens[whole * BLOCK_SIZE : end]))
 
@@ -204,29 +203,24 @@ def check_replay(
         nonlocal hit_tokens, admitted
         prefix = allocator.find_cached_prefix(request)
         start = prefix.num_tokens
-        total = len(request.token_ids)
-        ends = [total] if prefix.checkpoint_at is None else [prefix.checkpoint_at, total]
-        if prefill_chunk is not None:
-            ends = [
-                min(end, position + prefill_chunk)
-                for begin, end in zip([start, *ends[:-1]], ends, strict=True)
-                for position in range(begin, end, prefill_chunk)
-            ]
-        if not allocator.allocate_slots(request, ends[0] - start, prefix=prefix):
+        steps = prefill_steps(start, len(request.token_ids), prefix.checkpoint_at, prefill_chunk)
+        if not allocator.allocate_slots(request, steps[0], prefix=prefix):
             return False
         # Each step's transfers before its forward, as an engine must run them (an evicted
         # block's store reads it before the forward writes it again).
         run_transfers()
         shadow.check(request, prefix.num_tokens)
-        shadow.forward(request, start, ends[0])
-        for begin, end in itertools.pairwise(ends):
-            if not allocator.allocate_slots(request, end - begin):
+        shadow.forward(request, start, start + steps[0])
+        start += steps[0]
+        for step in steps[1:]:
+            if not allocator.allocate_slots(request, step):
                 run_transfers()
                 allocator.free(request.request_id)
                 shadow.forget(request.request_id)
                 return False
             run_transfers()
-            shadow.forward(request, begin, end)
+            shadow.forward(request, start, start + step)
+            start += step
         admitted += 1
         hit_tokens += prefix.num_tokens
         requests[request.request_id] = request
@@ -309,7 +303,7 @@ def main() -> None:
             "--disk-blocks, --write-through and --family-keep need --host-blocks: the disk "
             "tier sits below the host tier, the policies are the host tier's"
         )
-    model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
+    model = model_name(args)
     try:
         events, requests, _, max_model_len, prefill_chunk = load_trace(
             args.trace, args.requests, args.hybrid
@@ -318,7 +312,7 @@ def main() -> None:
         parser.error(str(error))
     allocator = build_allocator(
         args.blocks,
-        model_name,
+        model,
         args.eviction,
         max_model_len,
         args.host_blocks,
@@ -329,7 +323,7 @@ def main() -> None:
     figures = check_replay(events, allocator, prefill_chunk)
     header = {
         "trace": args.trace,
-        "model": model_name,
+        "model": model,
         "requests": requests,
         "blocks": args.blocks,
         "host_blocks": args.host_blocks,
@@ -342,7 +336,7 @@ def main() -> None:
         print(json.dumps({**header, **figures}))
     else:
         print(
-            f"{model_name} on {args.trace} ({requests:,} requests), {args.blocks:,} device + "
+            f"{model} on {args.trace} ({requests:,} requests), {args.blocks:,} device + "
             f"{args.host_blocks:,} host + {args.disk_blocks:,} disk blocks: hit tokens "
             f"{figures['hit_tokens']:,}; blocks moved {figures['blocks_moved']}; hit blocks "
             f"checked {figures['blocks_checked']:,}, mismatches {figures['mismatches']} "

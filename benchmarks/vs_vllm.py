@@ -82,7 +82,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from replay_trace import BLOCK_SIZE, MAX_MODEL_LEN, MODELS, TRACES, build_allocator, replay
+from replay_trace import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MODELS,
+    TRACES,
+    build_allocator,
+    model_name,
+    replay,
+)
 
 #: Sliding window of ``--hybrid`` (Gemma-2's).
 SLIDING_WINDOW = 4096
@@ -373,11 +381,6 @@ def replay_vllm(
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(run[key] for run in runs)
-
-
-def model_name(args: argparse.Namespace) -> str:
-    """The ``replay_trace.MODELS`` name ``--hybrid`` / ``--mamba`` select."""
-    return "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
 
 
 def _retention_interval(value: str) -> int | None:

@@ -48,6 +48,8 @@ from replay_trace import (
     BLOCK_SIZE,
     build_allocator,
     load_trace,
+    model_name,
+    prefix_chain,
 )
 from vs_vllm import (
     MAX_NUM_BATCHED_TOKENS,
@@ -74,13 +76,7 @@ class History:
         self.step_ends: set[tuple[int, int]] = set()
 
     def _chain(self, rid: int, tokens: list[int], upto: int) -> list[int]:
-        chain = self.chains.setdefault(rid, [])
-        for block in range(len(chain), upto // BLOCK_SIZE):
-            previous = chain[-1] if chain else 0
-            chain.append(
-                hash((previous, tuple(tokens[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE])))
-            )
-        return chain
+        return prefix_chain(self.chains.setdefault(rid, []), tokens, upto)
 
     def ran(self, rid: int, tokens: list[int], start: int, end: int) -> None:
         """A step of ``rid`` computed tokens ``[start, end)``."""
@@ -318,7 +314,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.blocks < 2 or args.vllm_max_num_batched_tokens < BLOCK_SIZE:
         parser.error(f"--blocks must be >= 2, --vllm-max-num-batched-tokens >= {BLOCK_SIZE}")
-    model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
+    model = model_name(args)
     vllm = _import_vllm()
     try:
         events, requests, _, max_model_len, prefill_chunk = load_trace(
@@ -328,7 +324,7 @@ def main() -> None:
         parser.error(str(error))
     figures = lockstep(
         events,
-        model_name,
+        model,
         args.blocks,
         max_model_len,
         args.vllm_retention_interval if args.mamba else None,
@@ -338,7 +334,7 @@ def main() -> None:
     )
     header = {
         "trace": args.trace,
-        "model": model_name,
+        "model": model,
         "blocks": args.blocks,
         "requests": requests,
         "events": len(events),
@@ -348,7 +344,7 @@ def main() -> None:
         print(json.dumps({**header, **figures}))
         return
     print(
-        f"{model_name} on {args.trace} ({requests:,} requests, {len(events):,} events), "
+        f"{model} on {args.trace} ({requests:,} requests, {len(events):,} events), "
         f"{args.blocks:,} blocks, vLLM {vllm.__version__}, lockstep:"
     )
     hits = figures["hit_tokens"]
