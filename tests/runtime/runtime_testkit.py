@@ -8,6 +8,7 @@ import functools
 import importlib
 import math
 import pkgutil
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -323,6 +324,23 @@ def load_replay_trace(module_name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_content_check(module_name: str) -> Iterator[ModuleType]:
+    """``benchmarks/tier_content_check.py`` loaded as a fresh module named ``module_name``
+    (a module fixture's body: ``yield from``). The script imports ``replay_trace`` from its
+    own folder, as when run from there: that folder is on ``sys.path`` until it ends."""
+    folder = str(REPLAY_TRACE_SCRIPT.parent)
+    sys.path.insert(0, folder)
+    try:
+        script = REPLAY_TRACE_SCRIPT.parent / "tier_content_check.py"
+        spec = importlib.util.spec_from_file_location(module_name, script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(folder)
 
 
 def write_forward(

@@ -4,8 +4,6 @@ false hits of a wrong copy or a missing load."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 from collections.abc import Iterator
 from types import ModuleType
@@ -13,7 +11,7 @@ from typing import Any
 
 import attrs
 import pytest
-from runtime_testkit import REPLAY_TRACE_SCRIPT, load_replay_trace
+from runtime_testkit import load_content_check, load_replay_trace
 
 from kvspec_core.runtime import chat_trace
 from kvspec_core.runtime.tiers import (
@@ -24,22 +22,12 @@ from kvspec_core.runtime.tiers import (
     WRITE_THROUGH,
 )
 
-SCRIPT = REPLAY_TRACE_SCRIPT.parent / "tier_content_check.py"
 MAX_MODEL_LEN = load_replay_trace("replay_trace_for_content_check").MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
 def checker() -> Iterator[ModuleType]:
-    # The script imports replay_trace from its own folder, as when run from there.
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("tier_content_check_under_test", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    yield from load_content_check("tier_content_check_under_test")
 
 
 @pytest.fixture(scope="module")
