@@ -72,6 +72,8 @@ def test_cli_examples_show_real_output(
 
     for name in ("KVSPEC_PLUGINS", "KVSPEC_STRICT_PLUGINS"):
         monkeypatch.delenv(name, raising=False)
+    # Paths in the examples (a trace file) are the repository's, as in a fresh clone.
+    monkeypatch.chdir(ROOT)
     main(arguments.split())
     captured = capsys.readouterr()
     assert _TIMING.sub("in T s", captured.out + captured.err) == _TIMING.sub("in T s", expected)
