@@ -66,7 +66,8 @@ tier's; null without one), ``max_model_len``, ``requests``, ``events``,
 add up to ``hit_tokens``), ``blocks_moved`` (``"device->host"``, ``"host->device"``,
 ``"host->disk"``, ``"disk->device"``: blocks each kind of transfer copied),
 ``ideal_hit_tokens`` (the trace's ideal reusable prefix at 16-token blocks, as above),
-``peak_blocks``, ``waits`` (failed admission tries), ``dropped_events`` (decodes and
+``prefill_steps`` (prefill steps of the admitted requests), ``peak_blocks``, ``waits``
+(failed admission tries), ``dropped_events`` (decodes and
 finishes of requests still queued) and
 ``decode_stalls`` (decodes that found no free block).
 """
@@ -80,14 +81,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
-from kvspec_core.runtime import KVCacheAllocator, NotNow, Request, chat_trace, trace
+from kvspec_core.runtime import CachedPrefix, KVCacheAllocator, NotNow, Request, chat_trace, trace
 from kvspec_core.runtime.mooncake_trace import TraceFormatError, read_mooncake_trace, trace_events
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvspec_core.runtime.tiers import (
@@ -248,10 +249,15 @@ def replay(
     allocator: KVCacheAllocator,
     batched: bool = False,
     prefill_chunk: int | None = None,
+    prefill_split: Callable[[Request, CachedPrefix, int], list[int]] | None = None,
 ) -> dict[str, Any]:
     """Replay ``events``; ``batched``: each engine step's decodes through one
     ``decode_step`` call (peak blocks then sampled once per step); ``prefill_chunk``:
-    prefill a prompt in steps of at most that many tokens (``None``: one step)."""
+    prefill a prompt in steps of at most that many tokens (``None``: one step);
+    ``prefill_split``: instead, the tokens of each prefill step of a request admitted with a
+    prefix while that many others run (an engine's own chunking, each step's transfers taken
+    before the next step; an empty list leaves the request waiting). Otherwise an
+    admission's transfers are taken once, after all its steps."""
     num_events = len(events)
     if batched:
         events = engine_steps(events)
@@ -262,7 +268,7 @@ def replay(
     no_new_blocks = allocator.no_new_blocks
     allocate_slots = allocator.allocate_slots
     find_cached_prefix = allocator.find_cached_prefix
-    hit_tokens = prompt_tokens = peak = waits = dropped = decode_stalls = 0
+    hit_tokens = prompt_tokens = peak = waits = dropped = decode_stalls = num_prefill_steps = 0
     tier_names = allocator.tier_names
     tiered = len(tier_names) > 1
     hit_by_tier = [0] * len(tier_names)
@@ -281,26 +287,37 @@ def replay(
             complete_transfers([transfer.transfer_id for transfer in transfers], True)
 
     def admit(request: Request) -> bool:
-        nonlocal hit_tokens, peak
+        nonlocal hit_tokens, peak, num_prefill_steps
         prefix = find_cached_prefix(request)
         remaining = len(request.token_ids) - prefix.num_tokens
         split = prefix.checkpoint_at
-        if split is None and (prefill_chunk is None or remaining <= prefill_chunk):
+        if prefill_split is None and (
+            split is None and (prefill_chunk is None or remaining <= prefill_chunk)
+        ):
             if not allocate_slots(request, remaining, prefix=prefix):
                 return False
+            num_prefill_steps += 1
         else:
             # Several prefill steps: the first ends where the prompt shares content with
             # earlier ones (checkpoint_at), so the state groups save a checkpoint there;
             # with prefill_chunk none is longer than that.
-            steps = prefill_steps(prefix.num_tokens, len(request.token_ids), split, prefill_chunk)
-            if not allocate_slots(request, steps[0], prefix=prefix):
+            if prefill_split is not None:
+                steps = prefill_split(request, prefix, len(requests))
+            else:
+                steps = prefill_steps(
+                    prefix.num_tokens, len(request.token_ids), split, prefill_chunk
+                )
+            if not steps or not allocate_slots(request, steps[0], prefix=prefix):
                 return False
             for step in steps[1:]:
+                if tiered and prefill_split is not None:
+                    run_transfers()  # an engine's step: its copies run before its forward
                 if not allocate_slots(request, step):
                     if tiered:
                         run_transfers()  # what the earlier steps recorded, before the free
                     allocator.free(request.request_id)
                     return False
+            num_prefill_steps += len(steps)
         hit_tokens += prefix.num_tokens
         if tiered:
             run_transfers()
@@ -392,6 +409,7 @@ def replay(
             f"{tier_names[source]}->{tier_names[destination]}": count
             for (source, destination), count in sorted(moved.items())
         },
+        "prefill_steps": num_prefill_steps,
         "peak_blocks": peak,
         "waits": waits,
         "dropped_events": dropped,

@@ -6,9 +6,11 @@ Full attention (default) or, with ``--hybrid``, ``vs_vllm.py --hybrid``'s slidin
 lookup reaches back only its window, ``sliding_window_size_in_chunks``); block 16, ``--blocks``
 device blocks and ``--host-blocks`` host blocks on both sides (vLLM keys a CPU chunk by block
 hash and group, so a hybrid's chunk is one group's page, as a kvspec host block is); transfers
-are instant (every load and store is confirmed before the next step) on both. ``--mamba`` is
-not replayed and says why (:data:`MAMBA_NOT_DRIVEN`: vLLM accepts it, its scheduler's
-align-mode steps with a connector are not reproduced here).
+are instant (every load and store is confirmed before the next step) on both. ``--mamba``:
+``vs_vllm.py --mamba``'s Jamba-like pair, a Mamba-1 state group (``mamba_cache_mode="align"``)
+and full attention; vLLM's connector offloads both groups (a Mamba state is one chunk, found by
+a one-chunk window lookup and offered for storing only through the manager's boundary-state
+hand-off), kvspec's host tier both groups' blocks; see the ``--mamba`` paragraph below.
 
 On the Mooncake trace ``--hybrid`` prefills in chunks of 16,384 tokens on both sides, as
 ``replay_trace.py --hybrid`` does (kvspec's sliding-window group admits at most
@@ -20,7 +22,8 @@ window's chunks only where a prompt ends).
 
 kvspec: ``replay_trace.replay`` of ``build_allocator(..., host_blocks=N, eviction=E)``
 (write-back: a cached block evicted from the device goes to the host tier; ``--eviction``:
-its order on the device and on the host tier, ``lru`` or ``segmented``).
+its order on the device and on the host tier, ``lru`` or ``segmented``); ``--mamba``: the
+same replay with vLLM's step ends (its ``prefill_split``; below).
 
 vLLM: its own classes, driven as ``Scheduler.schedule`` / ``update_from_output`` drive them,
 without the scheduler itself (it needs a model and an engine): the ``KVCacheManager`` of
@@ -51,19 +54,68 @@ and the model's name, dtype and length; they are given in a stand-in. Per event:
   ``prepare_store``), ``num_computed_tokens`` advanced (``_update_after_schedule``), then every
   load and store job of the step confirmed through ``update_connector_output`` (a worker's
   ``OffloadingWorkerMetadata.completed_jobs``).
-* decode: as in ``vs_vllm.py``; each run of consecutive decode events is one step.
+* decode: as in ``vs_vllm.py``; a run of consecutive decode events is one step per round: a
+  step ends before a request's second decode in it (a request decodes once per step).
 * finish: status ``FINISHED_LENGTH_CAPPED``, ``request_finished`` (the connector's, before the
   blocks are freed, as ``Scheduler._free_request``), ``free``, and a step with the request in
   ``finished_req_ids``.
 
+Every step starts with ``new_step_starts`` (``Scheduler.schedule``'s first manager call) and
+hands the connector the manager's ``take_boundary_state_offloads()`` in a
+``KVConnectorBlockState``, as ``schedule`` does (empty but for a Mamba group); a step whose
+manager queued a copy-on-write block copy (``take_kv_cache_block_copies``: a sub-block hit,
+impossible with 16-token hash blocks) is refused rather than run without it.
+
+``--mamba``: a prefill is chunked as ``Scheduler.schedule`` chunks it in align mode, on both
+sides: each chunk one engine step of at most ``--vllm-max-num-batched-tokens`` (8,192) less one
+token per running request (their decodes come first in a step), clipped by the scheduler's own
+``_mamba_block_aligned_split`` (``vs_vllm.mamba_align_split``), and, for a running request, by
+``max_model_len``. vLLM's admission is the scheduler's waiting-request path with a connector:
+the local hit is ``Scheduler._get_local_prefix_cache_hit``'s (bound to this connector and
+manager; ``OffloadingConnector`` does not declare ``supports_divergent_local_hybrid_hits``, so
+that is ``get_computed_blocks``' hit, on which every group agrees, and ``hit_diverged`` is
+False; the reconciliation branch is run as the scheduler runs it all the same), the connector
+is asked with the block-aligned local hit (a sub-block tail is kept or dropped as the scheduler
+does), then either the first chunk, split from the local hit plus the connector's tokens
+(``_mamba_block_aligned_split(..., num_new_local_computed_tokens,
+num_external_computed_tokens)``), allocated with them, or an async load (``allocate_slots(...,
+num_external_computed_tokens, delay_cache_blocks=True, skip_zeroing_group_ids=...)``, the
+load's step, ``_update_waiting_for_remote_kv``'s ``cache_blocks``), after which the rest of the
+prompt is chunked from the loaded position, its first chunk allocated as a waiting request's
+(if vLLM refuses that chunk, the request waits holding its loaded blocks, as in the
+scheduler's ``kv_holding_waiting``, and is retried like any waiting request, without a new
+lookup; its hit is counted at the load's allocation, where vLLM's statistics record it; if the
+trace finishes it before it runs, it is aborted: ``FINISHED_ABORTED``, the connector's
+finish, ``free``).
+A finish makes ``Scheduler._connector_finished``'s calls: ``finalize_partial_tail_offloads``
+(refused if it returns a tail: none without sub-block hits), ``remove_skipped_blocks`` and
+``request_finished_all_groups``. Retention (``--vllm-retention-interval``, default dense: every
+state a step computed is kept, as kvspec keeps them) is the manager's and the connector's alike.
+kvspec's replay otherwise ends a prefill step only at ``checkpoint_at`` and the prompt's end,
+so a Mamba hit could only end there: here its steps end where vLLM's scheduler would end them
+for kvspec's own hit (vLLM's split function, called on both sides, on a stand-in request at
+kvspec's hit whose shared-prefix junction is kvspec's ``checkpoint_at``, as vLLM's is
+``get_computed_blocks``' ``shared_prefix_boundary``; the budget less kvspec's running
+requests), each step's transfers confirmed before the next; a later step kvspec refuses frees
+the request and queues it again, as ``replay_trace.replay`` does. vLLM steps this replay cannot
+run as the scheduler would are refused, naming the request: a later chunk with no blocks (the
+scheduler would preempt), a chunk the split leaves empty, a synchronous or deferred load.
+What remains approximate, as for the other models: the trace's events are sequential, so an
+admission's prefill steps run back to back, one admission per step, without the decodes that
+running requests would run in those steps (their tokens are only taken from the budget); a
+finish is a step of its own; and a decode that finds no free block is skipped and counted
+(``decode_stalls``, on both sides) where the scheduler would preempt a request.
+
 Hit tokens: the GPU part is ``get_computed_blocks``' hit, the CPU part the connector's
 (``num_external_computed_tokens``), as vLLM's prefix-cache statistics count them. Both sides
 queue a request whose admission finds too few blocks, as ``vs_vllm.py``. Figures per side: hit
-tokens (by tier), blocks stored and loaded, process CPU time of the replay and per event.
+tokens (by tier), blocks stored and loaded, process CPU time of the replay and per event;
+``--mamba`` also prefill steps (engine steps that ran prefill tokens).
 
     .venv-vllm/bin/python benchmarks/vs_vllm_offload.py [--trace shared|chat|mooncake[:FILE]]
         [--hybrid | --mamba] [--blocks 32768] [--host-blocks 262144] [--requests N]
-        [--repeat 1] [--eviction lru|segmented] [--vllm-eviction lru|arc] [--json]
+        [--repeat 1] [--eviction lru|segmented] [--vllm-eviction lru|arc]
+        [--vllm-max-num-batched-tokens 8192] [--vllm-retention-interval dense|0|N] [--json]
 """
 
 from __future__ import annotations
@@ -75,37 +127,36 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from replay_trace import (
+    BLOCK_SIZE,
     build_allocator,
     engine_steps,
     load_trace,
     replay,
 )
-from vs_vllm import _import_vllm, build_vllm_manager, interleaved_runs
+from vs_vllm import (
+    MAX_NUM_BATCHED_TOKENS,
+    _import_vllm,
+    _retention_interval,
+    build_vllm_manager,
+    interleaved_runs,
+    mamba_align_split,
+)
 
+from kvspec_core.runtime import Request
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 
 #: The models both sides are driven on here (``vs_vllm.py``'s names).
-DRIVEN_MODELS = ("full_attention", "hybrid")
+DRIVEN_MODELS = ("full_attention", "hybrid", "mamba_hybrid")
 MODEL_TITLES = {
     "full_attention": "full attention",
     "hybrid": "sliding window 4096 + full attention",
+    "mamba_hybrid": "Mamba-1 (align) + full attention",
 }
-#: Why ``--mamba`` is not replayed. vLLM 0.33's connector does accept the Mamba hybrid.
-MAMBA_NOT_DRIVEN = (
-    "--mamba: not driven. vLLM 0.33's OffloadingConnector accepts the Mamba hybrid (its "
-    "offloading config gives a Mamba group a window of one chunk, its scheduler marks it "
-    "requires_cow_source and offers partial-tail stores), so there is no vLLM refusal to "
-    "report; but for such a model vLLM's Scheduler chunks a prefill in align mode counting "
-    "the connector's external tokens (_mamba_block_aligned_split(..., "
-    "num_external_computed_tokens)) and reconciles a local hit deeper than the Mamba "
-    "state's (_get_local_prefix_cache_hit's hit_diverged) before asking the connector; "
-    "this replay does not reproduce those steps, so it gives no Mamba figures rather than "
-    "figures of a schedule vLLM would not run"
-)
 
 
 def build_vllm_offloading(
@@ -115,13 +166,16 @@ def build_vllm_offloading(
     hash_algo: str,
     eviction: str = "lru",
     model: str = "full_attention",
+    retention_interval: int | None = None,
 ) -> tuple[Any, Any, Any]:
-    """vLLM's KVCacheManager for ``model`` (``full_attention`` or ``hybrid``, as
+    """vLLM's KVCacheManager for ``model`` (one of :data:`DRIVEN_MODELS`, as
     ``vs_vllm.build_vllm_manager`` builds them) with the scheduler side of its
     OffloadingConnector on a CPU tier of ``host_blocks`` 16-token chunks (``eviction``: its
     ``lru`` or ``arc`` policy; the tier keys a chunk by block hash and group, so a hybrid's
     chunk is one group's page, as a kvspec host block is); and the engine core's request
-    block hasher."""
+    block hasher. ``retention_interval``: the Mamba hybrid's
+    ``prefix_cache_retention_interval`` (``None``: dense), the manager's and the
+    connector's."""
     if model not in DRIVEN_MODELS:
         raise ValueError(f"model={model!r}: this replay drives {DRIVEN_MODELS} only")
     from vllm.config import (
@@ -136,18 +190,27 @@ def build_vllm_offloading(
         OffloadingConnector,
     )
 
-    manager, hasher = build_vllm_manager(num_blocks, model, hash_algo, max_model_len=max_model_len)
+    if model == "mamba_hybrid":
+        manager, hasher = build_vllm_manager(
+            num_blocks, model, hash_algo, retention_interval, max_model_len
+        )
+    else:
+        manager, hasher = build_vllm_manager(
+            num_blocks, model, hash_algo, max_model_len=max_model_len
+        )
     kv_cache_config = manager.kv_cache_config
     block_bytes = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
     vllm_config = VllmConfig(
         device_config=DeviceConfig(device="cpu"),
         # The connector's retention as the manager's (a real engine gives both the cache
-        # config's): dense for these models (vs_vllm.build_vllm_manager), where CacheConfig's
-        # default, 0, would store a sliding window's blocks only at a prompt's end.
+        # config's): dense for full attention and the sliding-window hybrid
+        # (vs_vllm.build_vllm_manager), where CacheConfig's default, 0, would store a sliding
+        # window's blocks only at a prompt's end; the Mamba hybrid's as asked.
         cache_config=CacheConfig(
             block_size=16,
             enable_prefix_caching=True,
             prefix_cache_retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            **({"mamba_cache_mode": "align"} if model == "mamba_hybrid" else {}),
         ),
         scheduler_config=SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
@@ -187,14 +250,23 @@ def replay_vllm_offloading(
     hasher: Any,
     max_model_len: int,
     prefill_chunk: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The events through vLLM's manager and offloading connector (module docstring);
-    ``prefill_chunk``: a prompt's computed part in steps of at most that many tokens."""
+    ``prefill_chunk``: a prompt's computed part in steps of at most that many tokens;
+    ``max_num_batched_tokens``: the Mamba hybrid's align-mode chunking with that token budget
+    per step (the manager's model must have Mamba groups in align mode)."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingWorkerMetadata,
     )
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.output import (
+        CachedRequestData,
+        KVConnectorBlockState,
+        NewRequestData,
+        SchedulerOutput,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
 
@@ -206,8 +278,11 @@ def replay_vllm_offloading(
     get_computed_blocks = manager.get_computed_blocks
     allocate_slots = manager.allocate_slots
     running = RequestStatus.RUNNING
+    new_step_starts = manager.new_step_starts
+    take_boundary_state_offloads = manager.take_boundary_state_offloads
+    take_kv_cache_block_copies = manager.take_kv_cache_block_copies
     hit_gpu = hit_cpu = prompt_tokens = peak = waits = dropped = decode_stalls = 0
-    blocks_stored = blocks_loaded = whole_prompt_loads = 0
+    blocks_stored = blocks_loaded = whole_prompt_loads = prefill_steps = 0
 
     def step(
         new: list[Any],
@@ -215,7 +290,8 @@ def replay_vllm_offloading(
         scheduled: dict[str, int],
         finished: set[str],
     ) -> None:
-        """One engine step: the connector's metadata, then every job done at once."""
+        """One engine step: the connector's metadata, then every job done at once; then the
+        next step starts (``Scheduler.schedule``'s first call)."""
         nonlocal blocks_stored, blocks_loaded
         new_data = [
             NewRequestData.from_request(request, manager.get_block_ids(request.request_id))
@@ -230,6 +306,15 @@ def replay_vllm_offloading(
             num_computed_tokens=[request.num_computed_tokens for request, _ in cached],
             num_output_tokens=[request.num_output_tokens for request, _ in cached],
         )
+        # As Scheduler.schedule: the Mamba "align" boundary states the manager committed
+        # this step, with their exact blocks, for the connector (none for other groups).
+        offloads = take_boundary_state_offloads()
+        copies, _ = take_kv_cache_block_copies()
+        if copies:
+            raise SystemExit(
+                f"a step with {len(copies)} copy-on-write block copies (a sub-block hit): the "
+                "replay does not run them"
+            )
         output = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached_data,
@@ -240,6 +325,11 @@ def replay_vllm_offloading(
             num_common_prefix_blocks=[0],
             finished_req_ids=finished,
             free_encoder_mm_hashes=[],
+            kv_connector_block_state=KVConnectorBlockState(
+                req_ids={*scheduled, *offloads},
+                resolve_block_ids=manager.get_block_ids,
+                boundary_state_offloads=offloads,
+            ),
         )
         meta = connector.build_connector_meta(output)
         for request in new:
@@ -254,6 +344,21 @@ def replay_vllm_offloading(
                 blocks_loaded += len(job.src_spec.block_ids)
             worker = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(jobs, 1))
             connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker))
+        new_step_starts()
+
+    def run_load(request: Any, computed: int) -> None:
+        """An async load's step (its job confirmed), then
+        ``Scheduler._update_waiting_for_remote_kv``: the loaded blocks cached, a whole-prompt
+        load giving back its last token to recompute; the request waits again."""
+        nonlocal whole_prompt_loads
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = computed
+        step([], [], {}, set())
+        manager.cache_blocks(request, computed)
+        if computed == request.num_tokens:
+            request.num_computed_tokens = computed - 1
+            whole_prompt_loads += 1
+        request.status = RequestStatus.WAITING
 
     def first_chunk(remaining: int) -> int:
         return remaining if prefill_chunk is None else min(remaining, prefill_chunk)
@@ -269,7 +374,7 @@ def replay_vllm_offloading(
             step([], [(request, new_blocks)], {request.request_id: chunk}, set())
 
     def admit(rid: int, request: Any) -> bool:
-        nonlocal hit_gpu, hit_cpu, peak, whole_prompt_loads
+        nonlocal hit_gpu, hit_cpu, peak
         blocks, local, _ = get_computed_blocks(request)
         external, load_async = connector.get_num_new_matched_tokens(request, local)
         if external is None:
@@ -314,15 +419,7 @@ def replay_vllm_offloading(
             connector.update_state_after_alloc(
                 request, manager.get_blocks(request.request_id), external
             )
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            request.num_computed_tokens = local + external
-            step([], [], {}, set())  # the load runs; its job is confirmed
-            # Scheduler._update_waiting_for_remote_kv
-            manager.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens == num_tokens:
-                request.num_computed_tokens = num_tokens - 1
-                whole_prompt_loads += 1
-            request.status = RequestStatus.WAITING
+            run_load(request, local + external)
             first = first_chunk(num_tokens - request.num_computed_tokens)
             new_blocks = allocate_slots(
                 request, first, full_sequence_must_fit=True, has_scheduled_reqs=bool(requests)
@@ -341,24 +438,201 @@ def replay_vllm_offloading(
         requests[rid] = request
         return True
 
+    aligned = max_num_batched_tokens is not None
+    if aligned:
+        assert max_num_batched_tokens is not None
+        budget = max_num_batched_tokens
+        split = mamba_align_split(manager, budget)
+        # The scheduler's own local lookup, bound to the attributes it reads.
+        local_hit = Scheduler._get_local_prefix_cache_hit.__get__(
+            types.SimpleNamespace(connector=connector, kv_cache_manager=manager)
+        )
+        get_loaded_group_ids = connector.get_loaded_kv_cache_group_ids
+
+    def aligned_chunks(rid: int, request: Any, room: int) -> None:
+        """The rest of an align-mode prefill, one step each, as a running request's
+        (``Scheduler.schedule``'s running loop: budget, ``max_model_len``, split)."""
+        nonlocal prefill_steps
+        while request.num_computed_tokens < request.num_tokens:
+            computed = request.num_computed_tokens
+            size = min(request.num_tokens - computed, room, max_model_len - computed - 1)
+            size = split(request, size)
+            if size <= 0:
+                raise SystemExit(
+                    f"request {rid}: the align-mode split leaves a later prefill chunk at "
+                    f"{computed:,} empty (the scheduler would skip it every step)"
+                )
+            new_blocks = allocate_slots(request, size)
+            if new_blocks is None:
+                raise SystemExit(
+                    f"request {rid}: no blocks for a later prefill chunk at {computed:,} (the "
+                    "scheduler would preempt a request; not reproduced)"
+                )
+            step([], [(request, new_blocks)], {request.request_id: size}, set())
+            prefill_steps += 1
+
+    def allocate_admission(
+        request: Any, num_new: int, local: int, blocks: Any, external: int, **loading: Any
+    ) -> bool:
+        """A waiting request's first allocation with its local hit and the connector's
+        tokens (``loading``: an async load's options), the connector told, and the hit
+        counted where vLLM's statistics record it: at this allocation."""
+        nonlocal hit_gpu, hit_cpu
+        new_blocks = allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=local,
+            new_computed_blocks=blocks,
+            num_external_computed_tokens=external,
+            full_sequence_must_fit=True,
+            has_scheduled_reqs=bool(requests),
+            **loading,
+        )
+        if new_blocks is None:
+            return False
+        connector.update_state_after_alloc(
+            request, manager.get_blocks(request.request_id), external
+        )
+        hit_gpu += local
+        hit_cpu += external
+        return True
+
+    def admit_aligned(rid: int, request: Any) -> bool:
+        """``Scheduler.schedule``'s waiting-request path with a connector, Mamba align mode
+        (module docstring)."""
+        if request.num_computed_tokens:
+            # Loaded earlier, waiting with its blocks: no lookup (the scheduler's
+            # num_computed_tokens > 0 branch).
+            return run_after_load(rid, request)
+        blocks, local, request.shared_prefix_boundary, hit_diverged = local_hit(request)
+        partial_tail = local % BLOCK_SIZE
+        block_aligned_local = local - partial_tail
+        external, load_async = connector.get_num_new_matched_tokens(request, block_aligned_local)
+        if external is None:
+            raise SystemExit(f"request {rid}: the connector deferred its lookup")
+        if partial_tail and external > partial_tail:
+            blocks = manager.truncate_computed_blocks(blocks, block_aligned_local)
+            local = block_aligned_local
+        elif partial_tail:
+            external, load_async = 0, False
+        if hit_diverged and not external:
+            # No external tokens back the deeper local hit: the boundary every group agrees on.
+            blocks, local, request.shared_prefix_boundary = get_computed_blocks(request)
+        if external and not load_async:
+            raise SystemExit(f"request {rid}: a synchronous load (not configured)")
+        computed = local + external
+        num_tokens = request.num_tokens
+        if load_async:
+            loading = {
+                "delay_cache_blocks": True,
+                "skip_zeroing_group_ids": get_loaded_group_ids(request),
+            }
+            if not allocate_admission(request, 0, local, blocks, external, **loading):
+                return False
+            run_load(request, computed)  # then the waiting path again
+            return run_after_load(rid, request)
+        # Running requests' decodes are scheduled first in a step.
+        room = budget - len(requests)
+        first = split(request, min(num_tokens - computed, room), local, external)
+        if first <= 0:
+            return False
+        if not allocate_admission(request, first, local, blocks, external):
+            return False
+        request.status = running
+        request.num_computed_tokens = computed
+        step([request], [], {request.request_id: first}, set())
+        run_prefill(rid, request, room)
+        return True
+
+    def run_after_load(rid: int, request: Any) -> bool:
+        """A loaded request's first chunk, from the loaded position, allocated as a waiting
+        request's; if vLLM refuses it, the request waits holding its blocks (retried as any
+        waiting request is)."""
+        room = budget - len(requests)
+        computed = request.num_computed_tokens
+        first = split(request, min(request.num_tokens - computed, room))
+        if first <= 0:
+            return False
+        if (
+            allocate_slots(
+                request, first, full_sequence_must_fit=True, has_scheduled_reqs=bool(requests)
+            )
+            is None
+        ):
+            return False
+        connector.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+        request.status = running
+        step([request], [], {request.request_id: first}, set())
+        run_prefill(rid, request, room)
+        return True
+
+    def run_prefill(rid: int, request: Any, room: int) -> None:
+        """After a prefill's first step: its later chunks; the request runs."""
+        nonlocal peak, prefill_steps
+        prefill_steps += 1
+        aligned_chunks(rid, request, room)
+        used = usable - pool.get_num_free_blocks()
+        if used > peak:
+            peak = used
+        requests[rid] = request
+
     def finish(rid: int) -> None:
         request = requests.pop(rid)
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        connector.request_finished(request, manager.get_block_ids(request.request_id)[0])
+        if aligned:
+            connector_finished(request)
+        else:
+            connector.request_finished(request, manager.get_block_ids(request.request_id)[0])
         manager.free(request)
         step([], [], {}, {request.request_id})
+
+    def connector_finished(request: Any) -> None:
+        """Scheduler._connector_finished (kv_both: a producer)."""
+        if manager.finalize_partial_tail_offloads(request):
+            raise SystemExit(f"request {request.request_id}: a partial-tail offload at its finish")
+        manager.remove_skipped_blocks(
+            request_id=request.request_id,
+            processed_computed_tokens=max(
+                0, request.num_computed_tokens - request.num_in_flight_tokens
+            ),
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+        connector.request_finished_all_groups(
+            request,
+            manager.get_block_ids_for_computed_tokens(
+                request_id=request.request_id, num_computed_tokens=request.num_computed_tokens
+            ),
+        )
+
+    def decode_step(cached: list[tuple[Any, Any]]) -> None:
+        nonlocal peak
+        step([], cached, {request.request_id: 1 for request, _ in cached}, set())
+        used = usable - pool.get_num_free_blocks()
+        if used > peak:
+            peak = used
+
+    admit_request = admit_aligned if aligned else admit
 
     start = time.perf_counter()
     cpu_start = time.process_time()
     for event in engine_steps(events):
         kind = event[0]
         if kind == "step":
+            # A run of decode events: one engine step per round, a request decoding at most
+            # once in each (a run between two admissions or finishes holds many rounds).
             cached = []
+            in_step: set[int] = set()
             for rid, token in zip(event[1], event[2], strict=True):
                 request = requests.get(rid)
                 if request is None:
                     dropped += 1
                     continue
+                if rid in in_step:
+                    if cached:
+                        decode_step(cached)
+                        cached = []
+                    in_step.clear()
+                in_step.add(rid)
                 request.append_output_token_ids(token)
                 new_blocks = allocate_slots(request, 1)
                 if new_blocks is None:
@@ -366,16 +640,13 @@ def replay_vllm_offloading(
                     continue
                 cached.append((request, new_blocks))
             if cached:
-                step([], cached, {request.request_id: 1 for request, _ in cached}, set())
-                used = usable - pool.get_num_free_blocks()
-                if used > peak:
-                    peak = used
+                decode_step(cached)
         elif kind == "admit":
             rid = event[1]
             request = Request(str(rid), list(event[2]), sampling, None, block_hasher=hasher)
             connector.on_new_request(request)
             prompt_tokens += request.num_tokens
-            if waiting or not admit(rid, request):
+            if waiting or not admit_request(rid, request):
                 waits += 1
                 waiting[rid] = request
                 # The step ends without it (the scheduler still builds the connector's
@@ -384,13 +655,19 @@ def replay_vllm_offloading(
         else:
             rid = event[1]
             if rid in waiting:
-                del waiting[rid]
+                request = waiting.pop(rid)
                 dropped += 1
+                if request.num_computed_tokens:
+                    # Loaded, waiting with its blocks: it ends without having run (aborted).
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    connector_finished(request)
+                    manager.free(request)
+                    step([], [], {}, {request.request_id})
                 continue
             finish(rid)
             while waiting:
                 head_id, head = next(iter(waiting.items()))
-                if not admit(head_id, head):
+                if not admit_request(head_id, head):
                     waits += 1
                     step([], [], {}, set())
                     break
@@ -408,6 +685,7 @@ def replay_vllm_offloading(
         "blocks_stored": blocks_stored,
         "blocks_loaded": blocks_loaded,
         "whole_prompt_loads": whole_prompt_loads,
+        **({"prefill_steps": prefill_steps} if aligned else {}),
         "peak_blocks": peak,
         "waits": waits,
         "dropped_events": dropped,
@@ -416,15 +694,63 @@ def replay_vllm_offloading(
 
 
 def replay_kvspec(
-    events: list[tuple], allocator: Any, prefill_chunk: int | None = None
+    events: list[tuple],
+    allocator: Any,
+    prefill_chunk: int | None = None,
+    prefill_split: Callable[[Request, Any, int], list[int]] | None = None,
 ) -> dict[str, Any]:
     """``replay_trace.replay`` with the figures named as vLLM's side names them."""
-    figures = replay(events, allocator, prefill_chunk=prefill_chunk)
+    figures = replay(events, allocator, prefill_chunk=prefill_chunk, prefill_split=prefill_split)
     moved = figures["blocks_moved"]
     figures["cpu_us_per_event"] = figures["cpu_seconds"] / figures["events"] * 1e6
     figures["blocks_stored"] = moved.get("device->host", 0)
     figures["blocks_loaded"] = moved.get("host->device", 0)
     return figures
+
+
+def replay_kvspec_aligned(
+    events: list[tuple],
+    allocator: Any,
+    split: Callable[..., int],
+    max_num_batched_tokens: int,
+    max_model_len: int,
+) -> dict[str, Any]:
+    """:func:`replay_kvspec` with a prompt's prefill steps ending where vLLM's scheduler
+    would end them for kvspec's own hit: ``split`` (vLLM's ``_mamba_block_aligned_split``,
+    ``vs_vllm.mamba_align_split``) on a stand-in request at that hit, its shared-prefix
+    junction kvspec's ``checkpoint_at``; the budget ``max_num_batched_tokens`` less one token
+    per running request; later chunks as a running request's (the budget,
+    ``max_model_len``, the split). A later step the allocator refuses frees the request and
+    queues it again, as ``replay`` does."""
+
+    def prefill_split(request: Request, prefix: Any, running: int) -> list[int]:
+        hit = prefix.num_tokens
+        num_tokens = len(request.token_ids)
+        room = max_num_batched_tokens - running
+        stand_in = types.SimpleNamespace(
+            num_computed_tokens=hit,
+            num_tokens=num_tokens,
+            num_prompt_tokens=num_tokens,
+            shared_prefix_boundary=prefix.checkpoint_at or 0,
+        )
+        first = split(stand_in, min(num_tokens - hit, room))
+        if first <= 0:
+            return []  # vLLM's scheduler would leave it waiting
+        steps = [first]
+        end = hit + first
+        while end < num_tokens:
+            stand_in.num_computed_tokens = end
+            size = split(stand_in, min(num_tokens - end, room, max_model_len - end - 1))
+            if size <= 0:
+                raise SystemExit(
+                    f"request {request.request_id}: the align-mode split leaves a later "
+                    f"prefill chunk at {end:,} empty"
+                )
+            steps.append(size)
+            end += size
+        return steps
+
+    return replay_kvspec(events, allocator, prefill_split=prefill_split)
 
 
 def main() -> None:
@@ -457,15 +783,31 @@ def main() -> None:
     model.add_argument(
         "--mamba",
         action="store_true",
-        help="vs_vllm.py --mamba's Mamba-1 + full attention pair (not driven: says why)",
+        help="vs_vllm.py --mamba's Mamba-1 (align) + full attention pair, prefills chunked "
+        "as vLLM's scheduler chunks them in align mode",
+    )
+    parser.add_argument(
+        "--vllm-max-num-batched-tokens",
+        type=int,
+        default=MAX_NUM_BATCHED_TOKENS,
+        help=f"--mamba: vLLM's token budget per step (default {MAX_NUM_BATCHED_TOKENS})",
+    )
+    parser.add_argument(
+        "--vllm-retention-interval",
+        type=_retention_interval,
+        default=None,
+        help="--mamba: vLLM's prefix_cache_retention_interval, the manager's and the "
+        "connector's (default 'dense', every state a step computed, as kvspec keeps them; 0 "
+        "is vLLM's own default)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.blocks < 2 or args.host_blocks < 1 or args.repeat < 1:
         parser.error("--blocks must be >= 2, --host-blocks >= 1, --repeat >= 1")
-    if args.mamba:
-        raise SystemExit(MAMBA_NOT_DRIVEN)
-    model_name = "hybrid" if args.hybrid else "full_attention"
+    if args.vllm_max_num_batched_tokens < BLOCK_SIZE:
+        parser.error(f"--vllm-max-num-batched-tokens must be >= {BLOCK_SIZE}")
+    model_name = "mamba_hybrid" if args.mamba else "hybrid" if args.hybrid else "full_attention"
+    budget = args.vllm_max_num_batched_tokens if args.mamba else None
     vllm = _import_vllm()
     try:
         events, requests, trace_file, max_model_len, prefill_chunk = load_trace(
@@ -474,19 +816,31 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     trace_name = args.trace.partition(":")[0]
+
+    def build_kvspec() -> tuple[Any, ...]:
+        allocator = build_allocator(
+            args.blocks,
+            model_name,
+            eviction=args.eviction,
+            max_model_len=max_model_len,
+            host_blocks=args.host_blocks,
+        )
+        if budget is None:
+            return (allocator,)
+        # The split of vLLM's scheduler, on a manager of the same model (its attributes only).
+        manager, _ = build_vllm_manager(
+            BLOCK_SIZE, model_name, args.vllm_hash_algo, args.vllm_retention_interval
+        )
+        return allocator, mamba_align_split(manager, budget)
+
+    def run_kvspec(built: tuple[Any, ...]) -> dict[str, Any]:
+        if budget is None:
+            return replay_kvspec(events, *built, prefill_chunk=prefill_chunk)
+        allocator, split = built
+        return replay_kvspec_aligned(events, allocator, split, budget, max_model_len)
+
     sides = {
-        "kvspec": (
-            lambda: (
-                build_allocator(
-                    args.blocks,
-                    model_name,
-                    eviction=args.eviction,
-                    max_model_len=max_model_len,
-                    host_blocks=args.host_blocks,
-                ),
-            ),
-            lambda built: replay_kvspec(events, *built, prefill_chunk=prefill_chunk),
-        ),
+        "kvspec": (build_kvspec, run_kvspec),
         "vllm": (
             lambda: build_vllm_offloading(
                 args.blocks,
@@ -495,8 +849,11 @@ def main() -> None:
                 args.vllm_hash_algo,
                 args.vllm_eviction,
                 model_name,
+                args.vllm_retention_interval,
             ),
-            lambda built: replay_vllm_offloading(events, *built, max_model_len, prefill_chunk),
+            lambda built: replay_vllm_offloading(
+                events, *built, max_model_len, prefill_chunk, budget
+            ),
         ),
     }
     runs = interleaved_runs(sides, args.repeat)
@@ -530,6 +887,13 @@ def main() -> None:
         },
         "repeat": args.repeat,
     }
+    setting = ""
+    if budget is not None:
+        retention = args.vllm_retention_interval
+        header.update(vllm_max_num_batched_tokens=budget, vllm_retention_interval=retention)
+        setting = (
+            f", {budget:,} tokens per step, retention {'dense' if retention is None else retention}"
+        )
     if args.json:
         print(json.dumps({**header, **summary}))
         return
@@ -537,8 +901,8 @@ def main() -> None:
         f"{MODEL_TITLES[model_name]} on {trace_name} trace ({requests:,} requests, "
         f"{len(events):,} events), "
         f"{args.blocks:,} device + {args.host_blocks:,} host blocks, vLLM {vllm.__version__} "
-        f"OffloadingConnector CPU {args.vllm_eviction.upper()}, kvspec {args.eviction}; "
-        f"median of {args.repeat}:"
+        f"OffloadingConnector CPU {args.vllm_eviction.upper()}, kvspec {args.eviction}"
+        f"{setting}; median of {args.repeat}:"
     )
     for name, figures in summary.items():
         tiers = figures["hit_tokens_by_tier"]
@@ -547,6 +911,7 @@ def main() -> None:
             f"host {tiers['host']:,})  stored {figures['blocks_stored']:,} loaded "
             f"{figures['blocks_loaded']:,} blocks  CPU {figures['cpu_seconds']:.2f} s = "
             f"{figures['cpu_us_per_event']:.1f} us/event  waits {figures['waits']}"
+            + (f"  prefill steps {figures['prefill_steps']:,}" if budget is not None else "")
         )
     sys.stdout.flush()
 
