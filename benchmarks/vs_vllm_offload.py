@@ -373,8 +373,34 @@ def replay_vllm_offloading(
                 raise SystemExit(f"request {rid}: no blocks for a later prefill chunk")
             step([], [(request, new_blocks)], {request.request_id: chunk}, set())
 
+    def allocate_admission(
+        request: Any, num_new: int, local: int, blocks: Any, external: int, **loading: Any
+    ) -> bool:
+        """A waiting request's first allocation with its local hit and the connector's
+        tokens (``loading``: an async load's options), the connector told, and the hit
+        counted where vLLM's statistics record it: at this allocation."""
+        nonlocal hit_gpu, hit_cpu
+        new_blocks = allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=local,
+            new_computed_blocks=blocks,
+            num_external_computed_tokens=external,
+            full_sequence_must_fit=True,
+            has_scheduled_reqs=bool(requests),
+            **loading,
+        )
+        if new_blocks is None:
+            return False
+        connector.update_state_after_alloc(
+            request, manager.get_blocks(request.request_id), external
+        )
+        hit_gpu += local
+        hit_cpu += external
+        return True
+
     def admit(rid: int, request: Any) -> bool:
-        nonlocal hit_gpu, hit_cpu, peak
+        nonlocal peak
         blocks, local, _ = get_computed_blocks(request)
         external, load_async = connector.get_num_new_matched_tokens(request, local)
         if external is None:
@@ -382,19 +408,8 @@ def replay_vllm_offloading(
         num_tokens = request.num_tokens
         if not external:
             first = first_chunk(num_tokens - local)
-            if (
-                allocate_slots(
-                    request,
-                    first,
-                    num_new_computed_tokens=local,
-                    new_computed_blocks=blocks,
-                    full_sequence_must_fit=True,
-                    has_scheduled_reqs=bool(requests),
-                )
-                is None
-            ):
+            if not allocate_admission(request, first, local, blocks, 0):
                 return False
-            connector.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
             request.status = running
             request.num_computed_tokens = local
             step([request], [], {request.request_id: first}, set())
@@ -402,23 +417,8 @@ def replay_vllm_offloading(
         else:
             if not load_async:
                 raise SystemExit(f"request {rid}: a synchronous load (not configured)")
-            if (
-                allocate_slots(
-                    request,
-                    0,
-                    num_new_computed_tokens=local,
-                    new_computed_blocks=blocks,
-                    num_external_computed_tokens=external,
-                    delay_cache_blocks=True,
-                    full_sequence_must_fit=True,
-                    has_scheduled_reqs=bool(requests),
-                )
-                is None
-            ):
+            if not allocate_admission(request, 0, local, blocks, external, delay_cache_blocks=True):
                 return False
-            connector.update_state_after_alloc(
-                request, manager.get_blocks(request.request_id), external
-            )
             run_load(request, local + external)
             first = first_chunk(num_tokens - request.num_computed_tokens)
             new_blocks = allocate_slots(
@@ -430,8 +430,6 @@ def replay_vllm_offloading(
             request.status = running
             step([request], [], {request.request_id: first}, set())
             later_chunks(rid, request)
-        hit_gpu += local
-        hit_cpu += external
         used = usable - pool.get_num_free_blocks()
         if used > peak:
             peak = used
@@ -439,8 +437,7 @@ def replay_vllm_offloading(
         return True
 
     aligned = max_num_batched_tokens is not None
-    if aligned:
-        assert max_num_batched_tokens is not None
+    if max_num_batched_tokens is not None:
         budget = max_num_batched_tokens
         split = mamba_align_split(manager, budget)
         # The scheduler's own local lookup, bound to the attributes it reads.
@@ -470,32 +467,6 @@ def replay_vllm_offloading(
                 )
             step([], [(request, new_blocks)], {request.request_id: size}, set())
             prefill_steps += 1
-
-    def allocate_admission(
-        request: Any, num_new: int, local: int, blocks: Any, external: int, **loading: Any
-    ) -> bool:
-        """A waiting request's first allocation with its local hit and the connector's
-        tokens (``loading``: an async load's options), the connector told, and the hit
-        counted where vLLM's statistics record it: at this allocation."""
-        nonlocal hit_gpu, hit_cpu
-        new_blocks = allocate_slots(
-            request,
-            num_new,
-            num_new_computed_tokens=local,
-            new_computed_blocks=blocks,
-            num_external_computed_tokens=external,
-            full_sequence_must_fit=True,
-            has_scheduled_reqs=bool(requests),
-            **loading,
-        )
-        if new_blocks is None:
-            return False
-        connector.update_state_after_alloc(
-            request, manager.get_blocks(request.request_id), external
-        )
-        hit_gpu += local
-        hit_cpu += external
-        return True
 
     def admit_aligned(rid: int, request: Any) -> bool:
         """``Scheduler.schedule``'s waiting-request path with a connector, Mamba align mode
