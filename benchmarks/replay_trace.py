@@ -291,16 +291,18 @@ def replay(
         prefix = find_cached_prefix(request)
         remaining = len(request.token_ids) - prefix.num_tokens
         split = prefix.checkpoint_at
-        if prefill_split is None and (
-            split is None and (prefill_chunk is None or remaining <= prefill_chunk)
+        if (
+            prefill_split is None
+            and split is None
+            and (prefill_chunk is None or remaining <= prefill_chunk)
         ):
             if not allocate_slots(request, remaining, prefix=prefix):
                 return False
             num_prefill_steps += 1
         else:
-            # Several prefill steps: the first ends where the prompt shares content with
-            # earlier ones (checkpoint_at), so the state groups save a checkpoint there;
-            # with prefill_chunk none is longer than that.
+            # Several prefill steps: the engine's own (prefill_split), or the first ends
+            # where the prompt shares content with earlier ones (checkpoint_at), so the
+            # state groups save a checkpoint there; with prefill_chunk none is longer.
             if prefill_split is not None:
                 steps = prefill_split(request, prefix, len(requests))
             else:

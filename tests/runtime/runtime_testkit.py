@@ -319,7 +319,11 @@ REPLAY_TRACE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "repl
 
 def load_replay_trace(module_name: str) -> ModuleType:
     """``benchmarks/replay_trace.py`` loaded as a fresh module named ``module_name``."""
-    spec = importlib.util.spec_from_file_location(module_name, REPLAY_TRACE_SCRIPT)
+    return _load_script(REPLAY_TRACE_SCRIPT, module_name)
+
+
+def _load_script(script: Path, module_name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -333,12 +337,7 @@ def load_content_check(module_name: str) -> Iterator[ModuleType]:
     folder = str(REPLAY_TRACE_SCRIPT.parent)
     sys.path.insert(0, folder)
     try:
-        script = REPLAY_TRACE_SCRIPT.parent / "tier_content_check.py"
-        spec = importlib.util.spec_from_file_location(module_name, script)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield _load_script(REPLAY_TRACE_SCRIPT.parent / "tier_content_check.py", module_name)
     finally:
         sys.path.remove(folder)
 
