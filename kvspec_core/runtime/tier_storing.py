@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import compress, repeat
-from operator import contains, eq, is_, ne, not_
-from typing import Any, cast
+from operator import eq
 
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.tier_state import PendingTransfer, TierState
@@ -52,7 +51,8 @@ class TierStoring(TierState):
         ``hashes`` for ``groups``) into offload tier ``index`` (0-based) or the first one
         after it with slots for ``pool``. A hash the tier holds already becomes its most
         recently used entry instead; one in flight there is skipped; when fewer slots are
-        free than copies (every other slot is in flight), the oldest victims are dropped."""
+        free than copies (every other slot is in flight), the first victims are dropped (of a
+        batch mixing groups, taken apart group by group: see :meth:`_store_each`)."""
         count = len(self.tiers)
         while index < count and self.tier_pools[index][pool] is None:
             index += 1
@@ -60,26 +60,9 @@ class TierStoring(TierState):
             return  # the last tier: dropped
         slots = self.tier_pools[index][pool]
         assert slots is not None
-        caches = slots.caches
-        storing = self._storing[index]
-        if len(caches) == 1:
-            (only,) = caches
+        if len(slots.caches) == 1:
+            (only,) = slots.caches
             self._store_group(index, pool, only, hashes, source_tier, sources)
-            return
-        per_group = {}
-        for gid in caches:
-            mask = list(map(eq, groups, repeat(gid)))
-            if True in mask:
-                per_group[gid] = (list(compress(hashes, mask)), list(compress(sources, mask)))
-        if len(hashes) <= slots.num_free_blocks and all(
-            not storing[gid]
-            and len(set(group_hashes)) == len(group_hashes)
-            and caches[gid].keys().isdisjoint(group_hashes)
-            for gid, (group_hashes, _) in per_group.items()
-        ):
-            # None of them held or in flight and room for all (the steady state): in bulk.
-            for gid, (group_hashes, group_sources) in per_group.items():
-                self._store_all(index, pool, gid, group_hashes, source_tier, group_sources)
             return
         self._store_mixed(index, pool, groups, hashes, source_tier, sources)
 
@@ -92,68 +75,23 @@ class TierStoring(TierState):
         source_tier: int,
         sources: list[int],
     ) -> None:
-        """:meth:`_store_each` in whole-list passes (a hybrid's batch mixes its groups'
-        victims, up to thousands a step): the same copies, refreshes, drops and transfers
-        (one per run of a group's victims, in batch order)."""
-        slots = self.tier_pools[index][pool]
-        assert slots is not None
-        storing = self._storing[index]
+        """:meth:`_store` into tier ``index`` (which has slots for ``pool``, a pool of
+        several groups) of a batch that may mix the groups' victims (a hybrid's does, up to
+        thousands a step): taken apart in whole-list passes, in order of each group's first
+        victim, then stored as :meth:`_store_sorted` does."""
         if not len(groups) == len(hashes) == len(sources):
             raise ValueError("_store_mixed: groups, hashes and sources differ in length")
-        caches = slots.caches
-        # Per victim, the tier's slot for its hash (None: not held), without a Python
-        # step per victim (a batch is up to thousands).
-        held = list(map(dict.get, map(caches.__getitem__, groups), hashes))
-        absent = list(map(is_, held, repeat(None)))
-        kept_groups, kept_hashes, kept_sources = _kept((groups, hashes, sources), absent)
-        if any(storing[gid] for gid in set(kept_groups)):
-            # Those in flight to the tier are skipped.
-            landing = list(
-                map(not_, map(contains, map(storing.__getitem__, kept_groups), kept_hashes))
-            )
-            kept_groups, kept_hashes, kept_sources = _kept(
-                (kept_groups, kept_hashes, kept_sources), landing
-            )
-        pairs = list(zip(kept_groups, kept_hashes, strict=True))
-        if len(set(pairs)) != len(pairs):
-            # A hash evicted twice since the last take (cached again in between): its
-            # first victim is stored, once.
-            firsts: dict[tuple[int, bytes], int] = {}
-            first = [
-                firsts.setdefault(pair, position) == position for position, pair in enumerate(pairs)
-            ]
-            kept_groups, kept_hashes, kept_sources = _kept(
-                (kept_groups, kept_hashes, kept_sources), first
-            )
-        refresh_held(slots, cast(list[int], list(compress(held, map(not_, absent)))))
-        room = slots.num_free_blocks
-        if len(kept_hashes) > room:
-            cut = len(kept_hashes) - room
-            kept_groups, kept_hashes, kept_sources = (
-                kept_groups[cut:],
-                kept_hashes[cut:],
-                kept_sources[cut:],
-            )
-        if not kept_hashes:
+        if not groups:
             return
-        taken = slots.take(len(kept_hashes))  # may evict: those slots' stores are recorded first
-        if len(taken) != len(kept_hashes):
-            raise ValueError(
-                f"_store_mixed: the tier pool gave {len(taken)} of {len(kept_hashes)} slots"
-            )
-        # One transfer per run of a group's victims, in batch order.
-        count = len(kept_groups)
-        starts = [0, *compress(range(1, count), map(ne, kept_groups[1:], kept_groups[:-1]))]
-        for start, end in zip(starts, [*starts[1:], count], strict=True):
-            self._record_stores(
-                index,
-                pool,
-                kept_groups[start],
-                source_tier,
-                kept_sources[start:end],
-                taken[start:end],
-                kept_hashes[start:end],
-            )
+        # Most batches hold one group's victims (one C pass tells).
+        if groups.count(groups[0]) == len(groups):
+            self._store_sorted(index, pool, [(groups[0], hashes, sources)], source_tier)
+            return
+        batches = []
+        for gid in dict.fromkeys(groups):
+            mask = list(map(eq, groups, repeat(gid)))
+            batches.append((gid, list(compress(hashes, mask)), list(compress(sources, mask))))
+        self._store_sorted(index, pool, batches, source_tier)
 
     def _store_each(
         self,
@@ -165,17 +103,20 @@ class TierStoring(TierState):
         sources: list[int],
     ) -> None:
         """:meth:`_store` into tier ``index`` (which has slots for ``pool``), block by
-        block: the reference the batched forms give the same copies as (and
-        :meth:`_store_mixed` the same transfers)."""
+        block: the reference the batched forms give the same copies and transfers as. A
+        batch of several groups' victims is taken apart first, group by group in order of
+        each group's first victim (each group's in batch order)."""
         slots = self.tier_pools[index][pool]
         assert slots is not None
         caches = slots.caches
         storing = self._storing[index]
+        rank = {gid: position for position, gid in enumerate(dict.fromkeys(groups))}
+        victims = sorted(zip(groups, hashes, sources, strict=True), key=lambda v: rank[v[0]])
         refresh: list[int] = []
         kept: list[tuple[int, bytes, int]] = []
         # A hash evicted twice since the last take (cached again in between) is stored once.
         seen: set[tuple[int, bytes]] = set()
-        for gid, digest, source in zip(groups, hashes, sources, strict=True):
+        for gid, digest, source in victims:
             held = caches[gid].get(digest)
             if held is not None:
                 refresh.append(held)
@@ -208,13 +149,10 @@ class TierStoring(TierState):
         sources: list[int],
     ) -> None:
         """:meth:`_store` into tier ``index`` (which has slots for ``pool``) of blocks of
-        ``gid``, the only group of the pool: the same copies, refreshes and drops as the
-        per-block loop of several groups, found with a few passes over the lists (a batch
-        of evictions is hundreds of blocks, and a hash a load brought back to the device
-        is held by the tier already)."""
+        ``gid``, the only group of the pool: in one call of ``store_victims`` where no tier
+        lies below (taking slots records nothing), else through :meth:`_store_sorted`."""
         slots = self.tier_pools[index][pool]
         assert slots is not None
-        in_flight = self._storing[index][gid]
         if slots._on_evict is None and hashes.__class__ is list and sources.__class__ is list:
             # No tier below this one: taking its slots records no transfer, so the copies'
             # transfer is chosen first and filled in the same call that sorts the victims,
@@ -224,7 +162,7 @@ class TierStoring(TierState):
             store = store_victims if kernels is None else kernels.store_victims
             stored = store(
                 slots,
-                in_flight,
+                self._storing[index][gid],
                 hashes,
                 sources,
                 pending.source,
@@ -235,42 +173,53 @@ class TierStoring(TierState):
             if stored and new:
                 self._enqueue(pending)
             return
-        cache = slots.caches[gid]
-        kernels = native if slots._compiled else None
-        if (
-            kernels is not None
-            and cache.__class__ is dict
-            and in_flight.__class__ is dict
-            and hashes.__class__ is list
-            and sources.__class__ is list
-        ):
-            held, hashes, sources = kernels.split_held(cache, in_flight, hashes, sources)
-        else:
-            held, hashes, sources = split_held(cache, in_flight, hashes, sources)
-        refresh_held(slots, held)
-        self._store_all(index, pool, gid, hashes, source_tier, sources)
+        self._store_sorted(index, pool, [(gid, hashes, sources)], source_tier)
 
-    def _store_all(
+    def _store_sorted(
         self,
         index: int,
         pool: int,
-        gid: int,
-        hashes: list[bytes],
+        batches: list[tuple[int, list[bytes], list[int]]],
         source_tier: int,
-        sources: list[int],
     ) -> None:
-        """:meth:`_store` of blocks of one group none of which tier ``index`` holds or has in
-        flight: as many as there are free slots (the newest victims), in one batch."""
+        """:meth:`_store` into tier ``index`` (which has slots for ``pool``) of the victims
+        of one group per batch (``(group, hashes, sources)``), as :meth:`_store_each` does
+        block by block: each group's sorted in one C-level pass (``split_held``: held by
+        the tier, in flight to it, repeated or to copy), every held entry refreshed before
+        any slot is taken, one take for all, one transfer per group."""
         slots = self.tier_pools[index][pool]
         assert slots is not None
-        room = slots.num_free_blocks
-        if len(hashes) > room:
-            hashes = hashes[len(hashes) - room :]
-            sources = sources[len(sources) - room :]
-        if not hashes:
+        storing = self._storing[index]
+        held: list[int] = []
+        kept: list[tuple[int, list[bytes], list[int]]] = []
+        for gid, hashes, sources in batches:
+            group_held, hashes, sources = _split_held(
+                slots.caches[gid], storing[gid], hashes, sources, slots._compiled
+            )
+            held += group_held
+            if hashes:
+                kept.append((gid, hashes, sources))
+        refresh_held(slots, held)
+        # Fewer free slots than copies (every other slot is in flight): the first ones go.
+        cut = sum(len(hashes) for _, hashes, _ in kept) - slots.num_free_blocks
+        while cut > 0:
+            gid, hashes, sources = kept[0]
+            if len(hashes) <= cut:
+                del kept[0]
+            else:
+                kept[0] = (gid, hashes[cut:], sources[cut:])
+            cut -= len(hashes)
+        if not kept:
             return
-        taken = slots.take(len(hashes))  # may evict: those slots' stores are recorded first
-        self._record_stores(index, pool, gid, source_tier, sources, taken, hashes)
+        wanted = sum(len(hashes) for _, hashes, _ in kept)
+        taken = slots.take(wanted)  # may evict: those slots' stores are recorded first
+        if len(taken) != wanted:
+            raise ValueError(f"_store_sorted: the tier pool gave {len(taken)} of {wanted} slots")
+        start = 0
+        for gid, hashes, sources in kept:
+            end = start + len(hashes)
+            self._record_stores(index, pool, gid, source_tier, sources, taken[start:end], hashes)
+            start = end
 
     def _record_stores(
         self,
@@ -337,6 +286,22 @@ class TierStoring(TierState):
         self._queue.append(pending)
 
 
-def _kept(columns: tuple[list[Any], ...], mask: list[bool]) -> tuple[list[Any], ...]:
-    """Each of ``columns`` (lists of one length) with only the items ``mask`` keeps."""
-    return tuple(list(compress(column, mask)) for column in columns)
+def _split_held(
+    cache: dict[bytes, int],
+    in_flight: dict[bytes, int],
+    hashes: list[bytes],
+    sources: list[int],
+    compiled: bool,
+) -> tuple[list[int], list[bytes], list[int]]:
+    """``split_held``: the kernel for a pool built with the kernels and exact containers
+    (a subclass's own lookups would not run in it), else its twin."""
+    if (
+        compiled
+        and native is not None
+        and cache.__class__ is dict
+        and in_flight.__class__ is dict
+        and hashes.__class__ is list
+        and sources.__class__ is list
+    ):
+        return native.split_held(cache, in_flight, hashes, sources)
+    return split_held(cache, in_flight, hashes, sources)
