@@ -35,11 +35,26 @@ def _figure_rows(document: dict[str, Any], trace_label: str) -> list[tuple[str, 
             f"{document['peak_usage']:.1%} ({document['peak_used_blocks']:,} of "
             f"{document['usable_blocks']:,} blocks)",
         ),
+        *_pool_peak_rows(document),
         (
             "admissions that waited",
             f"{document['waited_admissions']:,} ({document['wait_retries']:,} retries)",
         ),
         ("preemptions", f"{document['preemptions']:,}"),
+    ]
+
+
+def _pool_peak_rows(document: dict[str, Any]) -> list[tuple[str, str]]:
+    """With several pools, each one's own peak (the overall one can hide a full pool)."""
+    peaks, usable = document["peak_used_blocks_by_pool"], document["usable_blocks_by_pool"]
+    if len(peaks) < 2:
+        return []
+    return [
+        (
+            f"  pool {index}",
+            f"{peak / count if count else 0.0:.1%} ({peak:,} of {count:,} blocks)",
+        )
+        for index, (peak, count) in enumerate(zip(peaks, usable, strict=True))
     ]
 
 

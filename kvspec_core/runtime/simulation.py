@@ -103,6 +103,11 @@ class SimulationReport:
     truncated: int = 0
     peak_used_blocks: int = 0
     usable_blocks: int = 0
+    #: Per pool, the most blocks requests held at once and the blocks it has: a pool that
+    #: runs full while the others idle (a plan split for requests of ``max_model_len``
+    #: serving shorter ones) is what makes admissions wait at a low overall peak.
+    peak_used_blocks_by_pool: list[int] = attrs.field(factory=list)
+    usable_blocks_by_pool: list[int] = attrs.field(factory=list)
     tiers: list[TierTraffic] = attrs.field(factory=list)
 
     @property
@@ -137,8 +142,11 @@ def simulate(
     """Replay ``events`` (see :mod:`kvspec_core.runtime.trace`) through ``allocator``;
     ``block_bytes``: each pool's bytes per block (a plan's ``pools[i].block_bytes``), for
     the bytes the tiers moved (0 without)."""
+    pools = allocator.pools
     report = SimulationReport(
         usable_blocks=allocator.usage.usable_blocks,
+        peak_used_blocks_by_pool=[0] * len(pools),
+        usable_blocks_by_pool=[pool.num_usable_blocks for pool in pools],
         tiers=[TierTraffic(name) for name in allocator.tier_names],
     )
     tiers = report.tiers
@@ -172,13 +180,15 @@ def simulate(
     ever_waited: set[object] = set()
     admitted: set[object] = set()
     stopped: set[object] = set()
-    pools = allocator.pools
     max_len = allocator.max_model_len
+    pool_peaks = report.peak_used_blocks_by_pool
 
     def note_usage() -> None:
-        used = sum(pool.num_used_blocks for pool in pools)
-        if used > report.peak_used_blocks:
-            report.peak_used_blocks = used
+        used = [pool.num_used_blocks for pool in pools]
+        pool_peaks[:] = map(max, pool_peaks, used)
+        total = sum(used)
+        if total > report.peak_used_blocks:
+            report.peak_used_blocks = total
 
     def try_admit(request: Request) -> str:
         prefix = allocator.find_cached_prefix(request)

@@ -65,6 +65,24 @@ def test_hybrid_mamba_preset_replays(capsys: pytest.CaptureFixture[str]) -> None
     assert report["admitted"] == 20
 
 
+def test_a_full_pool_shows_beside_a_low_overall_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """Jamba planned for 262,144-token requests: its Mamba pool holds states for 5 requests
+    at once, its attention pool blocks for the whole length. Short requests fill the Mamba
+    pool (admissions wait, decodes preempt) while the overall peak stays near 3%: the
+    per-pool peaks say which pool held the trace back."""
+    args = ("jamba-1.5-mini", "--memory", "20GiB", "--requests", "60")
+    report = simulate(capsys, *args)
+    peaks, usable = report["peak_used_blocks_by_pool"], report["usable_blocks_by_pool"]
+    assert len(peaks) == len(usable) == 2 and sum(usable) == report["usable_blocks"]
+    assert peaks[0] == usable[0] == 70 and peaks[1] < usable[1] // 10
+    assert report["peak_usage"] < 0.05 and report["waited_admissions"] > 0
+    assert report["peak_used_blocks"] <= sum(peaks)
+    assert main(["simulate", *args, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "  pool 0                100.0% (70 of 70 blocks)" in text
+    assert "  pool 1 " in text
+
+
 def test_human_output_is_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "mistral-7b", "--memory", "8GiB", "--requests", "10"]) == 0
     captured = capsys.readouterr()
