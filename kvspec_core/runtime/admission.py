@@ -122,6 +122,7 @@ class Admission(BlockCaching):
                 self._hasher.hashes(request, computed),
                 self._hash_stride,
                 self._block_tokens,
+                computed,
             )
             for gid, group_loads in loads.items():
                 state.num_real[gid] += len(group_loads)

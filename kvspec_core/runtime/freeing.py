@@ -50,7 +50,9 @@ class Freeing(AllocatorBase):
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
 
-    def discard_uncomputed(self, request_id: str | int, num_valid_tokens: int) -> None:
+    def discard_uncomputed(
+        self, request_id: str | int, num_valid_tokens: int
+    ) -> dict[str | int, int]:
         """Free a request whose computation stopped early (an engine's forward raised, or was
         interrupted), leaving no false hit behind.
 
@@ -60,10 +62,15 @@ class Freeing(AllocatorBase):
         write) first leaves the prefix cache, so no later lookup can hit it; then the
         request is freed as by :meth:`free` (the blocks before stay cached). Works the same
         with the compiled kernels and in pure Python (it changes the pools' Python-side
-        maps, which both read). A running request that already reused such a block keeps
-        it, uncached. Refuses unknown ids, double frees and a count that is not an int in
-        ``[0, num_computed_tokens]``, and a keep rule's bad answer (``offload_range``),
-        with :class:`AllocatorError`, changing nothing.
+        maps, which both read).
+
+        Returns the other running requests that reused such a block (admitted in the same
+        step, they hit a block this request was to compute), each with the tokens before
+        the first one: what they read from there on was never written. They keep their
+        blocks, uncached; discard each the same way (its call returns its own) unless the
+        engine discards it anyway. Refuses unknown ids, double frees and a count that is
+        not an int in ``[0, num_computed_tokens]``, and a keep rule's bad answer
+        (``offload_range``), with :class:`AllocatorError`, changing nothing.
         """
         state = self._state(request_id)
         if num_valid_tokens.__class__ is not int or not 0 <= num_valid_tokens <= state.computed:
@@ -72,7 +79,23 @@ class Freeing(AllocatorBase):
                 f"{num_valid_tokens!r} must be an int in [0, {state.computed}]: the tokens "
                 "whose K/V or state the engine wrote before it stopped"
             )
-        self._discard(request_id, state, num_valid_tokens, self._keep_marks(state))
+        uncached = self._discard(request_id, state, num_valid_tokens, self._keep_marks(state))
+        return self._reusers(uncached)
+
+    def _reusers(self, blocks: dict[int, set[int]]) -> dict[str | int, int]:
+        """The running requests holding any of ``blocks`` (per group), each with the token
+        position where the first of them starts in its table."""
+        found: dict[str | int, int] = {}
+        for request_id, state in self._running.items():
+            for gid, group_blocks in blocks.items():
+                table = state.blocks[gid]
+                if group_blocks.isdisjoint(table):
+                    continue
+                first = next(index for index, block in enumerate(table) if block in group_blocks)
+                position = first * self._block_tokens[gid]
+                if position < found.get(request_id, position + 1):
+                    found[request_id] = position
+        return found
 
     def _discard(
         self,
@@ -80,11 +103,12 @@ class Freeing(AllocatorBase):
         state: _Running,
         num_valid_tokens: int,
         marks: list[Any] | None,
-    ) -> None:
+    ) -> dict[int, set[int]]:
         """:meth:`discard_uncomputed` once checked, with the keep ``marks`` asked already:
-        nothing here can be refused."""
+        nothing here can be refused. Returns the blocks it uncached, per group."""
         from kvspec_core.runtime.events import BlockRemoved
 
+        uncached: dict[int, set[int]] = {}
         for gid in self._holding:
             pool = self._group_pools[gid]
             cache = self._caches[gid]
@@ -102,6 +126,7 @@ class Freeing(AllocatorBase):
                     removed.append(digest)
                     removed_blocks.append(block)
             if removed:
+                uncached[gid] = set(removed_blocks)
                 # A prefix found before may name these blocks: admissions check it again.
                 pool.epoch += 1
                 if self._events is not None:
@@ -109,6 +134,7 @@ class Freeing(AllocatorBase):
                 if self._tiers is not None:
                     self._tiers.forget_unwritten(gid, removed, removed_blocks)
         self._release(request_id, state, marks)
+        return uncached
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, in every offload tier too (running requests keep

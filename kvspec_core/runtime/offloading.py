@@ -41,6 +41,11 @@ from kvspec_core.runtime.tier_state import PendingTransfer
 from kvspec_core.runtime.tier_view import TieredView, full_scan_across_tiers
 from kvspec_core.runtime.tiers import DEVICE_TIER, LOAD, STORE, OffloadTier, Transfer
 
+#: A failed load's request: its id, its running state, the first token position whose
+#: content did not arrive, and the tokens of its hit (its blocks from there on are its
+#: own forward's, cached at its admission).
+FailedLoad = tuple[str | int, object, int, int]
+
 
 class TierManager(TierKeeping, TierLookup, TierRemote):
     """Offload tiers of one allocator (see the module docstring).
@@ -138,10 +143,12 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         fine: Sequence[bytes],
         hash_strides: Sequence[int],
         block_tokens: Sequence[int],
+        hit_tokens: int,
     ) -> int:
         """Lock the tier slots of ``loads`` (per group), give each a new device block at its
-        position of ``tables``, and record the loads (one transfer per group and tier).
-        The caller counted these blocks in its shortfall check. Returns the blocks taken."""
+        position of ``tables``, and record the loads (one transfer per group and tier) of a
+        hit of ``hit_tokens``. The caller counted these blocks in its shortfall check.
+        Returns the blocks taken."""
         # Whole lists at a time: a prefix loads up to thousands of blocks. Per group, per
         # tier in the order the tiers first appear: the table positions and the slots.
         columns: dict[int, dict[int, tuple[list[int], list[int], list[bool] | None]]] = {}
@@ -192,6 +199,7 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
                 pending.request_id = request_id
                 pending.request = state
                 pending.first_position = min(indices) * tokens
+                pending.hit_end = hit_tokens
                 pending.source.extend(tier_slots)
                 pending.destination.extend(taken if picked is None else compress(taken, picked))
                 # Each block's hash: the last hash block it covers.
@@ -235,16 +243,17 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
 
     def complete(
         self, transfer_ids: Sequence[int], ok: bool, *, checked: bool = False
-    ) -> list[tuple[str | int, object, int]]:
+    ) -> list[FailedLoad]:
         """Confirm (``ok``) or fail the transfers; returns, for failed loads, ``(request
-        id, running state, first token position whose content did not arrive)`` per load
-        (the caller discards those requests). Refuses unknown, repeated or not yet handed
-        out ids with :class:`AllocatorError`, changing nothing (``checked``: the caller
-        ran :meth:`check_completion` on these very arguments, nothing changed since)."""
+        id, running state, first token position whose content did not arrive, the tokens
+        of the request's hit)`` per load (the caller discards those requests). Refuses
+        unknown, repeated or not yet handed out ids with :class:`AllocatorError`, changing
+        nothing (``checked``: the caller ran :meth:`check_completion` on these very
+        arguments, nothing changed since)."""
         ids = list(transfer_ids)
         if not checked:
             self.check_completion(ids, ok)
-        failed_loads: list[tuple[str | int, object, int]] = []
+        failed_loads: list[FailedLoad] = []
         for transfer_id in ids:
             pending = self._pending.pop(transfer_id)
             current = ok and pending.generation == self.generation
@@ -259,14 +268,12 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
                 self.blocks_moved[key] = self.blocks_moved.get(key, 0) + len(pending.source)
         return failed_loads
 
-    def check_completion(
-        self, transfer_ids: Sequence[int], ok: bool
-    ) -> list[tuple[str | int, object, int]]:
+    def check_completion(self, transfer_ids: Sequence[int], ok: bool) -> list[FailedLoad]:
         """Check :meth:`complete`'s arguments, changing nothing; returns the failed loads
         it would return."""
         if ok.__class__ is not bool:
             raise AllocatorError(f"complete_transfers: ok={ok!r} must be True or False")
-        failed_loads: list[tuple[str | int, object, int]] = []
+        failed_loads: list[FailedLoad] = []
         for transfer_id in transfer_ids:
             pending = self._pending.get(transfer_id) if transfer_id.__class__ is int else None
             if pending is None or not pending.taken:
@@ -275,7 +282,9 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
                     "take_transfers() handed out and not completed yet"
                 )
             if not ok and pending.kind == LOAD and pending.request_id is not None:
-                failed_loads.append((pending.request_id, pending.request, pending.first_position))
+                failed_loads.append(
+                    (pending.request_id, pending.request, pending.first_position, pending.hit_end)
+                )
         if len(set(transfer_ids)) != len(transfer_ids):
             raise AllocatorError("complete_transfers: a transfer id is given twice")
         return failed_loads
@@ -300,9 +309,7 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
             # at its eviction).
             self.device_pools[pending.pool]._release_unchecked(pending.held)
 
-    def _finish_load(
-        self, pending: PendingTransfer, cache: bool, ok: bool
-    ) -> tuple[str | int, object, int] | None:
+    def _finish_load(self, pending: PendingTransfer, cache: bool, ok: bool) -> FailedLoad | None:
         device = self.device_pools[pending.pool]
         slots = self.tier_pools[pending.source_tier - 1][pending.pool]
         assert slots is not None
@@ -317,7 +324,7 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         slots._release_unchecked(pending.source)
         if ok or pending.request_id is None:
             return None
-        return pending.request_id, pending.request, pending.first_position
+        return pending.request_id, pending.request, pending.first_position, pending.hit_end
 
     # ----------------------------------------------------------------- the rest
     def reset(self) -> None:

@@ -210,7 +210,8 @@ class TransferRunner:
     ) -> tuple[list[int], list[int], tuple[str | int, ...]]:
         """Run ``transfers`` (just taken from ``allocator``) in order and complete them, those
         that ran as ``ok``, the rest as failed: ``(ids that ran, ids that failed, the requests
-        whose loads failed)`` (drop those from the step; see ``complete_transfers``). An
+        to drop from the step)`` (those whose loads failed and those that reused blocks they
+        were to compute; see ``complete_transfers``). An
         error :meth:`run` does not expect (a bad storage object, an interrupt) fails every
         one of them before it propagates, so none stays pending for good."""
         try:
@@ -223,8 +224,9 @@ class TransferRunner:
 
     def run_pending(self, allocator: _TransferSource) -> tuple[str | int, ...]:
         """Take the allocator's transfers, run them in order and complete them
-        (:meth:`run_and_complete`): the requests whose loads failed (drop them from the
-        step; see ``complete_transfers``). Call it before the step's forward."""
+        (:meth:`run_and_complete`): the requests to drop from the step (those whose loads
+        failed and those that reused blocks they were to compute; see
+        ``complete_transfers``). Call it before the step's forward."""
         return self.run_and_complete(allocator, allocator.take_transfers())[2]
 
 

@@ -27,6 +27,7 @@ class PendingTransfer:
         "group",
         "hashes",
         "held",
+        "hit_end",
         "kind",
         "pool",
         "request",
@@ -63,6 +64,9 @@ class PendingTransfer:
         self.request: object = None
         # A load's first token position (the smallest its blocks start at).
         self.first_position = 0
+        # A load's request's hit (tokens): its blocks from there on are its own forward's,
+        # cached at its admission, written only if that forward runs.
+        self.hit_end = 0
         self.taken = False
         # Hashes whose content turned out never written (discard_uncomputed after the copy
         # was recorded): confirmed, the copy caches the others only.

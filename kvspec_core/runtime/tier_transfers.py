@@ -58,10 +58,14 @@ class TierTransfers(Freeing, AllocatorBase):
         or report them failed (``ok=False``: their destinations return to the free blocks,
         uncached, nothing else lost; a failed load's source leaves its tier).
 
-        Returns the requests a failed load was admitted for that are still running: each
-        was discarded (``discard_uncomputed`` from the first position whose content did
-        not arrive: no block after it stays cached) and freed. The engine must not run
-        their forward in this step and may admit them again (``find_cached_prefix``).
+        Returns the requests a failed load was admitted for that are still running, then
+        every running request that reused a block one of their discards uncaches (admitted
+        in the same step, it hit a block the failed request was to compute: its forward
+        would read content nobody writes), and so on for those: each was discarded
+        (``discard_uncomputed`` from the first position whose content did not arrive, or
+        from the first block it reused of a discarded request's: no block after it stays
+        cached) and freed. The engine must not run their forward in this step and may
+        admit them again (``find_cached_prefix``).
         Refuses ids not handed out by :meth:`take_transfers`, or completed already, and a
         keep rule's bad answer for a request to discard (``offload_range``), with
         :class:`AllocatorError`, changing nothing."""
@@ -75,9 +79,13 @@ class TierTransfers(Freeing, AllocatorBase):
             return ()
         ids = list(transfer_ids)
         first_lost: dict[str | int, int] = {}
-        for request_id, state, position in self._tiers.check_completion(ids, ok):
+        unwritten_from: dict[str | int, int] = {}
+        for request_id, state, position, hit_end in self._tiers.check_completion(ids, ok):
             if self._running.get(request_id) is state:
                 first_lost[request_id] = min(position, first_lost.get(request_id, position))
+                unwritten_from[request_id] = hit_end
+        if first_lost:
+            first_lost = self._with_sharers(first_lost, unwritten_from)
         # Every discard's keep marks are asked before anything changes: a keep rule's bad
         # answer refuses the call with the loads still pending and every request running.
         marks = {
@@ -89,6 +97,39 @@ class TierTransfers(Freeing, AllocatorBase):
             state = self._running[request_id]
             self._discard(request_id, state, min(position, state.computed), marks[request_id])
         return tuple(first_lost)
+
+    def _with_sharers(
+        self, first_lost: dict[str | int, int], unwritten_from: dict[str | int, int]
+    ) -> dict[str | int, int]:
+        """``first_lost`` (running request -> the first position whose content did not
+        arrive) with every running request that reused a block one of those requests was
+        to compute (``unwritten_from``: its hit's tokens; its blocks from there on were
+        cached at its admission, before its forward), from the first such block on, and so
+        on for those (their blocks from there on count as unwritten), until no discard
+        reaches another request. The blocks of a hit stay valid for their other holders.
+        Reads only: the discards run after every keep rule was asked."""
+        lost = dict(first_lost)
+        unwritten = dict(unwritten_from)
+        running = self._running
+        queue = list(lost)
+        while queue:
+            request_id = queue.pop()
+            state = running[request_id]
+            position = max(lost[request_id], unwritten.get(request_id, 0))
+            doomed: dict[int, set[int]] = {}
+            for gid in self._holding:
+                block_hash = self._group_pools[gid]._block_hash
+                tail = state.blocks[gid][position // self._block_tokens[gid] :]
+                cached = {block for block in tail if block and block_hash[block] is not None}
+                if cached:
+                    doomed[gid] = cached
+            if not doomed:
+                continue
+            for other_id, reused_from in self._reusers(doomed).items():
+                if other_id != request_id and reused_from < lost.get(other_id, reused_from + 1):
+                    lost[other_id] = unwritten[other_id] = reused_from
+                    queue.append(other_id)
+        return lost
 
     # ----------------------------------------------------------------- remote blocks
     def block_hashes(self, request: Request, group: int) -> tuple[bytes, ...]:
@@ -150,6 +191,17 @@ class TierTransfers(Freeing, AllocatorBase):
                         f"reserve_remote_blocks: {name}[{index}] must be {DIGEST_SIZE} bytes "
                         f"(a hash of block_hashes()), not {type(digest).__name__}"
                     )
+        if len(set(hashes)) != len(hashes):
+            first: dict[bytes, int] = {}
+            for index, digest in enumerate(hashes):
+                if digest in first:
+                    raise AllocatorError(
+                        f"reserve_remote_blocks: block_hashes[{index}] repeats "
+                        f"block_hashes[{first[digest]}]; a chain's hashes are distinct (each "
+                        "names the whole prefix up to its block): pass a run of "
+                        "block_hashes()"
+                    )
+                first[digest] = index
         return self._tiers.reserve_remote(group, hashes, local)
 
     def tier_holds(self, transfer: Transfer) -> list[bool]:

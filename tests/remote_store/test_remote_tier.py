@@ -158,6 +158,13 @@ def test_reserved_slots_are_no_hit_until_confirmed_and_a_failure_caches_nothing(
         allocator.reserve_remote_blocks(0, [b"short"])
     with pytest.raises(AllocatorError, match="group=1"):
         allocator.reserve_remote_blocks(1, hashes)
+    # A repeated hash would reserve two slots for one entry (its completion then failed
+    # half-way, leaking both): refused up front, nothing reserved.
+    pending = allocator._tiers.num_pending()
+    with pytest.raises(AllocatorError, match=r"block_hashes\[2\] repeats block_hashes\[1\]"):
+        allocator.reserve_remote_blocks(0, [hashes[4], hashes[3], hashes[3]])
+    assert allocator._tiers.num_pending() == pending
+    allocator.check_invariants()
 
 
 def test_what_the_remote_tier_refuses(valkey: ServerProcess) -> None:

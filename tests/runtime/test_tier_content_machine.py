@@ -26,6 +26,7 @@ from runtime_testkit import (
     full,
     machine_test_cases,
     make_allocator,
+    needed_indices,
     write_forward,
 )
 from test_tiered_state_machine import CONFIGS as TIERED_CONFIGS
@@ -109,6 +110,20 @@ class ContentMachine(RuleBasedStateMachine):
         self._check_tiers("after transfers")
         return dropped
 
+    def _discard(self, rid, start):
+        """A failed forward: the request and, as ``discard_uncomputed`` reports them, those
+        that reused blocks it never wrote (later in the step's order: they leave it too)."""
+        reusers = {rid: start}
+        while reusers:
+            rid, start = reusers.popitem()
+            if not self.allocator.is_running(rid):
+                continue
+            for other, position in self.allocator.discard_uncomputed(rid, start).items():
+                event("a reuser of blocks a failed forward never wrote")
+                reusers[other] = min(position, reusers.get(other, position))
+            self.requests.pop(rid, None)
+            self.freed_ids.append(rid)
+
     def _check_tiers(self, where):
         for tier, row in enumerate(self.allocator._tiers.tier_pools, start=1):
             for pool, slots in enumerate(row):
@@ -122,6 +137,26 @@ class ContentMachine(RuleBasedStateMachine):
                             f"{where}: tier {tier} pool {pool} slot {slot} (group {gid}) "
                             f"holds {got}, its hash names {want}"
                         )
+
+    def _check_reads(self, request: Request, start: int) -> None:
+        """The blocks ``request`` reads to resume at ``start`` hold its own content, once the
+        step's forward wrote what it computes (a request admitted in the step may read
+        blocks another request of the step computes: a batch writes its K/V before it
+        attends). A Mamba state is checked where a step ended on a block boundary."""
+        allocator = self.allocator
+        tokens = tuple(request.token_ids)
+        for gid, table in enumerate(allocator.block_ids(request.request_id)):
+            spec, size = allocator.specs[gid], allocator._block_tokens[gid]
+            if spec.kind == "mamba" and start % size:
+                continue
+            for index in needed_indices(spec, size, start):
+                covered = start if spec.kind == "mamba" else (index + 1) * size
+                got = self.content.get((0, self._pool(gid), table[index])) if table[index] else None
+                assert got == (gid, tokens[:covered]), (
+                    f"request {request.request_id!r} resuming at {start} reads block "
+                    f"{table[index]} (group {gid}, index {index}) holding {got}, not its own "
+                    f"{covered} tokens"
+                )
 
     def _check_device(self, where):
         for gid, cache in enumerate(self.allocator._caches):
@@ -233,6 +268,7 @@ class ContentMachine(RuleBasedStateMachine):
             after_allocation()
         dropped |= self._run_transfers(fail, defer)
         any_failed = False
+        ran = []
         for index, (request, start, count, found) in enumerate(scheduled):
             rid = request.request_id
             if rid in dropped or not allocator.is_running(rid):
@@ -241,15 +277,18 @@ class ContentMachine(RuleBasedStateMachine):
             if forward_fails >> index & 1:
                 any_failed = True
                 event("forward failed")
-                allocator.discard_uncomputed(rid, start)
-                self.requests.pop(rid, None)
-                self.freed_ids.append(rid)
+                self._discard(rid, start)
                 continue
             self._forward(request, start, start + count)
+            ran.append((request, start))
             left = self.requests[rid][1]
             if found is None and left:
                 self.requests[rid][1] = left - count
         if not any_failed:
+            # (A forward that failed alone left blocks unwritten that others of the step may
+            # read: an engine's batch fails as a whole.)
+            for request, start in ran:
+                self._check_reads(request, start)
             self._check_device("after the forward")
         self._check_tiers("after the forward")
 
