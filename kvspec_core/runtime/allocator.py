@@ -178,6 +178,8 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
             if tiers
             else None
         )
+        if self._tiers is not None and self._events is not None:
+            self._tiers.on_loaded = self._record_loaded
         # Groups whose rules are plugin code: checked before a step changes anything. Per
         # guarded group, which of the methods a step asks afterwards are plugin code (a
         # method inherited from the core's full-attention rules cannot raise: not asked twice).

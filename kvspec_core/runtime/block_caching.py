@@ -84,6 +84,31 @@ class BlockCaching(AllocatorBase):
                 num_cached[gid] = stop
             cache_at[gid] = (num_cached[gid] + 1) * tokens
 
+    def _record_loaded(self, gid: int, state: _Running, hashes: list[bytes]) -> None:
+        """The :class:`BlockStored` events of a confirmed load's blocks of group ``gid``
+        (cached under ``hashes``) entering the device's prefix cache, as when a step caches
+        blocks it filled: one per run of consecutive positions in its request's table
+        (``state``)."""
+        events = self._events
+        if events is None:
+            return
+        request = state.request
+        fine = self._hasher.hashes(request, len(request.token_ids))
+        stride = self._hash_stride[gid]
+        # Each block's position: where the hash of the last hash block it covers sits.
+        index_of = {
+            fine[index * stride + stride - 1]: index for index in range(len(fine) // stride)
+        }
+        positions = sorted(index_of[digest] for digest in hashes)
+        table = state.blocks[gid]
+        start = 0
+        for end in range(1, len(positions) + 1):
+            if end == len(positions) or positions[end] != positions[end - 1] + 1:
+                self._record_stored(
+                    events, gid, request, fine, table, positions[start], positions[end - 1] + 1
+                )
+                start = end
+
     def _record_stored(
         self,
         events: list[KVCacheEvent],

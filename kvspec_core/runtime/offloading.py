@@ -26,7 +26,7 @@ to be stored at its eviction.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import add, eq, itemgetter, mul, sub
 from typing import Any
@@ -131,6 +131,9 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         self.generation = 0
         #: Blocks confirmed moved, per (source tier, destination tier).
         self.blocks_moved: dict[tuple[int, int], int] = {}
+        #: Told ``(group, running state, hashes)`` of each confirmed load as its blocks
+        #: enter the device's cache (the allocator's KV events); None: nobody.
+        self.on_loaded: Callable[[int, Any, list[bytes]], None] | None = None
         self._init_keeping(rules)
 
     # ----------------------------------------------------------------- admission
@@ -314,7 +317,10 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         slots = self.tier_pools[pending.source_tier - 1][pending.pool]
         assert slots is not None
         if cache:
-            device.cache_blocks(pending.group, *_still_valid(pending))
+            hashes, blocks = _still_valid(pending)
+            device.cache_blocks(pending.group, hashes, blocks)
+            if self.on_loaded is not None and hashes:
+                self.on_loaded(pending.group, pending.request, hashes)
         device._release_unchecked(pending.destination)
         if not ok:
             # The copy in the tier could not be read: it leaves the tier (a retry would

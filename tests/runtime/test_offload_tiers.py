@@ -440,3 +440,34 @@ def test_a_block_evicted_twice_in_one_step_is_stored_once() -> None:
     allocator.complete_transfers([t.transfer_id for t in stores])
     allocator.check_invariants()
     assert allocator.find_cached_prefix(Request("a3", PROMPT_A)).tokens_by_tier == (0, 8)
+
+
+def test_loaded_blocks_enter_the_device_cache_with_their_stored_events() -> None:
+    """A KV-aware router follows the device's prefix cache through the events: a block a
+    load brought back is announced as when its prompt first filled it (same hashes, parent
+    and tokens), so its later BlockRemoved names a block the router knows."""
+    from kvspec_core.runtime.events import BlockRemoved, BlockStored
+
+    def stored(events):
+        return [
+            (event.block_hashes, event.parent_block_hash, event.token_ids)
+            for event in events
+            if isinstance(event, BlockStored)
+        ]
+
+    allocator = tiered(enable_kv_events=True)
+    serve(allocator, "a", PROMPT_A)
+    first = stored(allocator.take_events())
+    serve(allocator, "b", PROMPT_B)  # evicts a's blocks into the host tier
+    evicted = allocator.take_events()
+    hashes = first[0][0]
+    assert {h for e in evicted if isinstance(e, BlockRemoved) for h in e.block_hashes} >= set(
+        hashes
+    )
+    prefix, transfers = serve(allocator, "a2", PROMPT_A + [7])
+    assert isinstance(prefix, TieredPrefix) and prefix.tokens_by_tier[1] == 8
+    assert any(t.kind == LOAD for t in transfers)
+    # a2's own fifth block is announced at its admission, the loaded four at the load.
+    announced = stored(allocator.take_events())
+    assert [event for event in announced if set(event[0]) <= set(hashes)] == first
+    assert len(announced) == len(first) + 1
