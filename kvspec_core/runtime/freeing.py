@@ -133,6 +133,14 @@ class Freeing(AllocatorBase):
                     self._events.append(BlockRemoved(group=gid, block_hashes=tuple(removed)))
                 if self._tiers is not None:
                     self._tiers.forget_unwritten(gid, removed, removed_blocks)
+        if self._tiers is not None:
+            self._tiers.forget_notes(
+                state,
+                {
+                    gid: state.blocks[gid][num_valid_tokens // self._block_tokens[gid] :]
+                    for gid in self._holding
+                },
+            )
         self._release(request_id, state, marks)
         return uncached
 

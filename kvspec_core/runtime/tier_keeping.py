@@ -31,6 +31,8 @@ the tiers hold.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from itertools import repeat
 from typing import Any
 
 from kvspec_core.errors import AllocatorError
@@ -291,6 +293,19 @@ class TierKeeping(TierStoring):
             else:
                 pending.held.extend(new)
 
+    def forget_notes(self, state: Any, unwritten: Mapping[int, Sequence[int]]) -> None:
+        """``discard_uncomputed`` freed ``state``, whose blocks ``unwritten`` (per group)
+        were never written: none of its write-through notes of them is copied, even of a
+        block whose hash another block took meanwhile (uncached, so
+        :meth:`forget_unwritten` does not name it): that block may be cached again under
+        the same hash before the next take, by a request whose forward has not run yet."""
+        notes = self._through_ready
+        for index, note in enumerate(notes):
+            if note[1] is state and note[3] in unwritten:
+                gone = set(unwritten[note[3]])
+                if not gone.isdisjoint(note[4]):
+                    notes[index] = _note_without(note, partial(_in_blocks, gone))
+
     def forget_unwritten(self, gid: int, digests: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``discard_uncomputed`` took ``blocks`` of group ``gid`` (cached under
         ``digests``) out of the device's cache: their content was never written. No
@@ -301,23 +316,9 @@ class TierKeeping(TierStoring):
             return
         gone = dict(zip(blocks, digests, strict=True))
         notes = self._through_ready
-        for index, (request_id, state, computed, noted_gid, noted, hashes) in enumerate(notes):
-            if noted_gid == gid and any(
-                gone.get(block) == digest for block, digest in zip(noted, hashes, strict=True)
-            ):
-                kept = [
-                    (block, digest)
-                    for block, digest in zip(noted, hashes, strict=True)
-                    if gone.get(block) != digest
-                ]
-                notes[index] = (
-                    request_id,
-                    state,
-                    computed,
-                    gid,
-                    [block for block, _ in kept],
-                    [digest for _, digest in kept],
-                )
+        for index, note in enumerate(notes):
+            if note[3] == gid and any(map(_is_gone, note[4], note[5], repeat(gone))):
+                notes[index] = _note_without(note, lambda block, digest: gone.get(block) == digest)
         written = self._through_from[pool]
         unwritten = set()
         for block, digest in gone.items():
@@ -345,6 +346,29 @@ class TierKeeping(TierStoring):
             written.clear()
         for kept in self._kept:
             kept.clear()
+
+
+_Note = tuple[str | int, Any, int, int, list[int], list[bytes]]
+
+
+def _is_gone(block: int, digest: bytes, gone: dict[int, bytes]) -> bool:
+    return gone.get(block) == digest
+
+
+def _in_blocks(blocks: set[int], block: int, _digest: bytes) -> bool:
+    return block in blocks
+
+
+def _note_without(note: _Note, dropped: Callable[[int, bytes], bool]) -> _Note:
+    """A write-through note (see ``TierKeeping._through_ready``) less the blocks
+    ``dropped(block, hash)`` names."""
+    request_id, state, computed, gid, blocks, hashes = note
+    kept = [
+        (block, digest)
+        for block, digest in zip(blocks, hashes, strict=True)
+        if not dropped(block, digest)
+    ]
+    return request_id, state, computed, gid, [b for b, _ in kept], [d for _, d in kept]
 
 
 def drop_cached(pool: BlockPool, gid: int, digest: bytes, block: int) -> None:

@@ -225,6 +225,29 @@ def test_a_discarded_block_cached_again_by_another_request_is_not_copied_early()
     assert [kind[:2] for kind in stores(step(allocator))] == [(0, 1)]  # now it has
 
 
+def test_a_discarded_block_whose_hash_moved_is_not_copied_when_cached_again() -> None:
+    # a's fourth block is noted; b computes the same block (its lookup stops a token short)
+    # and the hash moves to b's copy, so a's block is uncached while a still holds it. The
+    # step fails (both discarded), and c, computing the same prompt, gets a's block back at
+    # that position, cached under that hash before c's forward: a's note must not copy it
+    # then (it would put a's never-written content in the host tier under that hash).
+    # Found by the issue-20 review's fuzzer (seed 1165, sliding window, write-through).
+    allocator = through(num_blocks=10)
+    admit(allocator, "a", [7] * 8 + [2])
+    step(allocator)  # notes a's blocks
+    a_block = allocator.block_ids("a")[0][3]
+    admit(allocator, "b", [7] * 8)
+    assert allocator.pools[0]._block_hash[a_block] is None  # moved to b's copy
+    allocator.discard_uncomputed("a", 0)
+    allocator.discard_uncomputed("b", 6)
+    admit(allocator, "f", list(range(300, 306)))  # takes three blocks first
+    admit(allocator, "c", [7] * 8 + [5])
+    assert allocator.block_ids("c")[0][3] == a_block  # the case this test is about
+    assert stores(step(allocator)) == []  # c's forward has not run
+    decode(allocator, "c")
+    assert [kind[:2] for kind in stores(step(allocator))] == [(0, 1)]  # now it has
+
+
 def test_a_block_discarded_while_its_copy_is_in_flight_is_no_tier_hit() -> None:
     allocator = through()
     admit(allocator, "a", PROMPT_A)
