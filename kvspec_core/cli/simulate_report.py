@@ -10,7 +10,8 @@ pools; empty without tiers), the replay's figures (``events``, ``requests``, ``a
 ``prefix_hit_rate``, ``waited_admissions``, ``wait_retries``, ``rejected``,
 ``preemptions``, ``checkpoint_splits``, ``truncated``, ``peak_used_blocks``,
 ``usable_blocks``, ``peak_usage``, ``peak_used_blocks_by_pool`` and
-``usable_blocks_by_pool``: each pool's own peak and blocks, in plan order),
+``usable_blocks_by_pool``: each pool's own peak and blocks, in plan order,
+``longest_request_tokens``: the most tokens a request held, prompt and output),
 ``hit_tokens_by_tier`` (tier name -> hit tokens served
 from it, the device first; they add up to ``hit_tokens``), ``tiers`` (one object per tier,
 the device first: ``name``, ``hit_tokens``, ``load_waits`` (admissions whose forward waited

@@ -37,6 +37,11 @@ def _figure_rows(document: dict[str, Any], trace_label: str) -> list[tuple[str, 
         ),
         *_pool_peak_rows(document),
         (
+            "longest request",
+            f"{document['longest_request_tokens']:,} tokens (max_model_len "
+            f"{document['max_model_len']:,})",
+        ),
+        (
             "admissions that waited",
             f"{document['waited_admissions']:,} ({document['wait_retries']:,} retries)",
         ),

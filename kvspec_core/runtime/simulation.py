@@ -108,6 +108,9 @@ class SimulationReport:
     #: serving shorter ones) is what makes admissions wait at a low overall peak.
     peak_used_blocks_by_pool: list[int] = attrs.field(factory=list)
     usable_blocks_by_pool: list[int] = attrs.field(factory=list)
+    #: The most tokens a request held (prompt and decoded ones): what ``max_model_len``
+    #: could be planned down to for this trace.
+    longest_request_tokens: int = 0
     tiers: list[TierTraffic] = attrs.field(factory=list)
 
     @property
@@ -216,6 +219,7 @@ def simulate(
             admitted.add(request.request_id)
             report.admitted += 1
         report.prompt_tokens += len(request.token_ids)
+        report.longest_request_tokens = max(report.longest_request_tokens, len(request.token_ids))
         report.hit_tokens += prefix.num_tokens
         count_hit(prefix)
         running[request.request_id] = request
@@ -275,6 +279,8 @@ def simulate(
                 continue  # recomputed with its tokens when it is admitted again
             result = allocator.allocate_slots(decoding, 1)
             if result:
+                if len(decoding.token_ids) > report.longest_request_tokens:
+                    report.longest_request_tokens = len(decoding.token_ids)
                 if result is not allocator.no_new_blocks:
                     if tiered:
                         run_transfers()  # its new block may have evicted a cached one

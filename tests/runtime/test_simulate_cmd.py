@@ -41,6 +41,14 @@ def test_full_attention_preset_admits_everything_and_hits_shared_prompts(
         capsys, "llama-3.1-8b", "--memory", "40GiB", "--requests", "40", "--max-model-len", "8192"
     )
     assert again["hit_tokens"] == report["hit_tokens"]
+    # Every request ran to its end: the longest held its prompt and every decoded token.
+    held: dict[object, int] = {}
+    for event in make_trace(0, 40):
+        if event[0] == "admit":
+            held[event[1]] = len(event[2])
+        elif event[0] == "decode":
+            held[event[1]] += 1
+    assert report["longest_request_tokens"] == max(held.values())
 
 
 def test_a_tight_budget_makes_admissions_wait(capsys: pytest.CaptureFixture[str]) -> None:
