@@ -6,7 +6,12 @@ Storage per tier (``0`` the device, then the offload tiers) and per pool is one 
 * a sequence of tensors whose dim 0 indexes the pool's blocks (every layer view of the
   pool, as a plan's ``materialize()`` gives them, or one ``[blocks, block_bytes]`` byte
   tensor): copies are ``index_select`` on the source, ``index_copy_`` on the destination,
-  tensor by tensor (same count and per-block shapes on both sides);
+  tensor by tensor (same count and per-block shapes on both sides). A view of
+  ``materialize(kernel_block_sizes=...)`` holds ``k`` consecutive rows per block (dim 0 is
+  ``k`` times the pool's blocks): :meth:`TransferRunner.run_and_complete` learns ``k`` per
+  tier and pool from the allocator's pools, and refuses a dim 0 that is no multiple of them,
+  before anything is copied (a block copied as one kernel block would be a silent wrong
+  load); :meth:`TransferRunner.run` alone takes ``rows_per_block`` as given;
 * a :class:`BlockFile`: block ``b`` of the pool is bytes ``[b * block_bytes, (b + 1) *
   block_bytes)`` of a file, holding the tensors' per-block bytes one after the other (the
   order of the tensors of the tier it is copied from or to).
@@ -15,7 +20,7 @@ Storage per tier (``0`` the device, then the offload tiers) and per pool is one 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -85,9 +90,25 @@ class BlockFile:
 Storage = Sequence[torch.Tensor] | BlockFile
 
 
-def _rows(tensors: Sequence[torch.Tensor], blocks: Sequence[int]) -> torch.Tensor:
+def _row_ids(blocks: Sequence[int], rows: int, device: torch.device) -> torch.Tensor:
+    """The dim-0 indices of ``blocks`` in a tensor of ``rows`` consecutive rows per block."""
+    ids = torch.tensor(blocks, dtype=torch.long, device=device)
+    if rows == 1:
+        return ids
+    return (ids[:, None] * rows + torch.arange(rows, device=device)).reshape(-1)
+
+
+def _copyable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or its bytes where ``index_copy_`` has no kernel for its dtype (fp8 on
+    the CPU): a copy moves bytes, whatever they mean."""
+    if tensor.element_size() == 1 and tensor.dtype not in (torch.uint8, torch.int8, torch.bool):
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def _rows(tensors: Sequence[torch.Tensor], blocks: Sequence[int], rows: int = 1) -> torch.Tensor:
     """The blocks' bytes, one row per block: each tensor's block bytes in turn."""
-    ids = torch.tensor(blocks, dtype=torch.long, device=tensors[0].device)
+    ids = _row_ids(blocks, rows, tensors[0].device)
     parts = [
         tensor.index_select(0, ids).reshape(len(blocks), -1).view(torch.uint8).to("cpu")
         for tensor in tensors
@@ -95,19 +116,24 @@ def _rows(tensors: Sequence[torch.Tensor], blocks: Sequence[int]) -> torch.Tenso
     return torch.cat(parts, dim=1)
 
 
-def _write_rows(tensors: Sequence[torch.Tensor], blocks: Sequence[int], rows: torch.Tensor) -> None:
-    widths = [tensor[0].numel() * tensor.element_size() for tensor in tensors]
+def _write_rows(
+    tensors: Sequence[torch.Tensor], blocks: Sequence[int], rows: torch.Tensor, per_block: int = 1
+) -> None:
+    widths = [per_block * tensor[0].numel() * tensor.element_size() for tensor in tensors]
     if sum(widths) != rows.shape[1]:
         raise AllocatorError(
             f"a block of {rows.shape[1]} bytes does not fit tensors of {sum(widths)} bytes "
             "per block"
         )
-    ids = torch.tensor(blocks, dtype=torch.long, device=tensors[0].device)
+    ids = _row_ids(blocks, per_block, tensors[0].device)
     start = 0
-    for tensor in tensors:
-        width = tensor[0].numel() * tensor.element_size()
-        part = rows[:, start : start + width].contiguous().view(tensor.dtype)
-        tensor.index_copy_(0, ids, part.reshape((len(blocks), *tensor.shape[1:])).to(tensor.device))
+    for tensor, width in zip(tensors, widths, strict=True):
+        # A dense copy of its own (not contiguous(): one row's slice counts as contiguous,
+        # keeping a stride and offset the dtype's view may refuse).
+        part = rows[:, start : start + width].clone(memory_format=torch.contiguous_format)
+        part = part.view(tensor.dtype)
+        shaped = part.reshape((len(blocks) * per_block, *tensor.shape[1:])).to(tensor.device)
+        _copyable(tensor).index_copy_(0, ids, _copyable(shaped))
         start += width
 
 
@@ -118,8 +144,59 @@ class TransferRunner:
     pool, or a mapping pool -> storage, ``None`` for a pool the tier does not hold).
     """
 
-    def __init__(self, storage: Mapping[int, Sequence[Storage | None] | Mapping[int, Storage]]):
+    def __init__(
+        self,
+        storage: Mapping[int, Sequence[Storage | None] | Mapping[int, Storage]],
+        rows_per_block: Mapping[tuple[int, int], int] | None = None,
+    ):
         self.storage = storage
+        #: ``(tier, pool) -> k``: a tensor storage's rows per block (kernel-block views);
+        #: 1 where absent. :meth:`check_storage` sets it from an allocator's pools.
+        self.rows_per_block: dict[tuple[int, int], int] = dict(rows_per_block or {})
+        self._checked: object = None
+
+    def _pools(self) -> Iterator[tuple[int, int, Storage]]:
+        for tier, per_pool in self.storage.items():
+            pairs = per_pool.items() if isinstance(per_pool, Mapping) else enumerate(per_pool)
+            for pool, storage in pairs:
+                if storage is not None:
+                    yield tier, pool, storage
+
+    def check_storage(self, allocator: object) -> None:
+        """Check every storage against ``allocator``'s pools (its device pools and its
+        offload tiers' pools: ``block_counts()``), and learn each tensor storage's rows per
+        block: dim 0 must be the pool's blocks times one ``k`` for all its tensors (``k``
+        > 1: kernel-block views), a :class:`BlockFile` must hold the pool's blocks.
+        Refuses a mismatch with :class:`AllocatorError` naming the tier, the pool and the
+        fix."""
+        counts = allocator.block_counts()  # type: ignore[attr-defined]
+        learned: dict[tuple[int, int], int] = {}
+        for tier, pool, storage in self._pools():
+            blocks = counts.get((tier, pool))
+            if blocks is None:
+                raise AllocatorError(
+                    f"TransferRunner: storage for tier {tier}, pool {pool}, which the "
+                    "allocator does not have"
+                )
+            if isinstance(storage, BlockFile):
+                if storage.num_blocks != blocks:
+                    raise AllocatorError(
+                        f"TransferRunner: tier {tier}, pool {pool}: {storage.path} holds "
+                        f"{storage.num_blocks} blocks, the pool {blocks}"
+                    )
+                continue
+            sizes = {int(tensor.shape[0]) for tensor in storage}
+            rows = {size // blocks for size in sizes}
+            if len(rows) != 1 or any(size % blocks for size in sizes) or 0 in rows:
+                raise AllocatorError(
+                    f"TransferRunner: tier {tier}, pool {pool} has {blocks} blocks, but its "
+                    f"tensors' dim 0 is {sorted(sizes)}: give every layer view of the pool "
+                    "(one row per block, or k rows per block as "
+                    "materialize(kernel_block_sizes=...) views it)"
+                )
+            learned[(tier, pool)] = rows.pop()
+        self.rows_per_block = learned
+        self._checked = allocator
 
     def _at(self, tier: int, pool: int) -> Storage:
         per_pool = self.storage.get(tier)
@@ -141,16 +218,24 @@ class TransferRunner:
             raise AllocatorError(f"transfer {transfer.transfer_id}: unpaired block lists")
         if not src:
             return
+        rows_in = self.rows_per_block.get((transfer.source_tier, transfer.pool), 1)
+        rows_out = self.rows_per_block.get((transfer.destination_tier, transfer.pool), 1)
         if isinstance(source, BlockFile):
             rows = source.read(src)
             if isinstance(destination, BlockFile):
                 destination.write(dst, rows)
             else:
-                _write_rows(destination, dst, rows)
+                _write_rows(destination, dst, rows, rows_out)
             return
         if isinstance(destination, BlockFile):
-            destination.write(dst, _rows(source, src))
+            destination.write(dst, _rows(source, src, rows_in))
             return
+        if rows_in != rows_out:
+            raise AllocatorError(
+                f"transfer {transfer.transfer_id}: tier {transfer.source_tier} holds "
+                f"{rows_in} rows per block of pool {transfer.pool}, tier "
+                f"{transfer.destination_tier} {rows_out}"
+            )
         if len(source) != len(destination):
             raise AllocatorError(
                 f"transfer {transfer.transfer_id}: tier {transfer.source_tier} has "
@@ -158,28 +243,28 @@ class TransferRunner:
                 f"{transfer.destination_tier} {len(destination)}"
             )
         for from_tensor, to_tensor in zip(source, destination, strict=True):
-            ids = torch.tensor(src, dtype=torch.long, device=from_tensor.device)
-            data = from_tensor.index_select(0, ids)
-            to_ids = torch.tensor(dst, dtype=torch.long, device=to_tensor.device)
+            data = from_tensor.index_select(0, _row_ids(src, rows_in, from_tensor.device))
+            to_ids = _row_ids(dst, rows_out, to_tensor.device)
             # A copy to the host must have finished before the CPU's index_copy_ reads it
             # (non_blocking into pinned memory returns at once: stale bytes would be cached
             # as the block); a copy to a GPU is ordered before index_copy_ on its stream.
             moved = data.to(to_tensor.device, non_blocking=to_tensor.device.type != "cpu")
-            to_tensor.index_copy_(0, to_ids, moved)
+            _copyable(to_tensor).index_copy_(0, to_ids, _copyable(moved))
 
     def block_bytes(self, tier: int, pool: int) -> int:
         """Bytes of one block of ``pool`` in ``tier`` (every tensor's block bytes, in turn)."""
         storage = self._at(tier, pool)
         if isinstance(storage, BlockFile):
             return storage.block_bytes
-        return sum(tensor[0].numel() * tensor.element_size() for tensor in storage)
+        rows = self.rows_per_block.get((tier, pool), 1)
+        return rows * sum(tensor[0].numel() * tensor.element_size() for tensor in storage)
 
     def read_blocks(self, tier: int, pool: int, blocks: Sequence[int]) -> torch.Tensor:
         """``[len(blocks), block_bytes]`` uint8 rows of the blocks of ``pool`` in ``tier``."""
         storage = self._at(tier, pool)
         if isinstance(storage, BlockFile):
             return storage.read(blocks)
-        return _rows(storage, blocks)
+        return _rows(storage, blocks, self.rows_per_block.get((tier, pool), 1))
 
     def write_blocks(self, tier: int, pool: int, blocks: Sequence[int], rows: torch.Tensor) -> None:
         """Write ``[len(blocks), block_bytes]`` uint8 rows into blocks of ``pool`` in ``tier``."""
@@ -187,7 +272,7 @@ class TransferRunner:
         if isinstance(storage, BlockFile):
             storage.write(blocks, rows)
         else:
-            _write_rows(storage, blocks, rows)
+            _write_rows(storage, blocks, rows, self.rows_per_block.get((tier, pool), 1))
 
     def run(self, transfers: Iterable[Transfer]) -> tuple[list[int], list[int]]:
         """Run ``transfers`` in order: ``(ids that ran, ids that failed)``. A failure (an
@@ -213,8 +298,11 @@ class TransferRunner:
         to drop from the step)`` (those whose loads failed and those that reused blocks they
         were to compute; see ``complete_transfers``). An
         error :meth:`run` does not expect (a bad storage object, an interrupt) fails every
-        one of them before it propagates, so none stays pending for good."""
+        one of them before it propagates, so none stays pending for good. The storage is
+        checked against ``allocator`` first (:meth:`check_storage`, once per allocator)."""
         try:
+            if self._checked is not allocator and hasattr(allocator, "block_counts"):
+                self.check_storage(allocator)
             done, failed = self.run(transfers)
         except BaseException:
             allocator.complete_transfers([t.transfer_id for t in transfers], ok=False)

@@ -38,6 +38,18 @@ class TierTransfers(Freeing, AllocatorBase):
         tiers = self._tiers
         return ("device",) + (() if tiers is None else tuple(tier.name for tier in tiers.tiers))
 
+    def block_counts(self) -> dict[tuple[int, int], int]:
+        """``(tier, pool) -> blocks`` of every pool, the device's (tier 0, the null block
+        included) and each offload tier's that holds it: the dim 0 a transfer's storage
+        indexes (``TransferRunner.check_storage``)."""
+        counts = {(0, pool): device.num_blocks for pool, device in enumerate(self.pools)}
+        if self._tiers is not None:
+            for index, row in enumerate(self._tiers.tier_pools):
+                for pool, slots in enumerate(row):
+                    if slots is not None:
+                        counts[(index + 1, pool)] = slots.num_blocks
+        return counts
+
     def take_transfers(self) -> list[Transfer]:
         """The copies recorded since the last call, in the order the engine must run them
         (all before the forward of the step whose ``allocate_slots`` recorded them): loads

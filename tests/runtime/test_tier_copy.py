@@ -3,9 +3,11 @@ driven by a real allocator's transfers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from runtime_testkit import full, make_allocator
 
+from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import Request
 from kvspec_core.runtime.tier_copy import BlockFile, TransferRunner
 from kvspec_core.runtime.tiers import OffloadTier, Transfer
@@ -217,7 +219,9 @@ class ExplodingStorage(list):
 
 def test_an_unexpected_error_while_copying_leaves_no_transfer_pending(tmp_path) -> None:
     allocator = make_allocator([full(2)], 4, offload_tiers=(OffloadTier("host", 9),))
-    runner = TransferRunner({0: [ExplodingStorage()], 1: [ExplodingStorage()]})
+    runner = TransferRunner(
+        {0: [ExplodingStorage([torch.zeros(4, 3)])], 1: [ExplodingStorage([torch.zeros(9, 3)])]}
+    )
     good = TransferRunner(
         {0: [[torch.zeros(4, 3)]], 1: [[torch.zeros(9, 3)]]}  # type: ignore[list-item]
     )
@@ -237,3 +241,115 @@ def test_an_unexpected_error_while_copying_leaves_no_transfer_pending(tmp_path) 
     assert allocator.take_transfers() == []
     assert allocator._tiers.num_pending() == 0  # every taken transfer was failed, none dangles
     allocator.check_invariants()
+
+
+# ------------------------------------------------------------------ found by review
+def planned_views(dtype, kernel_block_sizes=None):
+    """Two full-attention layers planned with a host tier and materialised: an allocator
+    of the plan, and the runner over its device and host views."""
+    from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
+    from kvspec_core.planner import materialize, plan_kv_cache
+    from kvspec_core.runtime import KVCacheAllocator, tiers_from_plan
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=dtype)
+    page = spec.page_size_bytes
+    context = SizingContext(max_model_len=64, max_in_flight_tokens=64)
+    plan = plan_kv_cache(
+        {"l0": spec, "l1": spec},
+        9 * 2 * page,
+        context,
+        PluginManager(),
+        host_offload_bytes=40 * 2 * page,
+    )
+    buffers = materialize(plan, kernel_block_sizes=kernel_block_sizes)
+    device = [buffers.views[name] for name in ("l0", "l1")]
+    host = [buffers.tiers["host"].views[name] for name in ("l0", "l1")]
+    allocator = KVCacheAllocator.from_plan(
+        plan, PluginManager(), offload_tiers=tiers_from_plan(plan), hash_salt=b"x"
+    )
+    return allocator, TransferRunner({0: {0: device}, 1: {0: host}}), device
+
+
+def serve_with_bytes(allocator, runner, device, rows_per_block) -> int:
+    """Four prompts twice (the second round loads them back from the host): each block a
+    forward writes gets bytes derived from the tokens it covers; every block of a hit must
+    hold its own. Returns the hit tokens of the second round."""
+
+    def content(tokens, index):
+        seed = hash(tuple(tokens[: (index + 1) * 16])) % 2**31
+        rows = torch.randint(
+            0,
+            255,
+            (rows_per_block, *device[0].shape[1:]),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        return (
+            rows.view(device[0].dtype)
+            if device[0].element_size() == 1
+            else rows.to(device[0].dtype)
+        )
+
+    hits = 0
+    for round_ in range(2):
+        for start in (0, 100, 200, 300):
+            tokens = [start + offset for offset in range(33)]
+            prefix, table = admit_and_transfer(allocator, runner, f"{round_}-{start}", tokens)
+            for index, block in enumerate(table[: len(tokens) // 16]):
+                rows = range(block * rows_per_block, (block + 1) * rows_per_block)
+                for view in device:
+                    want = content(tokens, index)
+                    if index < prefix.num_tokens // 16:
+                        assert torch.equal(view[rows].view(torch.uint8), want.view(torch.uint8)), (
+                            f"round {round_}, prompt {start}: hit block {index} holds other bytes"
+                        )
+                    else:
+                        view[rows] = want
+            allocator.free(f"{round_}-{start}")
+            hits += prefix.num_tokens * round_
+    return hits
+
+
+def test_kernel_block_views_move_whole_blocks() -> None:
+    """``materialize(kernel_block_sizes=...)`` views hold k rows per block: the runner
+    learns k from the allocator and moves every row of a block (before: one kernel block,
+    half of another, each load reported ok)."""
+    allocator, runner, device = planned_views(torch.float16, {0: 8})
+    assert device[0].shape[0] == 2 * allocator.pools[0].num_blocks
+    assert serve_with_bytes(allocator, runner, device, 2) == 4 * 32
+    assert runner.rows_per_block == {(0, 0): 2, (1, 0): 2}
+
+
+def test_views_that_index_no_whole_blocks_are_refused() -> None:
+    allocator, _, device = planned_views(torch.float16)
+    runner = TransferRunner({0: {0: [view[:-1] for view in device]}})
+    with pytest.raises(AllocatorError, match=r"tier 0, pool 0 has 9 blocks, but its tensors"):
+        runner.check_storage(allocator)
+
+
+def test_fp8_views_are_copied_as_bytes() -> None:
+    """``index_copy_`` has no fp8 kernel on the CPU: the copies move the bytes (before:
+    every transfer of an fp8 cache failed, so nothing was ever offloaded)."""
+    allocator, runner, device = planned_views(torch.float8_e4m3fn)
+    assert device[0].dtype == torch.float8_e4m3fn
+    assert serve_with_bytes(allocator, runner, device, 1) == 4 * 32
+
+
+def test_one_row_lands_whatever_its_tensors_alignment(tmp_path) -> None:
+    """A block of 3 fp16 then 2 int32 values (14 bytes): one row's int32 part sits at an
+    offset int32 cannot view in place; it is copied first (before: one block failed where
+    two worked)."""
+    device = [
+        torch.arange(24).reshape(8, 3).to(torch.float16),
+        torch.arange(16, dtype=torch.int32).reshape(8, 2) + 1000,
+    ]
+    disk = BlockFile(str(tmp_path / "pool0.kvblocks"), 14, 8)
+    runner = TransferRunner({0: [device], 2: [disk]})
+    assert runner.run([transfer(1, 0, 2, [3], [3])]) == ([1], [])
+    expected = [tensor[3].clone() for tensor in device]
+    for tensor in device:
+        tensor.zero_()
+    assert runner.run([transfer(2, 2, 0, [3], [5])]) == ([2], [])
+    assert all(torch.equal(tensor[5], want) for tensor, want in zip(device, expected, strict=True))
+    runner.write_blocks(0, 0, [6], runner.read_blocks(0, 0, [5]))
+    assert all(torch.equal(tensor[6], want) for tensor, want in zip(device, expected, strict=True))

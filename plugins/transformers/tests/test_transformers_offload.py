@@ -308,3 +308,33 @@ def test_a_disk_tier_needs_its_size_and_directory(tmp_path: Path) -> None:
         TransformersEngine(case.model, kvspec_config=case.config, disk_path=str(tmp_path))
     with pytest.raises(InvalidFieldError, match="disk_path"):
         TransformersEngine(case.model, kvspec_config=case.config, disk_offload_bytes=1 << 20)
+
+
+def test_a_refused_engine_leaves_no_disk_files_behind(tmp_path: Path) -> None:
+    """A check that refuses the model after the disk tier's files were made (here: the
+    remote tier of a model with chunked local attention) removes them, so the directory
+    serves the next engine (before, the next one was refused: the files existed)."""
+    from transformers_testkit import INITIALIZER_RANGE
+
+    from kvspec_core.models.catalog import load_preset
+    from kvspec_core.runtime.remote_store import RemoteStoreConfig
+    from kvspec_transformers import RemoteOptions, build_model, shrink_config
+
+    config = {**shrink_config(load_preset("llama-4-scout")), "initializer_range": INITIALIZER_RANGE}
+    model = build_model(config, seed=0)
+    options = dict(
+        kvspec_config=config,
+        max_model_len=64,
+        budget_bytes=1 << 20,
+        host_offload_bytes=1 << 19,
+        disk_offload_bytes=1 << 20,
+        disk_path=str(tmp_path),
+    )
+    remote = RemoteOptions(store=RemoteStoreConfig(port=1), weights_id="w", hash_salt=b"s")
+    with pytest.raises(EngineError, match="remote tier refused"):
+        TransformersEngine(model, remote=remote, **options)
+    assert os.listdir(tmp_path) == []
+    engine = TransformersEngine(model, **options)
+    assert os.listdir(tmp_path)
+    engine.close()
+    assert os.listdir(tmp_path) == []

@@ -159,25 +159,31 @@ class TransformersEngine:
             own_config=own_config,
         )
         self.buffers: KVCacheBuffers = materialize(self.plan, device="cpu")
-        self.allocator = KVCacheAllocator.from_plan(
-            self.plan,
-            self.manager,
-            enable_prefix_caching=enable_prefix_caching,
-            offload_tiers=tiers_from_plan(self.plan),
-            hash_salt=None if remote is None else remote.hash_salt,
-        )
-        #: Runs the allocator's copies between the tiers before each forward.
-        self.transfers = StepTransfers(self.allocator, tier_storage(self.buffers))
         #: Fetches other replicas' blocks before each lookup, and publishes this one's
         #: (``None`` without ``remote``).
         self.remote: RemoteTier | None = None
-        if remote is not None:
-            self.remote = remote_tier(remote, self.plan, self.allocator, self.transfers.runner)
-            self.transfers.remote = self.remote
-        self.bindings = self._bind(prepared.model.layers, prepared.specs)
-        self.cache = KVSpecCache(self._layers())
-        if self.allocator.enable_prefix_caching:
-            self._check_resumable()
+        try:
+            self.allocator = KVCacheAllocator.from_plan(
+                self.plan,
+                self.manager,
+                enable_prefix_caching=enable_prefix_caching,
+                offload_tiers=tiers_from_plan(self.plan),
+                hash_salt=None if remote is None else remote.hash_salt,
+            )
+            #: Runs the allocator's copies between the tiers before each forward.
+            self.transfers = StepTransfers(self.allocator, tier_storage(self.buffers))
+            if remote is not None:
+                self.remote = remote_tier(remote, self.plan, self.allocator, self.transfers.runner)
+                self.transfers.remote = self.remote
+            self.bindings = self._bind(prepared.model.layers, prepared.specs)
+            self.cache = KVSpecCache(self._layers())
+            if self.allocator.enable_prefix_caching:
+                self._check_resumable()
+        except BaseException:
+            # Refused after materialize made the disk tier's files: remove them (the caller
+            # gets no engine to close, and a new engine refuses a directory holding them).
+            self._release_resources()
+            raise
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         # transformers >= 5 names the forward argument ``cache``; earlier ``past_key_values``.
@@ -267,13 +273,16 @@ class TransformersEngine:
         directory holding them) and close the remote stores' connections. The engine must
         not be used afterwards."""
         with self._lock:
-            if self.remote is not None:
-                for store in self.remote.stores.values():
-                    store.close()
-            for tier in self.buffers.tiers.values():
-                for path in tier.files.values():
-                    if os.path.exists(path):
-                        os.remove(path)
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        if self.remote is not None:
+            for store in self.remote.stores.values():
+                store.close()
+        for tier in self.buffers.tiers.values():
+            for path in tier.files.values():
+                if os.path.exists(path):
+                    os.remove(path)
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
