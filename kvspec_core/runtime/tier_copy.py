@@ -66,6 +66,7 @@ class BlockFile:
 
     def write(self, blocks: Sequence[int], rows: torch.Tensor) -> None:
         """Write ``[len(blocks), block_bytes]`` uint8 rows, in order."""
+        _check_byte_rows(rows)
         if tuple(rows.shape) != (len(blocks), self.block_bytes):
             raise AllocatorError(
                 f"{self.path}: blocks of {self.block_bytes} bytes cannot take rows shaped "
@@ -116,9 +117,23 @@ def _rows(tensors: Sequence[torch.Tensor], blocks: Sequence[int], rows: int = 1)
     return torch.cat(parts, dim=1)
 
 
+def _check_byte_rows(rows: object) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2:
+        described = (
+            f"a {rows.dtype} tensor of {rows.dim()} dims"
+            if isinstance(rows, torch.Tensor)
+            else type(rows).__name__
+        )
+        raise AllocatorError(
+            f"block rows must be a 2-d torch.uint8 tensor (one row of bytes per block), not "
+            f"{described}: pass read_blocks()'s rows, or tensor.view(torch.uint8)"
+        )
+
+
 def _write_rows(
     tensors: Sequence[torch.Tensor], blocks: Sequence[int], rows: torch.Tensor, per_block: int = 1
 ) -> None:
+    _check_byte_rows(rows)
     widths = [per_block * tensor[0].numel() * tensor.element_size() for tensor in tensors]
     if sum(widths) != rows.shape[1]:
         raise AllocatorError(

@@ -353,3 +353,15 @@ def test_one_row_lands_whatever_its_tensors_alignment(tmp_path) -> None:
     assert all(torch.equal(tensor[5], want) for tensor, want in zip(device, expected, strict=True))
     runner.write_blocks(0, 0, [6], runner.read_blocks(0, 0, [5]))
     assert all(torch.equal(tensor[6], want) for tensor, want in zip(device, expected, strict=True))
+
+
+def test_rows_that_are_not_bytes_are_refused(tmp_path) -> None:
+    device = layer_views(4, 1)
+    block_bytes = sum(tensor[0].numel() * tensor.element_size() for tensor in device)
+    runner = TransferRunner({0: [device], 2: [BlockFile(str(tmp_path / "f"), block_bytes, 4)]})
+    rows = runner.read_blocks(0, 0, [1])
+    for tier in (0, 2):
+        with pytest.raises(AllocatorError, match=r"2-d torch\.uint8 tensor"):
+            runner.write_blocks(tier, 0, [2], rows.to(torch.int16))
+    runner.write_blocks(2, 0, [2], rows)
+    assert torch.equal(runner.read_blocks(2, 0, [2]), rows)
