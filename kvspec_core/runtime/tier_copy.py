@@ -181,7 +181,7 @@ class TransferRunner:
         """Check every storage against ``allocator``'s pools (its device pools and its
         offload tiers' pools: ``block_counts()``), and learn each tensor storage's rows per
         block: dim 0 must be the pool's blocks times one ``k`` for all its tensors (``k``
-        > 1: kernel-block views), a :class:`BlockFile` must hold the pool's blocks.
+        > 1: kernel-block views), a :class:`BlockFile` must hold at least the pool's blocks.
         Refuses a mismatch with :class:`AllocatorError` naming the tier, the pool and the
         fix."""
         counts = allocator.block_counts()  # type: ignore[attr-defined]
@@ -194,10 +194,11 @@ class TransferRunner:
                     "allocator does not have"
                 )
             if isinstance(storage, BlockFile):
-                if storage.num_blocks != blocks:
+                if storage.num_blocks < blocks:
                     raise AllocatorError(
                         f"TransferRunner: tier {tier}, pool {pool}: {storage.path} holds "
-                        f"{storage.num_blocks} blocks, the pool {blocks}"
+                        f"{storage.num_blocks} blocks, fewer than the pool's {blocks}; make "
+                        f"the BlockFile with num_blocks={blocks}"
                     )
                 continue
             sizes = {int(tensor.shape[0]) for tensor in storage}

@@ -320,11 +320,14 @@ def test_kernel_block_views_move_whole_blocks() -> None:
     assert runner.rows_per_block == {(0, 0): 2, (1, 0): 2}
 
 
-def test_views_that_index_no_whole_blocks_are_refused() -> None:
+def test_views_that_index_no_whole_blocks_are_refused(tmp_path) -> None:
     allocator, _, device = planned_views(torch.float16)
     runner = TransferRunner({0: {0: [view[:-1] for view in device]}})
     with pytest.raises(AllocatorError, match=r"tier 0, pool 0 has 9 blocks, but its tensors"):
         runner.check_storage(allocator)
+    small = BlockFile(str(tmp_path / "host.kvblocks"), 1024, 10)
+    with pytest.raises(AllocatorError, match=r"fewer than the pool's 40; .*num_blocks=40"):
+        TransferRunner({1: {0: small}}).check_storage(allocator)
 
 
 def test_fp8_views_are_copied_as_bytes() -> None:
