@@ -68,9 +68,12 @@ class Freeing(AllocatorBase):
         step, they hit a block this request was to compute), each with the tokens before
         the first one: what they read from there on was never written. They keep their
         blocks, uncached; discard each the same way (its call returns its own) unless the
-        engine discards it anyway. Refuses unknown ids, double frees and a count that is
-        not an int in ``[0, num_computed_tokens]``, and a keep rule's bad answer
-        (``offload_range``), with :class:`AllocatorError`, changing nothing.
+        engine discards it anyway. (A request's prefix hit counts as written: a count below
+        it uncaches blocks other requests computed, and reports their holders too.)
+
+        Refuses unknown ids, double frees and a count that is not an int in ``[0,
+        num_computed_tokens]``, and a keep rule's bad answer (``offload_range``), with
+        :class:`AllocatorError`, changing nothing.
         """
         state = self._state(request_id)
         if num_valid_tokens.__class__ is not int or not 0 <= num_valid_tokens <= state.computed:
