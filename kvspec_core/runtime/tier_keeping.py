@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from itertools import repeat
 from typing import Any
 
 from kvspec_core.errors import AllocatorError
@@ -316,9 +315,10 @@ class TierKeeping(TierStoring):
             return
         gone = dict(zip(blocks, digests, strict=True))
         notes = self._through_ready
+        was_gone = partial(_is_gone, gone)
         for index, note in enumerate(notes):
-            if note[3] == gid and any(map(_is_gone, note[4], note[5], repeat(gone))):
-                notes[index] = _note_without(note, lambda block, digest: gone.get(block) == digest)
+            if note[3] == gid and any(map(was_gone, note[4], note[5])):
+                notes[index] = _note_without(note, was_gone)
         written = self._through_from[pool]
         unwritten = set()
         for block, digest in gone.items():
@@ -351,7 +351,7 @@ class TierKeeping(TierStoring):
 _Note = tuple[str | int, Any, int, int, list[int], list[bytes]]
 
 
-def _is_gone(block: int, digest: bytes, gone: dict[int, bytes]) -> bool:
+def _is_gone(gone: dict[int, bytes], block: int, digest: bytes) -> bool:
     return gone.get(block) == digest
 
 
