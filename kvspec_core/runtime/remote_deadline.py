@@ -2,6 +2,9 @@
 server's connections: a call ends, as a timeout, at the latest ``base_s`` after it starts plus
 ``1 / min_bytes_per_s`` per byte it has sent and received since (a server that stops
 answering or trickles its answer is cut there; a large block on a fast link goes through).
+A call may also bound the bytes it receives (what it asked for can be no longer): a server
+that sends more, however fast, fails the call there (:class:`ReplyTooLong`) instead of
+holding it and filling the client's memory.
 """
 
 from __future__ import annotations
@@ -9,6 +12,10 @@ from __future__ import annotations
 import socket
 import time
 from typing import Any
+
+
+class ReplyTooLong(ConnectionError):
+    """The server sent a call more bytes than its answer can hold."""
 
 
 class CallDeadline:
@@ -21,16 +28,34 @@ class CallDeadline:
         self._idle_timeout_s = idle_timeout_s
         self._seconds_per_byte = 1.0 / min_bytes_per_s
         self._until: float | None = None
+        self._received = 0
+        self._max_received: int | None = None
 
-    def start(self) -> None:
+    def start(self, max_received: int | None = None) -> None:
+        """A call starts; it may receive at most ``max_received`` bytes (None: no bound)."""
         self._until = time.monotonic() + self._base_s
+        self._received = 0
+        self._max_received = max_received
 
     def stop(self) -> None:
         self._until = None
+        self._max_received = None
 
     def credit(self, num_bytes: int) -> None:
         if self._until is not None:
             self._until += num_bytes * self._seconds_per_byte
+
+    def received(self, num_bytes: int) -> None:
+        """``num_bytes`` arrived: credited, and counted against the call's bound."""
+        self.credit(num_bytes)
+        if self._until is None or self._max_received is None:
+            return
+        self._received += num_bytes
+        if self._received > self._max_received:
+            raise ReplyTooLong(
+                f"the remote store sent over {self._max_received} bytes, more than the "
+                "call's answer can hold"
+            )
 
     def bounded(self, timeout: float | None) -> float | None:
         """``timeout`` (a socket timeout the client asked for, None: none) cut to the time
@@ -64,13 +89,13 @@ class DeadlineSocket:
     def recv(self, size: int, *flags: int) -> bytes:
         self._sock.settimeout(self._deadline.bounded(self._asked))
         data = self._sock.recv(size, *flags)
-        self._deadline.credit(len(data))
+        self._deadline.received(len(data))
         return data
 
     def recv_into(self, buffer: Any, *args: int) -> int:
         self._sock.settimeout(self._deadline.bounded(self._asked))
         received = self._sock.recv_into(buffer, *args)
-        self._deadline.credit(received)
+        self._deadline.received(received)
         return received
 
     def sendall(self, data: Any, *flags: int) -> None:

@@ -44,7 +44,7 @@ class RemoteFetching(RemoteTierState):
             self._remember_miss(wanted[run])
         if run == 0:
             return 0
-        pages = store.get_many(wanted[:run])
+        pages = store.get_many(wanted[:run], max_payload_bytes=self._largest_block())
         good = next((i for i, page in enumerate(pages) if page is None), run)
         self.counters.fetch_misses += run - good
         if good < run and store.last_call_answered:
@@ -57,6 +57,12 @@ class RemoteFetching(RemoteTierState):
         if reservation is None:
             return 0
         return self._write(reservation, pages)
+
+    def _largest_block(self) -> int | None:
+        """The largest block any local tier holds: a longer value cannot be written, so a
+        fetch reads no more than that per block."""
+        self.runner.prepare(self.allocator)
+        return self.runner.largest_tier_block_bytes()
 
     def _remember_miss(self, digest: bytes) -> None:
         self.counters.misses_remembered += self.misses.remember([digest])
@@ -100,7 +106,7 @@ class RemoteFetching(RemoteTierState):
         pages_by_group: dict[int, list[bytes | None]] = {}
         for gid, hashes in wanted.items():
             store = self.stores[gid]
-            pages = store.get_many(hashes)
+            pages = store.get_many(hashes, max_payload_bytes=self._largest_block())
             missing = [digest for digest, page in zip(hashes, pages, strict=True) if page is None]
             if missing:
                 self.counters.fetch_misses += len(missing)
@@ -135,6 +141,7 @@ class RemoteFetching(RemoteTierState):
         allocator = self.allocator
         transfer = reservation.transfer
         try:
+            self.runner.prepare(allocator)
             if reservation.demotions:
                 # They read the very slots the pages go to: run and complete them first
                 # (a failed one loses its block from the tiers, nothing else).

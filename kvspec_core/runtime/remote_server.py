@@ -180,18 +180,21 @@ class RemoteServer:
         """True while the breaker keeps calls from the server."""
         return self._breaker.is_open
 
-    def pipelined(self, run: Callable[[Any], Any]) -> CallOutcome:
+    def pipelined(
+        self, run: Callable[[Any], Any], max_reply_bytes: int | None = None
+    ) -> CallOutcome:
         """``run(pipeline)``'s answer within the call's deadline, unless the breaker keeps
         the call from the server or the call fails (counted; the breaker told; the
-        connections dropped, as one may hold half an answer). Whatever the client raises is
-        a failure: the caller's input was checked before; only an interrupt (a
-        BaseException that is not an Exception) propagates."""
+        connections dropped, as one may hold half an answer). A server that sends more
+        than ``max_reply_bytes`` (None: no bound) fails the call there. Whatever the
+        client raises is a failure: the caller's input was checked before; only an
+        interrupt (a BaseException that is not an Exception) propagates."""
         counters = self._counters
         if not self._breaker.allows():
             counters.skipped += 1
             return CallOutcome(CallStatus.SKIPPED)
         counters.calls += 1
-        self._deadline.start()
+        self._deadline.start(max_reply_bytes)
         try:
             answer = run(self._client.pipeline(transaction=False))
         except self._timeout_errors:

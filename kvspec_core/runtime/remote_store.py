@@ -31,10 +31,11 @@ it starts, ``bytes`` being what it has sent and received so far (a server that s
 answering or trickles its answer slower than ``min_bytes_per_s`` is cut there; a large block
 on a link faster than that goes through; ``remote_deadline.py``). Outside that bound: the
 client's CPU time after its last socket operation (decoding) and, when ``host`` is a name
-rather than an address, its name resolution (give an address). The bound counts the answer's
-bytes, so a server that keeps sending an endless answer faster than ``min_bytes_per_s`` holds
-the call while it sends: the store trusts the server to answer what was asked (it never
-trusts its values). A server error, timeout, refused connection or any other failure inside
+rather than an address, its name resolution (give an address). Each call also bounds the
+bytes it reads to what its answer can hold (a status or an integer per key; for
+``get_many`` given ``max_payload_bytes``, a value of at most that size per key), so a server
+that sends an endless answer, however fast, fails the call there instead of holding it and
+filling the engine's memory. A server error, timeout, refused connection or any other failure inside
 the client (a malformed answer) turns the call's results into misses (``False`` for
 ``contains_many``, ``0`` stored for ``put_many``), is counted and drops the connections, and
 after ``failures_to_open`` failed calls in a row (of all the stores on the server) the
@@ -74,6 +75,17 @@ from kvspec_core.runtime.remote_values import (
     decode_value,
     encode_value,
 )
+
+#: Bytes a call may read beyond its replies: the answers to the commands a new connection
+#: sends first (AUTH, SELECT, CLIENT SETINFO; errors included).
+_HANDSHAKE_BYTES = 4096
+#: Bytes of one reply to SET or EXISTS (a status, an integer or an error line): generous,
+#: as servers' error lines differ.
+_STATUS_REPLY_BYTES = 1024
+#: RESP2 framing of one bulk string (``$`` + a length of up to 20 digits + two CRLFs), and of
+#: the array around them.
+_BULK_FRAMING_BYTES = 25
+_ARRAY_FRAMING_BYTES = 25
 
 __all__ = [
     "HEADER_SIZE",
@@ -204,7 +216,7 @@ class RemoteBlockStore:
                 pipe.set(key, value, px=self._ttl_ms)
             return pipe.execute(raise_on_error=False)
 
-        replies = self._call(run, len(values))
+        replies = self._call(run, len(values), _status_replies(len(values)))
         if replies is None:
             return 0
         stored = 0
@@ -217,17 +229,37 @@ class RemoteBlockStore:
             self._counters.errors += 1  # the server refused some (e.g. out of memory)
         return stored
 
-    def get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(
+        self, block_hashes: Sequence[bytes], *, max_payload_bytes: int | None = None
+    ) -> list[bytes | None]:
         """Each block's page bytes, or None where the server has none, has a corrupt one, is
-        down or slow, or the breaker is open (one pipelined MGET)."""
+        down or slow, or the breaker is open (one pipelined MGET).
+
+        ``max_payload_bytes``: the largest block the caller can use (its tiers' block
+        bytes). A longer value is a miss (counted in ``corrupt``), and the call reads at
+        most what one value of that size per key takes: a server sending more fails it.
+        None: values of any size (the call's deadline still bounds it)."""
         keys = [
             self._key_prefix + self._checked_hash(block_hash, "get_many", index)
             for index, block_hash in enumerate(block_hashes)
         ]
+        if max_payload_bytes is not None and (
+            isinstance(max_payload_bytes, bool)
+            or not isinstance(max_payload_bytes, int)
+            or max_payload_bytes < 0
+        ):
+            raise ValueError(
+                f"RemoteBlockStore.get_many: max_payload_bytes={max_payload_bytes!r} must be an "
+                "int >= 0 (the tiers' block bytes) or None"
+            )
         if not keys:
             self._answered = True
             return []
-        values = self._call(lambda pipe: pipe.mget(keys).execute()[0], len(keys))
+        max_reply = None
+        if max_payload_bytes is not None:
+            value_reply = HEADER_SIZE + max_payload_bytes + _BULK_FRAMING_BYTES
+            max_reply = _HANDSHAKE_BYTES + _ARRAY_FRAMING_BYTES + len(keys) * value_reply
+        values = self._call(lambda pipe: pipe.mget(keys).execute()[0], len(keys), max_reply)
         if values is None:
             self._counters.misses += len(keys)
             return [None] * len(keys)
@@ -236,7 +268,10 @@ class RemoteBlockStore:
             payload = None
             if value is not None:
                 self._counters.bytes_in += len(value)
-                payload = decode_value(key, value)
+                too_long = (
+                    max_payload_bytes is not None and len(value) > HEADER_SIZE + max_payload_bytes
+                )
+                payload = None if too_long else decode_value(key, value)
                 if payload is None:
                     self._counters.corrupt += 1
             if payload is None:
@@ -263,7 +298,7 @@ class RemoteBlockStore:
                 pipe.exists(key)
             return pipe.execute()
 
-        replies = self._call(run, len(keys))
+        replies = self._call(run, len(keys), _status_replies(len(keys)))
         if replies is None:
             return [False] * len(keys)
         return [reply == 1 for reply in replies]
@@ -293,10 +328,13 @@ class RemoteBlockStore:
             )
         return block_hash
 
-    def _call(self, run: Callable[[Any], Any], num_replies: int) -> list[Any] | None:
+    def _call(
+        self, run: Callable[[Any], Any], num_replies: int, max_reply_bytes: int | None
+    ) -> list[Any] | None:
         """The server's ``num_replies`` replies to ``run(pipeline)``, or None if the call
-        was skipped, failed or answered with another count (this store's counters say which)."""
-        outcome: CallOutcome = self.server.pipelined(run)
+        was skipped, failed (a server sending more than ``max_reply_bytes`` fails it) or
+        answered with another count (this store's counters say which)."""
+        outcome: CallOutcome = self.server.pipelined(run, max_reply_bytes)
         counters = self._counters
         if outcome.status is CallStatus.SKIPPED:
             counters.skipped += 1
@@ -312,3 +350,8 @@ class RemoteBlockStore:
             and len(answer) == num_replies
         )
         return answer if self._answered else None
+
+
+def _status_replies(num_keys: int) -> int:
+    """The most bytes the answer to ``num_keys`` pipelined SETs or EXISTS can take."""
+    return _HANDSHAKE_BYTES + num_keys * _STATUS_REPLY_BYTES

@@ -214,6 +214,19 @@ class TransferRunner:
         self.rows_per_block = learned
         self._checked = allocator
 
+    def prepare(self, allocator: object) -> None:
+        """:meth:`check_storage` against ``allocator`` unless done already (once per
+        allocator; one without ``block_counts`` is not checked): before this, a kernel-block
+        view's :meth:`block_bytes` counts one row per block."""
+        if self._checked is not allocator and hasattr(allocator, "block_counts"):
+            self.check_storage(allocator)
+
+    def largest_tier_block_bytes(self) -> int | None:
+        """The largest :meth:`block_bytes` of any offload tier's storage (tier >= 1); None
+        without one."""
+        sizes = [self.block_bytes(tier, pool) for tier, pool, _ in self._pools() if tier >= 1]
+        return max(sizes, default=None)
+
     def _at(self, tier: int, pool: int) -> Storage:
         per_pool = self.storage.get(tier)
         found = None
@@ -317,8 +330,7 @@ class TransferRunner:
         one of them before it propagates, so none stays pending for good. The storage is
         checked against ``allocator`` first (:meth:`check_storage`, once per allocator)."""
         try:
-            if self._checked is not allocator and hasattr(allocator, "block_counts"):
-                self.check_storage(allocator)
+            self.prepare(allocator)
             done, failed = self.run(transfers)
         except BaseException:
             allocator.complete_transfers([t.transfer_id for t in transfers], ok=False)

@@ -149,9 +149,10 @@ def test_a_remembered_miss_is_recent_bounded_and_never_for_good(ttl, capacity, o
 
 
 def test_a_value_of_another_size_is_remembered_as_a_miss(valkey: ServerProcess) -> None:
-    """A valid value (header and digest right) whose pages are not the local tier's block
-    size (a namespace shared by another layout): refused, and remembered like a corrupt one,
-    so the next fetches do not ask for it again."""
+    """A valid value (header and digest right) whose pages are longer than the local tiers'
+    blocks (a namespace shared by another layout): a corrupt miss for the store (it reads no
+    more than the largest block per key), remembered, so the next fetches do not ask for it
+    again; the run before it is fetched."""
     published_by_replica_1(valkey.port)
     replica_2 = Replica(valkey.port)
     hashes = replica_2.allocator.block_hashes(Request("b", PROMPT), 0)
@@ -160,11 +161,11 @@ def test_a_value_of_another_size_is_remembered_as_a_miss(valkey: ServerProcess) 
     pages = replica_2.store.get_many([hashes[2]])[0]
     assert pages is not None
     client.set(key, encode_value(key, pages + b"\0" * 16))  # valid, 16 bytes too long
-    assert replica_2.remote.fetch(Request("b", PROMPT)) == 0  # the run holds block 2: refused
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 2  # the run before block 2
+    assert replica_2.store.counters.corrupt == 1
     assert replica_2.remote.counters.misses_remembered == 1
     assert replica_2.remote.misses.first_missed(hashes) == 2
-    assert replica_2.remote.fetch(Request("b", PROMPT)) == 2  # the run before it
     asked = server_lookups(valkey)
     assert replica_2.remote.fetch(Request("b", PROMPT)) == 0  # blocks 0, 1 are local now
     assert server_lookups(valkey) == asked  # block 2 not asked again
-    assert replica_2.store.counters.corrupt == 0
+    assert replica_2.store.counters.corrupt == 1

@@ -3,7 +3,9 @@ findings 1, 2 and 5): an answer trickled byte by byte ends at the call's deadlin
 the server stops; a large block to a slow reader goes through when the link is faster than
 ``min_bytes_per_s`` and is cut when it is not; a malformed answer (redis-py raising what is
 not a RedisError) is a counted miss, never an exception; a server without ``HELLO`` (Redis
-before 6) is served.
+before 6) is served; an endless answer sent faster than ``min_bytes_per_s`` fails the call
+once it is longer than the answer can be, and a value longer than the caller's largest block
+is a miss.
 
 Time bounds here prove "ends by the deadline, not with the server", so they carry a
 generous slack for a loaded machine; the trickling server keeps going far beyond it."""
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 from misbehaving_server import CommandReader, answer_simply, misbehaving_server
+from valkey_server import ServerProcess
 
 from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
 
@@ -34,21 +38,25 @@ def store_at(port: int, **config: object) -> RemoteBlockStore:
     )
 
 
-def trickle(connection: socket.socket, reader: CommandReader) -> None:
-    """Answers MGET with a 100,000-byte value and EXISTS with an integer that never ends,
-    one byte per 50 ms, for TRICKLE_FOR_S."""
+def next_lookup(connection: socket.socket, reader: CommandReader) -> bytes:
+    """Answer the client's commands simply up to its first MGET or EXISTS: that name."""
     while True:
         command = reader.command()
         name = command[0].upper()
-        if name not in (b"MGET", b"EXISTS"):
-            connection.sendall(answer_simply(command))
-            continue
-        connection.sendall(b"*1\r\n$100000\r\n" if name == b"MGET" else b":")
-        started = time.monotonic()
-        while time.monotonic() - started < TRICKLE_FOR_S:
-            connection.sendall(b"1")
-            time.sleep(0.05)
-        return
+        if name in (b"MGET", b"EXISTS"):
+            return name
+        connection.sendall(answer_simply(command))
+
+
+def trickle(connection: socket.socket, reader: CommandReader) -> None:
+    """Answers MGET with a 100,000-byte value and EXISTS with an integer that never ends,
+    one byte per 50 ms, for TRICKLE_FOR_S."""
+    name = next_lookup(connection, reader)
+    connection.sendall(b"*1\r\n$100000\r\n" if name == b"MGET" else b":")
+    started = time.monotonic()
+    while time.monotonic() - started < TRICKLE_FOR_S:
+        connection.sendall(b"1")
+        time.sleep(0.05)
 
 
 def test_a_trickled_answer_ends_at_the_call_deadline() -> None:
@@ -120,3 +128,65 @@ def test_a_server_without_hello_is_served() -> None:
         assert store.contains_many([HASH]) == [True]
         assert store.put_many([(HASH, b"pages")]) == 1
         assert store.counters.errors == 0 and store.last_call_answered
+
+
+#: What the flooding server offers at most: far beyond any answer's bound, small enough that
+#: a client without the bound reads it all (and the test fails) in a few seconds.
+FLOOD_BYTES = 256 << 20
+
+
+def flood(sent: list[int]) -> Callable[[socket.socket, CommandReader], None]:
+    """A server that answers MGET with a value it claims is 1 GB long and EXISTS with an
+    integer that never ends, sending as fast as the client reads, up to FLOOD_BYTES; counts
+    what it sent into ``sent``."""
+
+    def serve(connection: socket.socket, reader: CommandReader) -> None:
+        name = next_lookup(connection, reader)
+        connection.sendall(b"*1\r\n$1000000000\r\n" if name == b"MGET" else b":")
+        chunk = b"1" * (1 << 20)
+        total = 0
+        try:
+            while total < FLOOD_BYTES:
+                connection.sendall(chunk)
+                total += len(chunk)
+        finally:
+            sent.append(total)
+
+    return serve
+
+
+def test_an_endless_answer_sent_fast_fails_the_call_at_its_bound() -> None:
+    """The deadline grows with the bytes moved, so only a bound on the bytes read stops a
+    server that sends faster than min_bytes_per_s: each call reads at most what its answer
+    can hold (a value of max_payload_bytes per key; an integer per key), then fails as an
+    error, before the server could send a tenth of what it offered."""
+    sent: list[int] = []
+    with misbehaving_server(flood(sent)) as port:
+        store = store_at(port)
+        assert store.get_many([HASH, HASH], max_payload_bytes=4096) == [None, None]
+        assert not store.last_call_answered
+        assert store.contains_many([HASH]) == [False]
+        assert not store.last_call_answered
+        counters = store.counters
+        assert (counters.errors, counters.timeouts, counters.misses) == (2, 0, 2)
+        for _ in range(100):  # each connection's thread records what it sent on its way out
+            if len(sent) == 2:
+                break
+            time.sleep(0.05)
+    # What the kernel's socket buffers took before the client closed, not the 256 MiB.
+    assert len(sent) == 2 and max(sent) < FLOOD_BYTES // 8, sent
+
+
+def test_a_value_longer_than_the_largest_block_is_a_miss(valkey: ServerProcess) -> None:
+    """A value under the key that is longer than the caller can use (another layout under a
+    namespace it shares) is a counted corrupt miss; the call is answered, the breaker not
+    told."""
+    store = RemoteBlockStore(BlockNamespace.of(model="m"), RemoteStoreConfig(port=valkey.port))
+    other = b"o" * 32
+    assert store.put_many([(HASH, b"p" * 100), (other, b"q" * 50)]) == 2
+    assert store.get_many([HASH, other], max_payload_bytes=64) == [None, b"q" * 50]
+    assert store.last_call_answered
+    assert (store.counters.corrupt, store.counters.errors) == (1, 0)
+    assert store.get_many([HASH, other]) == [b"p" * 100, b"q" * 50]
+    with pytest.raises(ValueError, match="max_payload_bytes=-1 must be an int >= 0"):
+        store.get_many([HASH], max_payload_bytes=-1)

@@ -6,6 +6,7 @@ server costs misses within the timeouts and nothing raises into the step."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -195,8 +196,11 @@ def test_a_failed_write_or_a_page_of_another_size_caches_nothing(
     published_by_replica_1(valkey.port)
     replica_2 = Replica(valkey.port)
     block_bytes = replica_2.runner.block_bytes(1, 0)
-    # A host file of 2 blocks where the tier hands out slots up to 15: the write fails.
-    replica_2.runner.storage[1] = [BlockFile(str(tmp_path / "host"), block_bytes, 2)]
+    # A host file that cannot be opened for writing (a directory took its place).
+    host = BlockFile(str(tmp_path / "host"), block_bytes, 16)
+    os.remove(host.path)
+    os.mkdir(host.path)
+    replica_2.runner.storage[1] = [host]
     request = Request("b", PROMPT)
     assert replica_2.remote.fetch(request) == 0
     assert replica_2.remote.counters.write_failures == 1
@@ -287,3 +291,28 @@ def test_a_reservation_waits_for_the_copies_out_of_its_tier() -> None:
     allocator.complete_transfers([again.transfer.transfer_id], ok=True)
     allocator.check_invariants()
     assert allocator.find_cached_prefix(Request("b", PROMPT)).tokens_by_tier[1] > 0
+
+
+def kernel_block_views(num_blocks: int) -> list[torch.Tensor]:
+    """pool_views as materialize(kernel_block_sizes=...) gives them: two rows of half a
+    block per block, the same bytes per block."""
+    keys = torch.zeros(2 * num_blocks, BLOCK // 2, 1, 8, dtype=torch.float16)
+    values = torch.zeros(3, 2 * num_blocks, BLOCK // 2, dtype=torch.int32).transpose(0, 1)
+    return [keys, values]
+
+
+def test_the_first_fetch_into_kernel_block_views_sizes_blocks_as_the_allocator_does(
+    valkey: ServerProcess,
+) -> None:
+    """A replica whose storage holds two kernel rows per block fetches before its runner has
+    run any transfer: the block size comes from its storage checked against the allocator,
+    not one row per block (every page refused and remembered as a miss, before)."""
+    remote_pages, _ = published_by_replica_1(valkey.port)
+    replica_2 = Replica(valkey.port)
+    replica_2.device = kernel_block_views(8)
+    replica_2.runner.storage[0] = [replica_2.device]
+    replica_2.runner.storage[1] = [kernel_block_views(16)]
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 5
+    assert replica_2.remote.counters.fetch_misses == 0
+    assert replica_2.admit("b", PROMPT).tokens_by_tier == (0, 5 * BLOCK)
+    assert replica_2.pages("b", 5) == remote_pages
