@@ -19,10 +19,15 @@ their ids agree. Only the last block may be partial.
 Tokens: block id ``h`` at position ``i`` is token ``h * 512 + i`` (distinct blocks never share
 a token run); the last block takes the first ``input_length - 512 * (len(hash_ids) - 1)``
 tokens of its id. Decode tokens are fresh ids above every prompt token, never reused (the
-trace's next turn names its own blocks). Requests arrive in timestamp order (ties in file
-order); a round loop admits while fewer than ``max_running`` run, then every running request
-decodes one token. A request decodes ``min(output_cap, output_length)`` tokens, at least one
-(an engine's prefill samples the first token).
+trace's next turn names its own blocks). The runtime hashes token ids below ``2**32``: a
+file whose ids would make larger ones (ids of 8,388,607 and up, or near it with the decode
+tokens above them) has its ids renumbered ``0, 1, 2, ...`` in order of first appearance
+first. Ids are only labels, so every prompt shares what it shared before.
+
+Requests arrive in timestamp order (ties in file order); a round loop admits while fewer
+than ``max_running`` run, then every running request decodes one token. A request decodes
+``min(output_cap, output_length)`` tokens, at least one (an engine's prefill samples the
+first token).
 
 Every row is checked before any event is made: a malformed line, a missing or ill-typed
 field, or an ``input_length`` that its ``hash_ids`` cannot hold is a :class:`TraceFormatError`
@@ -48,6 +53,8 @@ HASH_BLOCK_TOKENS = 512
 DEFAULT_MAX_RUNNING = 32
 #: Output tokens per request at most (the traces average a few hundred).
 DEFAULT_OUTPUT_CAP = 200
+#: Token ids the runtime hashes are below this (``PrefixHasher``: 32-bit tokens).
+TOKEN_ID_LIMIT = 2**32
 
 
 class TraceFormatError(KVSpecError, ValueError):
@@ -130,13 +137,18 @@ def _parse_row(text: str, where: str, line: int) -> MooncakeRequest:
     hash_ids = field(
         "hash_ids", f"the ids of the prompt's {HASH_BLOCK_TOKENS}-token blocks, a list of ints"
     )
-    if not isinstance(hash_ids, list) or not all(
-        _is_int(block) and block >= 0 for block in hash_ids
-    ):
-        raise bad(
-            "hash_ids",
-            f"it must be a list of ints >= 0, the ids of the prompt's {HASH_BLOCK_TOKENS}-token "
-            "blocks",
+    allowed = f"a list of ints >= 0, the ids of the prompt's {HASH_BLOCK_TOKENS}-token blocks"
+    if not isinstance(hash_ids, list):
+        raise bad("hash_ids", f"it must be {allowed}")
+    wrong = next(
+        (index for index, block in enumerate(hash_ids) if not (_is_int(block) and block >= 0)),
+        None,
+    )
+    if wrong is not None:
+        # The list may hold thousands of ids: name the first bad one only.
+        raise TraceFormatError(
+            f"{where}: field 'hash_ids' is invalid: hash_ids[{wrong}]={hash_ids[wrong]!r}; it "
+            f"must be {allowed}"
         )
     blocks = len(hash_ids)
     if not blocks:
@@ -208,7 +220,33 @@ def trace_events(
         raise TraceFormatError(f"max_running={max_running!r} must be an int >= 1")
     if not _is_int(output_cap) or output_cap < 1:
         raise TraceFormatError(f"output_cap={output_cap!r} must be an int >= 1")
-    return _round_loop(requests, max_running, output_cap)
+    return _round_loop(_with_token_ids_in_range(requests, output_cap), max_running, output_cap)
+
+
+def _with_token_ids_in_range(
+    requests: Sequence[MooncakeRequest], output_cap: int
+) -> Sequence[MooncakeRequest]:
+    """``requests``, their ids renumbered in order of first appearance where the tokens
+    they make (prompts, then the decode tokens above them) would reach TOKEN_ID_LIMIT."""
+    if not requests:
+        return requests
+    top_block = max(max(request.hash_ids) for request in requests)
+    decoded = sum(request.decode_tokens(output_cap) for request in requests)
+    if (top_block + 2) * HASH_BLOCK_TOKENS + decoded <= TOKEN_ID_LIMIT:
+        return requests
+    renumbered: dict[int, int] = {}
+    for request in requests:
+        for block_id in request.hash_ids:
+            renumbered.setdefault(block_id, len(renumbered))
+    if (len(renumbered) + 1) * HASH_BLOCK_TOKENS + decoded > TOKEN_ID_LIMIT:
+        raise TraceFormatError(
+            f"the trace's {len(renumbered):,} distinct hash_ids and {decoded:,} decode tokens "
+            f"need token ids beyond 2**32; take fewer requests"
+        )
+    return [
+        attrs.evolve(request, hash_ids=tuple(renumbered[b] for b in request.hash_ids))
+        for request in requests
+    ]
 
 
 def _round_loop(

@@ -134,6 +134,39 @@ def test_trace_invariants(
     assert len(events) == count_events(read_mooncake_trace(path), output_cap)
 
 
+def test_ids_too_large_for_token_ids_are_renumbered_in_order_of_first_appearance(
+    tmp_path: Path,
+) -> None:
+    """Ids are labels: a file whose ids would make token ids of 2**32 and more gives the
+    events of the same file with its ids numbered 0, 1, 2... as they first appear."""
+    big = [[2**40, 2**40 + 1], [2**40, 7], [2**33]]
+    small = [[0, 1], [0, 2], [3]]
+    rows = [(0, 1000, 3), (1, 700, 2), (2, 5, 1)]
+
+    def events(ids: list[list[int]], name: str) -> list[tuple]:
+        path = write_trace(
+            tmp_path / name,
+            [row(*fields, hash_ids) for fields, hash_ids in zip(rows, ids, strict=True)],
+        )
+        return list(make_trace(path, max_running=2))
+
+    renumbered = events(big, "big.jsonl")
+    assert renumbered == events(small, "small.jsonl")
+    tokens = [t for event in renumbered if event[0] != "finish" for t in event[2:3]]
+    assert max(max(t) if isinstance(t, list) else t for t in tokens) < 2**32
+
+
+def test_a_trace_too_large_for_token_ids_even_renumbered_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvspec_core.runtime.mooncake_trace as mooncake_trace
+
+    monkeypatch.setattr(mooncake_trace, "TOKEN_ID_LIMIT", 4 * HASH_BLOCK_TOKENS)
+    path = write_trace(tmp_path / "t.jsonl", [row(0, 512, 1, [0]), row(1, 1024, 1, [5, 6])])
+    with pytest.raises(TraceFormatError, match="3 distinct hash_ids and 2 decode tokens"):
+        list(make_trace(path))
+
+
 GOOD = row(0, 600, 5, [1, 2])
 
 
@@ -145,8 +178,8 @@ GOOD = row(0, 600, 5, [1, 2])
         ("[1, 2]", "JSON list, not an object"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "hash_ids"}), "'hash_ids' is missing"),
         (json.dumps({**GOOD, "hash_ids": "1,2"}), "'hash_ids'='1,2' is invalid"),
-        (json.dumps({**GOOD, "hash_ids": [1, 2.0]}), "'hash_ids'=[1, 2.0] is invalid"),
-        (json.dumps({**GOOD, "hash_ids": [1, -2]}), "list of ints >= 0"),
+        (json.dumps({**GOOD, "hash_ids": [1, 2.0]}), "'hash_ids' is invalid: hash_ids[1]=2.0"),
+        (json.dumps({**GOOD, "hash_ids": [1, -2]}), "hash_ids[1]=-2; it must be a list of"),
         (json.dumps({**GOOD, "hash_ids": [], "input_length": 1}), "at least one block"),
         (json.dumps({k: v for k, v in GOOD.items() if k != "input_length"}), "'input_length'"),
         (json.dumps({**GOOD, "input_length": "600"}), "'input_length'='600' is invalid"),
