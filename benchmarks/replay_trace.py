@@ -60,7 +60,8 @@ at most prompt length - 1, floored to whole blocks.
 ``prefill_chunk`` (null: one step), ``eviction``, ``write_policy`` and ``keep`` (the host
 tier's; null without one), ``max_model_len``, ``requests``, ``events``,
 ``seconds`` and ``cpu_seconds`` (the timed replay), ``events_per_s``, ``events_per_cpu_s``,
-``prompt_tokens`` (admitted, re-admissions included), ``prompt_tokens_hashed_per_s``,
+``prompt_tokens`` (of every arriving request, those the queue held until the trace finished
+them included: their prompts were hashed too), ``prompt_tokens_hashed_per_s``,
 ``hit_tokens`` (prefix-cache hits over all admissions), ``hit_tokens_by_tier`` (``device``,
 ``host``, ``disk``: where those hit tokens came from, ``TieredPrefix.tokens_by_tier``; they
 add up to ``hit_tokens``), ``blocks_moved`` (``"device->host"``, ``"host->device"``,

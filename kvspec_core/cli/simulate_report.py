@@ -7,8 +7,10 @@ Keys: ``model``, ``kv_budget_bytes``, ``max_model_len``, ``block_size``, ``trace
 ``num_blocks`` (device, all pools), ``tier_blocks`` (offload tier name -> its blocks, all
 pools; empty without tiers), the replay's figures (``events``, ``requests``, ``admitted``,
 ``never_admitted``, ``readmissions``, ``prompt_tokens``, ``hit_tokens``,
+``readmission_hit_tokens`` (of ``hit_tokens``, those of re-admissions after preemption),
 ``prefix_hit_rate``, ``waited_admissions``, ``wait_retries``, ``rejected``,
-``preemptions``, ``checkpoint_splits``, ``truncated``, ``peak_used_blocks``,
+``preemptions``, ``dropped_decodes`` (the trace's decodes of requests then queued: an
+engine generates nothing for them), ``checkpoint_splits``, ``truncated``, ``peak_used_blocks``,
 ``usable_blocks``, ``peak_usage``, ``peak_used_blocks_by_pool`` and
 ``usable_blocks_by_pool``: each pool's own peak and blocks, in plan order,
 ``longest_request_tokens``: the most tokens a request held, prompt and output),

@@ -45,7 +45,12 @@ def _figure_rows(document: dict[str, Any], trace_label: str) -> list[tuple[str, 
             "admissions that waited",
             f"{document['waited_admissions']:,} ({document['wait_retries']:,} retries)",
         ),
-        ("preemptions", f"{document['preemptions']:,}"),
+        (
+            "preemptions",
+            f"{document['preemptions']:,} ({document['readmissions']:,} re-admitted, "
+            f"{document['readmission_hit_tokens']:,} of the hit tokens theirs)",
+        ),
+        ("decodes while queued", f"{document['dropped_decodes']:,} (dropped)"),
     ]
 
 

@@ -10,7 +10,10 @@ Engine model (one event at a time, no batching of compute):
   run and is rejected.
 * ``decode``: append the token and allocate one slot. When blocks are short the request is
   preempted (its blocks freed, recomputed later from its tokens, as engines do) and queued
-  first in line; a request reaching ``max_model_len`` stops generating (truncated).
+  first in line; a request reaching ``max_model_len`` stops generating (truncated). A
+  request in the queue (never admitted yet, or preempted) generates nothing: the fixed
+  trace's decodes for it are dropped and counted (``dropped_decodes``); re-admitted, it
+  decodes the trace's later ones.
 * ``finish``: free the request (or drop it from the queue: the fixed trace ends it, so a
   request that waited until then never ran and is counted as never admitted).
 
@@ -95,10 +98,15 @@ class SimulationReport:
     readmissions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    #: Of ``hit_tokens``, those of re-admissions after preemption (mostly a request's own
+    #: blocks still cached: not reuse across requests).
+    readmission_hit_tokens: int = 0
     waited_admissions: int = 0
     wait_retries: int = 0
     rejected: int = 0
     preemptions: int = 0
+    #: Decode events of requests in the queue at the time (see the module docstring).
+    dropped_decodes: int = 0
     checkpoint_splits: int = 0
     truncated: int = 0
     peak_used_blocks: int = 0
@@ -215,6 +223,7 @@ def simulate(
             run_transfers()
         if request.request_id in admitted:
             report.readmissions += 1
+            report.readmission_hit_tokens += prefix.num_tokens
         else:
             admitted.add(request.request_id)
             report.admitted += 1
@@ -267,16 +276,18 @@ def simulate(
         elif kind == "decode":
             if rid in stopped:
                 continue
-            decoding = running.get(rid) or waiting.get(rid)
+            decoding = running.get(rid)
             if decoding is None:
+                # Queued: an engine generates nothing for it (its tokens so far are
+                # recomputed when it is admitted again).
+                if rid in waiting:
+                    report.dropped_decodes += 1
                 continue
             if len(decoding.token_ids) >= max_len:
                 report.truncated += 1
                 stopped.add(rid)
                 continue
             decoding.append_token(event[2])
-            if rid in waiting:
-                continue  # recomputed with its tokens when it is admitted again
             result = allocator.allocate_slots(decoding, 1)
             if result:
                 if len(decoding.token_ids) > report.longest_request_tokens:
