@@ -13,6 +13,7 @@ from kvspec_core.cli.ascii_numbers import (
     parse_ascii_integer,
 )
 from kvspec_core.cli.sizes import parse_size
+from kvspec_core.deployment.gpu_budget import tp_candidates, tp_refusal
 from kvspec_core.errors import ConfigError, InvalidFieldError
 from kvspec_core.models.fields import MAX_LAYERS
 from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
@@ -269,3 +270,15 @@ def kv_cache_dtypes(args: argparse.Namespace) -> list[str]:
     given = args.kv_cache_dtype
     values = [given] if isinstance(given, str) else given
     return list(dict.fromkeys(values or [DEFAULT_KV_CACHE_DTYPE]))
+
+
+def check_tp_accepted(raw_config: Any, tp: int) -> None:
+    """Refuse a ``--tp`` vLLM refuses for the model (:func:`tp_refusal`: the attention heads,
+    KV heads or Mamba-2 heads and groups do not split), naming the sizes it accepts: a
+    plan for it would describe ranks no engine builds."""
+    refusal = tp_refusal(raw_config, tp)
+    if refusal is not None:
+        accepted = ", ".join(map(str, tp_candidates(raw_config)))
+        raise ConfigError(
+            f"--tp {tp}: vLLM refuses it for this model ({refusal}); it accepts {accepted}"
+        )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvspec_core.cli.arguments import kv_cache_dtypes, plan_options
+from kvspec_core.cli.arguments import check_tp_accepted, kv_cache_dtypes, plan_options
 from kvspec_core.cli.gpu_options import (
     budget_options,
     check_budget_options,
@@ -29,7 +29,6 @@ from kvspec_core.deployment.gpu_budget import (
     WeightsSource,
     gpu_budget,
     tp_candidates,
-    tp_refusal,
     weights_do_not_fit,
 )
 from kvspec_core.errors import CapacityError, ConfigError
@@ -131,12 +130,7 @@ def plan_on_gpu(
 ) -> tuple[PipelinePlan, dict[str, Any]]:
     """Every stage planned within what its GPU has left, and the ``--json`` keys
     (:func:`~kvspec_core.cli.gpu_report.gpu_report`)."""
-    refusal = tp_refusal(resolved.config, args.tp)
-    if refusal is not None:
-        accepted = ", ".join(map(str, tp_candidates(resolved.config)))
-        raise ConfigError(
-            f"--tp {args.tp}: vLLM refuses it for this model ({refusal}); it accepts {accepted}"
-        )
+    check_tp_accepted(resolved.config, args.tp)
     memory, gpu = gpu_memory(args)
     options = budget_options(args, memory)
     source = model_weights_source(resolved, config)

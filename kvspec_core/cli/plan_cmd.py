@@ -24,6 +24,7 @@ from kvspec_core.cli.arguments import (
     add_model_arguments,
     add_pipeline_arguments,
     add_tier_arguments,
+    check_tp_accepted,
     kv_cache_dtypes,
     offload_tier_error,
     offload_tier_options,
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         load_pyplot()  # fail before planning when matplotlib is missing
     tier_options = offload_tier_options(args, "kvspec plan")
     resolved = resolve_model(args.model)
+    check_tp_accepted(resolved.config, args.tp)
     config = normalize_config(resolved.config)
     if gpu_requested(args):
         config = as_vllm_loads(config)  # a float32 model runs in bfloat16 on the GPU

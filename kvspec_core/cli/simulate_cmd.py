@@ -34,6 +34,7 @@ from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import (
     add_model_arguments,
     add_tier_arguments,
+    check_tp_accepted,
     offload_tier_options,
     plan_options,
     plot_file,
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         load_pyplot()  # fail before replaying when matplotlib is missing
     file_requests = read_trace_file(args)
     resolved = resolve_model(args.model)
+    check_tp_accepted(resolved.config, args.tp)
     options = plan_options(args, args.kv_cache_dtype)
     prepared = prepare_model(
         resolved.config,

@@ -121,6 +121,58 @@ def _mla_latent_width(config: Mapping[str, Any], where: str) -> int:
     return rank + rope
 
 
+def check_decode_context_parallel(
+    config: Mapping[str, Any],
+    fields: HeadFields,
+    *,
+    is_mla: bool,
+    total_kv_heads: int,
+    kv_field: str,
+    tp: int,
+    dcp: int,
+    where: str,
+) -> None:
+    """Refuse a DCP size the layer's cache cannot be split by, as vLLM does: DCP reuses the
+    TP ranks (it must divide TP), and splits a request's tokens among ranks that hold the
+    *same* KV heads. An MLA latent is on every rank; GQA/MQA heads are replicated only when
+    TP exceeds them, ``TP / KV heads`` times, and the query heads of a KV head must split
+    too. Planned anyway, each rank would hold ``1 / dcp`` of tokens no other rank holds."""
+    if dcp == 1:
+        return
+    if tp % dcp:
+        raise ConfigError(
+            f"decode context parallel size {dcp} does not divide tensor parallel size {tp} "
+            f"(DCP reuses the TP ranks); use a --dcp that divides {tp}"
+        )
+    if is_mla:
+        return
+    if tp <= total_kv_heads:
+        raise ConfigError(
+            f"decode context parallelism splits tokens among TP ranks holding the same KV "
+            f"heads, but at tensor parallel size {tp} each of config field "
+            f"{kv_field!r}={total_kv_heads} ({where}) is held once: use a --tp above "
+            f"{total_kv_heads} (a multiple of it), or --dcp 1"
+        )
+    replicas = tp // total_kv_heads
+    if dcp > replicas:
+        raise ConfigError(
+            f"decode context parallel size {dcp} exceeds the {replicas} TP ranks that hold each "
+            f"KV head (tensor parallel size {tp}, {kv_field!r}={total_kv_heads}, {where}); use "
+            f"a --dcp of at most {replicas}"
+        )
+    found = first_present(config, *fields.heads)
+    if found is None:
+        return
+    heads = int_field(config, found[0], found[1], needed_for=where)
+    per_kv_head = heads // total_kv_heads
+    if per_kv_head % dcp:
+        raise ConfigError(
+            f"the {per_kv_head} query heads of each KV head ({found[0]!r}={heads} over "
+            f"{kv_field!r}={total_kv_heads}, {where}) do not split across decode context "
+            f"parallel size {dcp}; use a --dcp that divides {per_kv_head}"
+        )
+
+
 def resolve_attention_shape(
     config: Mapping[str, Any],
     layer_type: str,
@@ -131,8 +183,11 @@ def resolve_attention_shape(
     kv_cache_dtype: str,
     model_dtype: torch.dtype,
     where: str,
+    decode_context_parallel_size: int = 1,
 ) -> AttentionShape:
-    """The :class:`AttentionShape` one TP rank holds for a layer of ``layer_type``.
+    """The :class:`AttentionShape` one TP rank holds for a layer of ``layer_type``
+    (refusing a ``decode_context_parallel_size`` it cannot be split by:
+    :func:`check_decode_context_parallel`).
 
     ``where`` names the layer for error messages (``layer model.layers.3 (full_attention)``).
     """
@@ -150,6 +205,16 @@ def resolve_attention_shape(
         kv_field, total = _total_kv_heads(config, fields, where)
         head_size = head_size_v = _head_size(config, fields, where)
     per_rank, replicated = kv_heads_per_rank(total, tensor_parallel_size, kv_field, where)
+    check_decode_context_parallel(
+        config,
+        fields,
+        is_mla=is_mla,
+        total_kv_heads=total,
+        kv_field=kv_field,
+        tp=tensor_parallel_size,
+        dcp=decode_context_parallel_size,
+        where=where,
+    )
     return AttentionShape(
         num_kv_heads=per_rank,
         total_kv_heads=total,

@@ -118,6 +118,7 @@ def _attention_shape(
             slot.layer_type,
             fields=slot.head_fields,
             tensor_parallel_size=options.tensor_parallel_size,
+            decode_context_parallel_size=options.decode_context_parallel_size,
             kv_dtype=kv_dtype,
             kv_cache_dtype=options.kv_cache_dtype,
             model_dtype=dtype,

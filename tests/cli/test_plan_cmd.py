@@ -72,9 +72,35 @@ def test_options_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_dcp_shards_full_attention_tokens(capsys: pytest.CaptureFixture[str]) -> None:
-    one = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB")
-    two = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB", "--dcp", "2")
+    # TP 16 over 8 KV heads: two ranks hold each head, DCP 2 splits the tokens between them.
+    one = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB", "--tp", "16")
+    two = plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB", "--tp", "16", "--dcp", "2")
     assert two["decode_context_parallel_size"] == 2
+    assert two["groups"][0]["blocks_per_request"] * 2 == one["groups"][0]["blocks_per_request"]
+    assert two["max_concurrency"] == 2 * one["max_concurrency"]
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "expected"),
+    [
+        # Found in review: each planned 2-8x the requests vLLM (and the hardware) can hold.
+        ("llama-3.1-8b", ["--dcp", "4"], "does not divide tensor parallel size 1"),
+        ("llama-3.1-8b", ["--tp", "8", "--dcp", "8"], "use a --tp above 8"),
+        ("llama-3.1-8b", ["--tp", "16", "--dcp", "4"], "exceeds the 2 TP ranks that hold each"),
+        ("gpt-oss-20b", ["--tp", "2", "--dcp", "2"], "'num_key_value_heads'=8"),
+        ("deepseek-v2-lite", ["--dcp", "2"], "does not divide tensor parallel size 1"),
+    ],
+)
+def test_a_dcp_the_cache_cannot_be_split_by_is_refused(
+    capsys: pytest.CaptureFixture[str], model: str, parallel: list[str], expected: str
+) -> None:
+    assert expected in fails(capsys, model, "--memory", "40GiB", *parallel)
+
+
+def test_mla_splits_its_latent_across_dcp_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """An MLA latent is on every TP rank: DCP may take all of them."""
+    one = plan_json(capsys, "deepseek-v2-lite", "--memory", "40GiB", "--tp", "2")
+    two = plan_json(capsys, "deepseek-v2-lite", "--memory", "40GiB", "--tp", "2", "--dcp", "2")
     assert two["groups"][0]["blocks_per_request"] * 2 == one["groups"][0]["blocks_per_request"]
 
 
@@ -128,7 +154,20 @@ def test_unknown_kv_dtype_lists_the_known(capsys: pytest.CaptureFixture[str]) ->
 
 def test_indivisible_tp_names_the_field(capsys: pytest.CaptureFixture[str]) -> None:
     err = fails(capsys, "llama-3.1-8b", "--memory", "40GiB", "--tp", "3")
-    assert "'num_key_value_heads'=8" in err and "--tp" in err
+    assert "num_attention_heads 32" in err and "--tp 3" in err and "accepts 1, 2, 4" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_a_tp_vllm_refuses_is_refused_with_or_without_a_gpu(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Qwen2.5-7B's 28 attention heads do not split over 8 ranks; its 4 KV heads would
+    (replicated): found in review, --memory planned it while --gpu refused it."""
+    code = main([command, "qwen2.5-7b", "--memory", "40GiB", "--tp", "8"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--tp 8: vLLM refuses it for this model" in err
+    assert "TP 8 does not divide num_attention_heads 28" in err
 
 
 def test_a_length_that_does_not_fit_names_the_largest(capsys: pytest.CaptureFixture[str]) -> None:

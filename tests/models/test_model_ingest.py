@@ -116,9 +116,8 @@ def test_an_all_mlp_pattern_is_refused() -> None:
 
 
 def test_default_context_takes_the_config_length_and_options() -> None:
-    model = model_layers(
-        preset("llama-3.1-8b"), PlanOptions(decode_context_parallel_size=2), PluginManager()
-    )
+    options = PlanOptions(tensor_parallel_size=16, decode_context_parallel_size=2)
+    model = model_layers(preset("llama-3.1-8b"), options, PluginManager())
     ctx = default_sizing_context(model)
     assert (ctx.max_model_len, ctx.max_in_flight_tokens, ctx.dcp_size) == (131072, 16384, 2)
     assert ctx.prefix_caching and ctx.mamba_cache_mode == "none"
@@ -144,3 +143,20 @@ def test_a_config_without_a_length_needs_max_model_len() -> None:
     with pytest.raises(ConfigError, match="--max-model-len"):
         default_sizing_context(model)
     assert default_sizing_context(model, max_model_len=100).max_model_len == 100
+
+
+def test_query_heads_of_a_kv_head_must_split_across_dcp() -> None:
+    """40 query heads over 8 KV heads at TP 40: five ranks hold each KV head, but its five
+    query heads do not split over DCP 2 (vLLM refuses it the same way)."""
+    config = {
+        "num_hidden_layers": 1,
+        "hidden_size": 40 * 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+    }
+    options = PlanOptions(tensor_parallel_size=40, decode_context_parallel_size=2)
+    with pytest.raises(ConfigError, match="the 5 query heads of each KV head"):
+        model_layers(config, options, PluginManager())
+    accepted = PlanOptions(tensor_parallel_size=40, decode_context_parallel_size=5)
+    assert model_layers(config, accepted, PluginManager()).layers
