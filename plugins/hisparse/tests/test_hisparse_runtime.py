@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import attrs
+import pytest
 from hisparse_testkit import latent_like, manager_with_hisparse
 
 from kvspec_core import SizingContext
+from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
+from kvspec_core.specs.base import KVSpec
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
 from kvspec_hisparse.runtime_rules import HotCacheRules, ResidentRules
 
@@ -61,3 +67,45 @@ def test_resident_pages_keep_only_the_in_flight_window() -> None:
         assert len(held) == 1
     allocator.free("r")
     allocator.check_invariants()
+
+
+@attrs.frozen(kw_only=True)
+class _StateLike(KVSpec):
+    """A recurrent state per block, a fixed count per request (as Mamba's, without the
+    plugin: these tests import only the core and kvspec-hisparse)."""
+
+    kind: ClassVar[str] = "hisparse_test_state"
+
+    @property
+    def num_heads(self) -> int:
+        return 1
+
+    @property
+    def tokens_per_state(self) -> int:
+        return -1
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        return 4096
+
+    def max_blocks_per_request(self, ctx: SizingContext) -> int:
+        return 2
+
+
+def test_a_group_wrapping_a_state_is_refused_not_given_full_attention_rules() -> None:
+    """Found in review: a group wrapping a Mamba spec got full attention's rules, which cache
+    every full block as if it held the state at its end; a request sharing 4 of another's 8
+    tokens then resumed from a state block nothing had written."""
+    manager = manager_with_hisparse()
+    state = HiSparseGroupSpec(inner=_StateLike(block_size=4), role="hisparse_indexer")
+    with pytest.raises(AllocatorError, match="not attention"):
+        rules_for(state, CTX, manager)
+    with pytest.raises(AllocatorError, match="wrap attention specs only"):
+        KVCacheAllocator(
+            [latent_like(block_size=4), state],
+            [16, 16],
+            CTX,
+            pool_of_group=[0, 1],
+            manager=manager,
+            hash_salt=b"hisparse-test",
+        )

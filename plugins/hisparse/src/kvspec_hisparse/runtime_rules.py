@@ -4,7 +4,10 @@
   request's life (the kernel addresses them itself); never prefix cached.
 * ``hisparse_group``: the wrapped spec's rules as the core resolves them (full attention's
   for MLA layers); plugin-registered rules of the wrapped kind are not reachable from a rules
-  factory, so a wrapped kind needing them gets the core's.
+  factory, so a wrapped attention kind gets full attention's (it keeps more than a window
+  needs: never a false hit). A wrapped spec that is not attention (a Mamba state) is
+  refused: full attention's rules would cache every block as if it held the state at its
+  end, though a state is written only where a step ends (a false prefix hit).
 * ``hisparse_resident``: the pages of tokens not yet computed are held; once a token is
   computed its KV is backed by the host, so every block entirely below the computed length
   is reclaimed and a request keeps only its in-flight window (one partial tail block at
@@ -15,9 +18,11 @@
 from __future__ import annotations
 
 from kvspec_core.context import SizingContext
+from kvspec_core.errors import AllocatorError
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
 from kvspec_core.runtime import NEVER, FamilyRules, FullAttentionRules, rules_for
+from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
 from kvspec_hisparse.groups import HiSparseGroupSpec
 from kvspec_hisparse.specs import HiSparseHotSpec, HiSparseResidentSpec
@@ -61,8 +66,16 @@ class ResidentRules(FullAttentionRules):
 
 
 def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
-    """The rules of a HiSparse source or indexer group: its wrapped spec's."""
+    """The rules of a HiSparse source or indexer group: its wrapped spec's (see the module
+    docstring; a wrapped spec that is not attention is refused)."""
     inner = spec.inner if isinstance(spec, HiSparseGroupSpec) else spec
+    if not isinstance(inner, AttentionSpec):
+        raise AllocatorError(
+            f"a HiSparse group wraps {type(inner).__name__} (kind {inner.kind!r}), which is "
+            "not attention: its family's runtime rules are not reachable from the HiSparse "
+            "group, and full attention's would give false prefix hits on its states; wrap "
+            "attention specs only (MLA latents, indexer keys)"
+        )
     return rules_for(inner, ctx, None)
 
 
