@@ -19,7 +19,7 @@ from kvspec_core.planner.geometry import (
 from kvspec_core.planner.layouts import DIM_B, DIM_L, KVCacheLayout
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_parts import KVCacheTensor, PlannedGroup, Pool
-from kvspec_core.planner.skeleton import Skeleton, blocks_per_request
+from kvspec_core.planner.skeleton import Skeleton, blocks_per_request, fixed_blocks_per_pool
 from kvspec_core.planner.tiers import TierRequest, size_tiers
 
 
@@ -36,6 +36,7 @@ def assemble(
     the offload ``tiers`` are sized over its pools."""
     layout = skeleton.layout
     per_group, per_pool = blocks_per_request(skeleton, ctx)
+    fixed = fixed_blocks_per_pool(skeleton, ctx)
     groups = tuple(
         PlannedGroup(
             id=index,
@@ -55,6 +56,7 @@ def assemble(
             groups=draft.group_ids,
             host_resident=draft.host_resident,
             blocks_per_request=per_pool[index],
+            fixed_blocks_per_request=fixed[index],
             slot_bytes=draft.slot_bytes,
             alignment=draft.alignment,
         )
@@ -96,7 +98,7 @@ def assemble(
             ("alignment", alignment_padding),
             ("idle_budget", idle),
         ),
-        max_concurrency=concurrency_of([p.num_blocks for p in pools], demands),
+        max_concurrency=concurrency_of([p.num_blocks for p in pools], demands, fixed),
         memoryless_layers=skeleton.memoryless,
         kv_sharing=skeleton.kv_sharing,
         tiers=size_tiers(pools, tiers or TierRequest()),

@@ -12,7 +12,7 @@ from kvspec_core.byte_sizes import format_size
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import CapacityError, PlanError
 from kvspec_core.planner.budget import bytes_for_one_request, split_budget
-from kvspec_core.planner.skeleton import Skeleton, blocks_per_request
+from kvspec_core.planner.skeleton import Skeleton, blocks_per_request, fixed_blocks_per_pool
 
 
 @attrs.frozen
@@ -23,10 +23,15 @@ class Residency:
     pool_ids: list[int]
     demands: list[int]
     block_bytes: list[int]
+    #: Of each demand, the blocks a request holds whatever its length.
+    fixed: list[int]
 
 
-def residencies(skeleton: Skeleton, per_pool: Sequence[int]) -> list[Residency]:
+def residencies(
+    skeleton: Skeleton, per_pool: Sequence[int], fixed: Sequence[int] | None = None
+) -> list[Residency]:
     """Device pools, then host pools; a residency without pools is left out."""
+    fixed = [0] * len(per_pool) if fixed is None else fixed
     result = []
     for host in (False, True):
         ids = [i for i, pool in enumerate(skeleton.pools) if pool.host_resident == host]
@@ -37,6 +42,7 @@ def residencies(skeleton: Skeleton, per_pool: Sequence[int]) -> list[Residency]:
                     ids,
                     [per_pool[i] for i in ids],
                     [skeleton.pools[i].block_bytes for i in ids],
+                    [fixed[i] for i in ids],
                 )
             )
     return result
@@ -127,11 +133,14 @@ def blocks_per_pool(
     requests fit at once; :class:`CapacityError` when one does not."""
     check_host_budget_given(skeleton, host_budget)
     _, per_pool = blocks_per_request(skeleton, ctx)
+    fixed = fixed_blocks_per_pool(skeleton, ctx)
     blocks = [0] * len(skeleton.pools)
-    for residency in residencies(skeleton, per_pool):
+    for residency in residencies(skeleton, per_pool, fixed):
         available = host_budget if residency.host else budget
         assert available is not None  # check_host_budget_given refused a missing host budget
-        split = split_budget(residency.demands, residency.block_bytes, available)
+        split = split_budget(
+            residency.demands, residency.block_bytes, available, fixed=residency.fixed
+        )
         if split is None:
             need = bytes_for_one_request(residency.demands, residency.block_bytes)
             raise capacity_error(

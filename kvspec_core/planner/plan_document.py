@@ -195,11 +195,14 @@ _POOL = _record(
         "groups": _list_of(_int(0), non_empty=True),
         "host_resident": _bool,
         "blocks_per_request": _int(1),
+        "fixed_blocks_per_request": _int(0),
         "slot_bytes": _list_of(_int(1), non_empty=True),
         "alignment": _int(1),
         "null_block": _int(0),
         "max_concurrency": _number,
-    }
+    },
+    # Plans written before fixed blocks were told apart hold none (0 when read back).
+    optional=frozenset({"fixed_blocks_per_request"}),
 )
 
 _TENSOR = _record(

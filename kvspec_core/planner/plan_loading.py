@@ -33,7 +33,7 @@ from kvspec_core.planner.plan_parts import (
 from kvspec_core.planner.plan_writing import PLAN_FORMAT_VERSION, input_checksums
 from kvspec_core.planner.planner import rebuild_with_blocks
 from kvspec_core.planner.plugin_faults import plugin_faults_named
-from kvspec_core.planner.spec_answers import check_spec_answers
+from kvspec_core.planner.spec_answers import check_spec_answers, checked_fixed_blocks
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.serialization import spec_from_dict
@@ -79,6 +79,10 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
         )
         for index, item in enumerate(data["groups"])
     )
+    if any("fixed_blocks_per_request" not in item for item in data["pools"]):
+        # A plan written before fixed blocks were told apart: derived from its groups' specs
+        # (its figures must still be what the planner gives now).
+        data = {**data, "pools": _with_fixed_blocks(data, groups)}
     pools = tuple(
         Pool(
             id=item["id"],
@@ -87,6 +91,7 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
             groups=item["groups"],
             host_resident=item["host_resident"],
             blocks_per_request=item["blocks_per_request"],
+            fixed_blocks_per_request=item["fixed_blocks_per_request"],
             slot_bytes=item["slot_bytes"],
             alignment=item["alignment"],
             null_block=item["null_block"],
@@ -140,6 +145,20 @@ def plan_from_dict(data: Mapping[str, Any], manager: PluginManager) -> KVCachePl
     _check_consistent(plan, manager)
     _check_written_fields(data, plan.to_dict())
     return plan
+
+
+def _with_fixed_blocks(
+    data: Mapping[str, Any], groups: tuple[PlannedGroup, ...]
+) -> list[dict[str, Any]]:
+    """The document's pools, each with its groups' ``fixed_blocks_per_request``."""
+    ctx = SizingContext(**data["context"])
+    fixed: dict[int, int] = {}
+    for group in groups:
+        where = f"groups[{group.id}]"
+        fixed[group.pool] = fixed.get(group.pool, 0) + checked_fixed_blocks(group.spec, ctx, where)
+    return [
+        {**item, "fixed_blocks_per_request": fixed.get(item["id"], 0)} for item in data["pools"]
+    ]
 
 
 def _group_spec(data: Any, index: int, manager: PluginManager) -> KVSpec:

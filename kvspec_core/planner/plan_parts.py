@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from kvspec_core.errors import PlanError
+from kvspec_core.planner.budget import pool_concurrency
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs, iter_layer_specs
 
@@ -134,6 +135,9 @@ class Pool:
         blocks_per_request: demand of one max-length request, summed over the groups.
         slot_bytes: per-block bytes of each slot (layer position).
         alignment: byte alignment between blocks.
+        fixed_blocks_per_request: of ``blocks_per_request``, the blocks a request holds
+            whatever its length (its groups' ``fixed_blocks_per_request``: states, the
+            encoder's K/V); a fraction of a request needs them whole.
     """
 
     id: int
@@ -144,6 +148,7 @@ class Pool:
     blocks_per_request: int
     slot_bytes: tuple[int, ...] = attrs.field(converter=_tuple_of_int)
     alignment: int = 1
+    fixed_blocks_per_request: int = 0
 
     #: Id of the block every pool reserves as the null block.
     null_block: int = 0
@@ -155,8 +160,13 @@ class Pool:
 
     @property
     def max_concurrency(self) -> float:
-        """Max-length requests the pool's usable blocks admit at once."""
-        return (self.num_blocks - 1) / self.blocks_per_request
+        """Max-length requests the pool's usable blocks admit at once (the last one perhaps
+        shorter, its fixed blocks whole: :func:`~kvspec_core.planner.budget.pool_concurrency`)."""
+        return float(
+            pool_concurrency(
+                self.num_blocks, self.blocks_per_request, self.fixed_blocks_per_request
+            )
+        )
 
 
 @attrs.frozen(kw_only=True)

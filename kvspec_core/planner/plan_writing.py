@@ -84,6 +84,7 @@ def pool_to_dict(pool: Pool) -> dict[str, Any]:
         "groups": list(pool.groups),
         "host_resident": pool.host_resident,
         "blocks_per_request": pool.blocks_per_request,
+        "fixed_blocks_per_request": pool.fixed_blocks_per_request,
         "slot_bytes": list(pool.slot_bytes),
         "alignment": pool.alignment,
         "null_block": pool.null_block,

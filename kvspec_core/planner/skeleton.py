@@ -16,7 +16,7 @@ from kvspec_core.planner.grouping import GroupDraft, group_layers, pool_key, slo
 from kvspec_core.planner.kv_sharing import check_plan_sharing, resolve_kv_sharing
 from kvspec_core.planner.layouts import DIM_L, KVCacheLayout, get_layout
 from kvspec_core.planner.plan import KVCachePlan
-from kvspec_core.planner.spec_answers import checked_blocks_per_request
+from kvspec_core.planner.spec_answers import checked_blocks_per_request, checked_fixed_blocks
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
 
@@ -115,6 +115,18 @@ def blocks_per_request(skeleton: Skeleton, ctx: SizingContext) -> tuple[list[int
     ]
     per_pool = [sum(per_group[i] for i in pool.group_ids) for pool in skeleton.pools]
     return per_group, per_pool
+
+
+def fixed_blocks_per_pool(skeleton: Skeleton, ctx: SizingContext) -> list[int]:
+    """Of each pool's blocks per request, those a request holds whatever its length
+    (``fixed_blocks_per_request`` of its groups' specs)."""
+    per_group = [
+        checked_fixed_blocks(
+            draft.spec, ctx, f"the group of layers {draft.layers[0]}..{draft.layers[-1]}"
+        )
+        for draft in skeleton.drafts
+    ]
+    return [sum(per_group[i] for i in pool.group_ids) for pool in skeleton.pools]
 
 
 def skeleton_of_plan(plan: KVCachePlan) -> Skeleton:

@@ -137,6 +137,23 @@ def checked_blocks_per_request(spec: KVSpec, ctx: SizingContext, where: str) -> 
     return value
 
 
+def checked_fixed_blocks(spec: KVSpec, ctx: SizingContext, where: str) -> int:
+    """``spec.fixed_blocks_per_request(ctx)``, refused unless an int in ``[0,
+    max_blocks_per_request]``."""
+    value = spec.fixed_blocks_per_request(ctx)
+    total = checked_blocks_per_request(spec, ctx, where)
+    if not _non_negative(value) or value > total:
+        raise SpecAnswerError(
+            type(spec),
+            "fixed_blocks_per_request",
+            value,
+            f"an int in [0, {total}] (of the blocks one request holds, those it holds "
+            "whatever its length)",
+            where,
+        )
+    return value
+
+
 def checked_merge(
     spec_class: type[KVSpec], specs: list[KVSpec], layer_names: list[str], where: str
 ) -> KVSpec:

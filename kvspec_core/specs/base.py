@@ -170,6 +170,13 @@ class KVSpec:
         """
         raise NotImplementedError(f"{type(self).__name__} does not define max_blocks_per_request")
 
+    def fixed_blocks_per_request(self, ctx: SizingContext) -> int:
+        """Of :meth:`max_blocks_per_request`, the blocks a request holds whatever its length
+        (a recurrent state, the encoder's K/V); 0 when they all grow with it (the default).
+        The planner gives a pool these whole for every request it counts as begun, so a
+        fraction of a request's concurrency never buys a fraction of its state."""
+        return 0
+
     def max_memory_usage_bytes(self, ctx: SizingContext) -> int:
         """Most bytes of this layer's cache one request holds at once."""
         return self.max_blocks_per_request(ctx) * self.page_size_bytes

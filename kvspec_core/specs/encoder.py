@@ -20,6 +20,10 @@ class CrossAttentionSpec(AttentionSpec):
     def max_blocks_per_request(self, ctx: SizingContext) -> int:
         return cdiv(ctx.max_encoder_tokens, self.block_size)
 
+    def fixed_blocks_per_request(self, ctx: SizingContext) -> int:
+        # The encoder's tokens, whatever the decoder's length.
+        return self.max_blocks_per_request(ctx)
+
     @property
     def prefix_cacheable(self) -> bool:
         # Encoder outputs depend on the whole input (audio, image), not a token prefix.

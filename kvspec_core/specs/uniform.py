@@ -116,6 +116,15 @@ class UniformTypeSpecs(KVSpec):
             for _, spec in self.layer_specs
         )
 
+    def fixed_blocks_per_request(self, ctx: SizingContext) -> int:
+        # Fixed only when every layer's blocks are: one growing layer makes the group grow.
+        if all(
+            spec.fixed_blocks_per_request(ctx) == spec.max_blocks_per_request(ctx)
+            for _, spec in self.layer_specs
+        ):
+            return self.max_blocks_per_request(ctx)
+        return 0
+
     def block_table_width(self, ctx: SizingContext, max_len: int) -> int:
         widths = {spec.block_table_width(ctx, max_len) for _, spec in self.layer_specs}
         if len(widths) != 1:

@@ -127,7 +127,8 @@ def test_granite_4_h_small_plans_at_hand_computed_figures(
     # Prefix caching keeps 2 states per request per Mamba group (align mode).
     assert state_pool.blocks_per_request == 2 * 9
     assert kv_pool.blocks_per_request == 131072 // 16
-    assert result.plan.max_concurrency == pytest.approx(18.65, abs=0.005)
+    # 19 requests' states whole (18.65 when the states were split by fraction too).
+    assert result.plan.max_concurrency == pytest.approx(18.63, abs=0.005)
     assert result.plan.max_concurrency == min(p.max_concurrency for p in result.plan.device_pools)
 
 
@@ -151,7 +152,7 @@ def test_bamba_plans_three_attention_layers_and_29_mamba_states(
     assert kv_pool.blocks_per_request == 262144 // 16
     assert state_pool.block_bytes == 3 * state
     # Far above the 1.25 requests the all-attention misreading gave (32 full layers).
-    assert result.plan.max_concurrency == pytest.approx(12.82, abs=0.005)
+    assert result.plan.max_concurrency == pytest.approx(12.81, abs=0.005)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +180,7 @@ def test_without_transformers_a_complete_config_plans_the_same(
     assert config.defaults_from == DEFAULTS_FROM_KVSPEC
     assert "not installed" in (config.defaults_note or "")
     assert plan(bamba(), kvspec_loaded_manager).plan.max_concurrency == pytest.approx(
-        12.82, abs=0.005
+        12.81, abs=0.005
     )
 
 

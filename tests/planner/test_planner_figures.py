@@ -88,6 +88,7 @@ def test_nemotron_state_groups_have_no_short_group() -> None:
     )
     sizes = sorted(len(group.layers) for group in plan.groups if group.kind == "planner_test_state")
     assert sizes == [9] * 6
+    # The test kinds' state spec declares no fixed blocks: sized as growing ones.
     assert f"{plan.max_concurrency:.2f}" == "19.75"
 
 
@@ -149,7 +150,10 @@ def test_real_mamba_plugin_specs_beat_inflation() -> None:
     }
     ctx = SizingContext(max_model_len=8192, mamba_cache_mode="align")
     plan = plan_kv_cache(ours, 40 * GiB, ctx, manager)
-    assert f"{plan.max_concurrency:.2f}" == "19.75"
+    # vLLM's inflated block gives 18.14. The states are sized for 19 whole requests; what is
+    # left would hold 0.75 more of attention, but not a 20th request's states (19.75 before:
+    # that fraction could never run).
+    assert f"{plan.max_concurrency:.2f}" == "19.00"
     assert {group.kind for group in plan.groups} == {"mamba", "full_attention"}
     assert plan.needs_zeroing
 

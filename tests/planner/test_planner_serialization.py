@@ -168,3 +168,34 @@ def test_from_dict_names_a_missing_manager() -> None:
 
     with pytest.raises(InvalidFieldTypeError, match=re.escape("from_dict.manager")):
         plan_from_dict(_plans()[0].to_dict(), None)  # type: ignore[arg-type]
+
+
+def test_fixed_blocks_round_trip_and_older_documents_derive_them() -> None:
+    """A Mamba state pool's blocks are all fixed (held whatever a request's length): the
+    plan writes them per pool; a document written before they were told apart derives them
+    from its groups' specs and loads as the same plan; an edited count is refused."""
+    mamba = pytest.importorskip("kvspec_mamba")
+    from kvspec_core import PluginManager
+
+    manager = PluginManager()
+    manager.load_entry_points({"KVSPEC_PLUGINS": "mamba"})
+    state = mamba.MambaSpec(
+        block_size=16, shapes=((3, 512), (8, 64, 16)), dtypes=(torch.bfloat16, torch.float32)
+    )
+    ctx = SizingContext(max_model_len=2048, mamba_cache_mode="align")
+    plan = plan_kv_cache(layers([full(), state, state, full()]), 64 << 20, ctx, manager)
+    document = plan.to_dict()
+    fixed = {pool["id"]: pool["fixed_blocks_per_request"] for pool in document["pools"]}
+    demands = {pool["id"]: pool["blocks_per_request"] for pool in document["pools"]}
+    state_pool = next(group.pool for group in plan.groups if group.kind == "mamba")
+    assert fixed[state_pool] == demands[state_pool] > 0
+    assert sum(fixed.values()) == fixed[state_pool]
+    assert plan_from_dict(json.loads(json.dumps(document)), manager) == plan
+    older = json.loads(json.dumps(document))
+    for pool in older["pools"]:
+        del pool["fixed_blocks_per_request"]
+    assert plan_from_dict(older, manager) == plan
+    edited = json.loads(json.dumps(document))
+    edited["pools"][state_pool]["fixed_blocks_per_request"] = 0
+    with pytest.raises(ConfigError, match="pools"):
+        plan_from_dict(edited, manager)

@@ -20,7 +20,7 @@ from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.normalized import normalize_config
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.planner import KVCachePlan, plan_from_dict, plan_kv_cache, reconcile_plans
-from kvspec_core.planner.budget import split_budget
+from kvspec_core.planner.budget import blocks_for, pool_concurrency, split_budget
 from kvspec_core.planner.plan_writing import input_checksums
 from kvspec_core.planner.tiers import OffloadTierError
 from kvspec_core.plugins.layer_config import PlanOptions
@@ -38,13 +38,19 @@ def _preset_plan(
     return plan_kv_cache(prepared.specs, 40 * GiB, prepared.context, manager, **tiers)
 
 
-def _excess_bytes_bounded(blocks: list[int], demands: list[int], block_bytes: list[int]) -> None:
-    """Every pool's usable blocks are its demand times the tier's concurrency (the least
-    over pools), give or take what whole blocks leave over: at most two blocks of every
-    pool, in bytes."""
-    concurrency = min(Fraction(n - 1, d) for n, d in zip(blocks, demands, strict=True))
-    for count, demand, size in zip(blocks, demands, block_bytes, strict=True):
-        assert 0 <= (count - 1 - concurrency * demand) * size <= 2 * sum(block_bytes)
+def _excess_bytes_bounded(
+    blocks: list[int], demands: list[int], block_bytes: list[int], fixed: list[int] | None = None
+) -> None:
+    """Every pool's usable blocks are what the concurrency (the least over pools) needs,
+    give or take what whole blocks leave over: at most two blocks of every pool, in bytes,
+    and where pools hold fixed blocks (whole for each request begun) what one more
+    request's fixed blocks would cost (the leftover that cannot buy them)."""
+    fixed = fixed or [0] * len(blocks)
+    parts = list(zip(blocks, demands, fixed, strict=True))
+    concurrency = min(pool_concurrency(*part) for part in parts)
+    slack = 2 * sum(block_bytes) + sum(f * size for f, size in zip(fixed, block_bytes, strict=True))
+    for (count, demand, part), size in zip(parts, block_bytes, strict=True):
+        assert 0 <= (count - blocks_for(concurrency, demand, part)) * size <= slack
 
 
 PRESETS = [
@@ -75,7 +81,13 @@ def test_each_tier_splits_its_budget_like_the_device(
     demands = [pool.blocks_per_request for pool in plan.pools]
     block_bytes = [pool.block_bytes for pool in plan.pools]
     device = [pool.num_blocks for pool in plan.pools]
-    _excess_bytes_bounded(device, demands, block_bytes)
+    _excess_bytes_bounded(
+        device, demands, block_bytes, [pool.fixed_blocks_per_request for pool in plan.pools]
+    )
+    # Tiers cache prefixes of any length: split in proportion to demand, fixed blocks or not.
+    proportional = split_budget(demands, block_bytes, plan.budget_bytes)
+    assert proportional is not None
+    device_concurrency = min(Fraction(n - 1, d) for n, d in zip(proportional, demands, strict=True))
     for tier in plan.tiers:
         blocks = list(tier.blocks_per_pool)
         used = sum(n * b for n, b in zip(blocks, block_bytes, strict=True))
@@ -87,7 +99,7 @@ def test_each_tier_splits_its_budget_like_the_device(
         # Beyond null blocks, the tier holds budget-ratio times the device's requests.
         ratio = Fraction(tier.budget_bytes - sum(block_bytes), plan.budget_bytes - sum(block_bytes))
         tier_concurrency = min(Fraction(n - 1, d) for n, d in zip(blocks, demands, strict=True))
-        assert abs(tier_concurrency / Fraction(plan.max_concurrency) / ratio - 1) < 0.01
+        assert abs(tier_concurrency / device_concurrency / ratio - 1) < 0.01
 
 
 def test_single_pool_tiers_are_budget_over_block_bytes(tmp_path: Path) -> None:

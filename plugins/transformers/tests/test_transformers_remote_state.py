@@ -11,7 +11,14 @@ pytest.importorskip("kvspec_mamba", reason="kvspec-mamba (the state family) is n
 pytest.importorskip("redis", reason="the remote store's client (kvspec-core[remote])")
 
 from remote_testkit import publish_a, remote_engine
-from test_transformers_state_models import BLOCK_BYTES, MODELS, case, forward_tokens
+from test_transformers_state_models import (
+    BLOCK_BYTES,
+    DEVICE_BLOCKS,
+    MODELS,
+    case,
+    device_budget,
+    forward_tokens,
+)
 from transformers_testkit import NEW_TOKENS, PROMPT_B, SHARED_PREFIX
 from valkey_server_path import ServerProcess
 
@@ -25,10 +32,10 @@ def replica(name: str, port: int, model: object) -> TransformersEngine:
         config,
         port,
         weights_id=f"{name}-random-seed-0",
-        device_bytes=10 * BLOCK_BYTES[name],
+        device_bytes=device_budget(name),
         host_bytes=40 * BLOCK_BYTES[name],
     )
-    assert [pool.num_blocks for pool in engine.plan.pools] == [10, 10]
+    assert [pool.num_blocks for pool in engine.plan.pools] == DEVICE_BLOCKS
     return engine
 
 

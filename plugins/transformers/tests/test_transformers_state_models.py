@@ -274,25 +274,35 @@ def test_a_failed_prefill_step_keeps_only_the_states_it_saved(name: str) -> None
 
 
 # --------------------------------------------------------------------------- offload tiers
-#: Bytes of one block of each pool, summed (state pool + attention pool).
-BLOCK_BYTES = {"qwen3_next": 5632 + 8192, "bamba": 10112 + 4096}
+#: Bytes of one block of each pool: (state pool, attention pool).
+POOL_BLOCK_BYTES = {"qwen3_next": (5632, 8192), "bamba": (10112, 4096)}
+#: Bytes of one block of each pool, summed (a tier's budget per block of each pool).
+BLOCK_BYTES = {name: sum(sizes) for name, sizes in POOL_BLOCK_BYTES.items()}
+#: Device blocks per pool: one request's 6 states (the planner sizes states for whole
+#: requests) beside the null block, and 10 attention blocks (a few requests' worth).
+DEVICE_BLOCKS = [7, 10]
+
+
+def device_budget(name: str) -> int:
+    """The device budget that plans DEVICE_BLOCKS."""
+    return sum(n * size for n, size in zip(DEVICE_BLOCKS, POOL_BLOCK_BYTES[name], strict=True))
 
 
 def tiered_engine(name: str, disk_dir: Path | None = None) -> TransformersEngine:
-    """10 device blocks per pool (a few requests' worth), a host tier of 40 blocks per
-    pool, or of 6 with a disk tier of 40 below it."""
+    """DEVICE_BLOCKS on the device, a host tier of 40 blocks per pool, or of 6 with a disk
+    tier of 40 below it."""
     config, model, _ = case(name)
     block = BLOCK_BYTES[name]
     engine = TransformersEngine(
         model,
         kvspec_config=config,
         max_model_len=96,
-        budget_bytes=10 * block,
+        budget_bytes=device_budget(name),
         host_offload_bytes=(40 if disk_dir is None else 6) * block,
         disk_offload_bytes=None if disk_dir is None else 40 * block,
         disk_path=None if disk_dir is None else str(disk_dir),
     )
-    assert [pool.num_blocks for pool in engine.plan.pools] == [10, 10]
+    assert [pool.num_blocks for pool in engine.plan.pools] == DEVICE_BLOCKS
     return engine
 
 

@@ -150,6 +150,10 @@ class MambaSpec(KVSpec):
             return 2 + self.num_speculative_blocks + self.num_prefill_checkpoint_blocks
         return 1 + self.num_speculative_blocks
 
+    def fixed_blocks_per_request(self, ctx: SizingContext) -> int:
+        """All of them: a request holds its states whatever its length."""
+        return self.max_blocks_per_request(ctx)
+
     def block_table_width(self, ctx: SizingContext, max_len: int) -> int:
         if ctx.mamba_cache_mode == "align":
             # Rows are indexed by position over the whole sequence even though only a few
