@@ -16,7 +16,8 @@ from kvspec_core.cli.sizes import parse_size
 from kvspec_core.deployment.gpu_budget import tp_candidates, tp_refusal
 from kvspec_core.errors import ConfigError, InvalidFieldError
 from kvspec_core.models.fields import MAX_LAYERS
-from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
+from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS, ModelLayers
+from kvspec_core.models.trained_length import trained_max_model_len
 from kvspec_core.planner.tiers import OffloadTierError, check_disk_directory
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.validation import MAX_FIELD_VALUE
@@ -179,6 +180,12 @@ def add_model_arguments(
         help="longest request in tokens (default: the config's max_position_embeddings)",
     )
     parser.add_argument(
+        "--allow-long-max-model-len",
+        action="store_true",
+        help="plan a --max-model-len longer than the model was built for (vLLM refuses it "
+        "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)",
+    )
+    parser.add_argument(
         "--block-size",
         type=positive_int,
         default=16,
@@ -282,3 +289,21 @@ def check_tp_accepted(raw_config: Any, tp: int) -> None:
         raise ConfigError(
             f"--tp {tp}: vLLM refuses it for this model ({refusal}); it accepts {accepted}"
         )
+
+
+def check_max_model_len(model: ModelLayers, args: argparse.Namespace) -> None:
+    """Refuse a ``--max-model-len`` longer than the model was built for
+    (:func:`trained_max_model_len`, as vLLM derives it) unless
+    ``--allow-long-max-model-len``: positions past it are untrained, so the plan would
+    describe no working deployment."""
+    asked = args.max_model_len
+    trained = trained_max_model_len(model)
+    if asked is None or trained is None or asked <= trained[0] or args.allow_long_max_model_len:
+        return
+    length, source = trained
+    raise ConfigError(
+        f"--max-model-len {asked:,} is longer than the {length:,} tokens {model.name} was "
+        f"built for ({source}); vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1), as "
+        "positions past it are untrained. Pass --max-model-len "
+        f"{length} or less, or --allow-long-max-model-len to plan it anyway"
+    )

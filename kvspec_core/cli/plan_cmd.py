@@ -24,6 +24,7 @@ from kvspec_core.cli.arguments import (
     add_model_arguments,
     add_pipeline_arguments,
     add_tier_arguments,
+    check_max_model_len,
     check_tp_accepted,
     kv_cache_dtypes,
     offload_tier_error,
@@ -156,6 +157,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         max_in_flight_tokens=args.max_in_flight_tokens,
         **tier_options,
     )
+    check_max_model_len(prepared.model, args)
     stages = split_stages(prepared, args.pp, args.pp_partition)
     gpu_report: dict[str, Any] = {}
     try:

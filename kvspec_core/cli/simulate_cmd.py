@@ -34,6 +34,7 @@ from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import (
     add_model_arguments,
     add_tier_arguments,
+    check_max_model_len,
     check_tp_accepted,
     offload_tier_options,
     plan_options,
@@ -176,6 +177,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         max_in_flight_tokens=args.max_in_flight_tokens,
         **tier_options,
     )
+    check_max_model_len(prepared.model, args)
     trace = trace_replay(args, file_requests, prepared.context.max_model_len)
     first = replay(prepared, budget, manager, trace.make_events(), trace.total_events, args)
     sweep = None

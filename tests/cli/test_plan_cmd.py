@@ -240,3 +240,36 @@ def test_a_model_whose_plugin_is_not_loaded_names_the_distribution(
     err = fails(capsys, "jamba-1.5-mini", "--memory", "40GiB")
     assert "layer type 'mamba'" in err and "pip install kvspec-mamba" in err
     assert "KVSPEC_PLUGINS" in err
+
+
+def test_a_max_model_len_past_what_the_model_was_built_for_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found in review: Whisper's decoder (448 learned positions) planned 4,096 tokens."""
+    err = fails(capsys, "whisper-large-v3", "--memory", "40GiB", "--max-model-len", "4096")
+    assert "longer than the 448 tokens whisper-large-v3 was built for" in err
+    assert "--allow-long-max-model-len" in err
+    report = plan_json(
+        capsys, "llama-3.1-8b", "--memory", "100GiB", "--max-model-len", "200000",
+        "--allow-long-max-model-len",
+    )  # fmt: skip
+    assert report["max_model_len"] == 200000
+
+
+@pytest.mark.parametrize(
+    ("rope_scaling", "longest"),
+    [
+        ({"rope_type": "linear", "factor": 4.0}, 4 * 4096),  # vLLM multiplies linear, dynamic
+        ({"type": "dynamic", "factor": 2.0}, 2 * 4096),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096),
+    ],
+)
+def test_the_longest_length_counts_the_rope_factors_vllm_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rope_scaling: dict, longest: int
+) -> None:
+    config = json.loads(preset_text("mistral-7b"))
+    config.update(max_position_embeddings=4096, rope_scaling=rope_scaling, sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plan_json(capsys, str(tmp_path), "--memory", "40GiB", "--max-model-len", str(longest))
+    err = fails(capsys, str(tmp_path), "--memory", "40GiB", "--max-model-len", str(longest + 1))
+    assert f"longer than the {longest:,} tokens" in err

@@ -1,0 +1,58 @@
+"""The longest request a model was built for, as vLLM derives it (``_get_and_verify_max_len``
+in vLLM's ``config/model.py``): the config's length field (``max_position_embeddings``, an
+encoder-decoder's decoder positions, ...) times the RoPE scaling factor of the scaling types
+that do not already count it there (``linear``, ``dynamic``; not ``llama3``, ``yarn``,
+``longrope``/``su``, ``deepseek_yarn``; never for Gemma 3). vLLM refuses a longer
+``max_model_len`` unless told to allow it: positions past it are untrained (NaNs with RoPE,
+out-of-bounds reads with learned positions), so a plan for them describes no working
+deployment."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kvspec_core.models.ingest import ModelLayers
+
+#: RoPE scaling types whose factor is already in the config's length (vLLM's list).
+_LENGTH_ALREADY_SCALED = frozenset(
+    {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+)
+
+
+def _rope_parameters(fields: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Each RoPE parameter set of the config (one, or one per layer type)."""
+    for name in ("rope_scaling", "rope_parameters"):
+        value = fields.get(name)
+        if not isinstance(value, Mapping):
+            continue
+        if "rope_type" in value or "type" in value:
+            yield value
+        else:
+            yield from (item for item in value.values() if isinstance(item, Mapping))
+
+
+def trained_max_model_len(model: ModelLayers) -> tuple[int, str] | None:
+    """The longest request ``model`` was built for and where it comes from (for messages),
+    or None when its config names no length."""
+    base = model.default_max_model_len
+    if base is None:
+        return None
+    fields = model.config
+    factor = 1.0
+    if "gemma3" not in str(fields.get("model_type", "")):
+        for params in _rope_parameters(fields):
+            kind = params.get("rope_type", params.get("type"))
+            value = params.get("factor")
+            usable = (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value > 0
+            )
+            if kind not in _LENGTH_ALREADY_SCALED and usable:
+                factor = float(value)  # type: ignore[arg-type]  # checked above
+    if factor == 1.0:
+        return base, "the config's length"
+    return int(base * factor), f"the config's length {base:,} x its RoPE scaling factor {factor:g}"
