@@ -37,6 +37,8 @@ def assemble(
     layout = skeleton.layout
     per_group, per_pool = blocks_per_request(skeleton, ctx)
     fixed = fixed_blocks_per_pool(skeleton, ctx)
+    if tiers is not None and (tiers.host_bytes is not None or tiers.disk_bytes is not None):
+        _check_prefixes_cached(skeleton, ctx, per_group)
     groups = tuple(
         PlannedGroup(
             id=index,
@@ -103,6 +105,31 @@ def assemble(
         kv_sharing=skeleton.kv_sharing,
         tiers=size_tiers(pools, tiers or TierRequest()),
     )
+
+
+def _check_prefixes_cached(
+    skeleton: Skeleton, ctx: SizingContext, per_group: Sequence[int]
+) -> None:
+    """Refuse offload tiers where no prefix is ever cached (prefix caching off, or a group
+    holding blocks that caches none): they would stay empty."""
+    why = None
+    if not ctx.prefix_caching:
+        why = "the context turns prefix caching off"
+    else:
+        for draft, demand in zip(skeleton.drafts, per_group, strict=True):
+            if demand and not draft.spec.prefix_cacheable:
+                why = (
+                    f"the group of layers {draft.layers[0]}..{draft.layers[-1]} "
+                    f"({draft.spec.kind}) caches no prefix, so no prefix of this model is "
+                    "ever a hit"
+                )
+                break
+    if why is not None:
+        raise PlanError(
+            f"offload tiers keep the prefix-cache blocks the device evicts, but {why}: the "
+            "tiers would stay empty; leave host_offload_bytes / disk_offload_bytes out "
+            "(--host-memory, --disk)"
+        )
 
 
 def _group_tensors(

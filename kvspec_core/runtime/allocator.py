@@ -166,6 +166,12 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
                 raise AllocatorError(
                     f"offload_tiers[{index}]={tier!r} must be a kvspec_core.runtime.OffloadTier"
                 )
+        if tiers and not self._cacheable:
+            raise AllocatorError(
+                "offload tiers keep the prefix-cache blocks the device evicts, but "
+                f"{self._why_nothing_is_cached()}, so the tiers would stay empty: leave "
+                "offload_tiers out"
+            )
         self._tiers = (
             TierManager(
                 tiers,
@@ -298,3 +304,13 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
         events = list(self._events)
         self._events.clear()
         return events
+
+    def _why_nothing_is_cached(self) -> str:
+        """Why no prefix is ever cached (prefix caching off, or a group that caches none)."""
+        if not self.enable_prefix_caching:
+            return "enable_prefix_caching=False"
+        gid = next(gid for gid in self._holding if not self.rules[gid].prefix_cacheable)
+        return (
+            f"group {gid} ({self.specs[gid].kind}) caches no prefix (its family's rules), so "
+            "no prefix of this model is ever a hit"
+        )

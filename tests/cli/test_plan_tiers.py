@@ -102,3 +102,12 @@ def test_too_small_tier_names_the_least_size_that_works(
     assert "pass --host-memory 3014656 or more" in error
     report = plan_json(capsys, "jamba-1.5-mini", "--memory", "40GiB", "--host-memory", "3014656")
     assert [pool["num_blocks"] for pool in report["tiers"][0]["pools"]] == [2, 2]
+
+
+def test_tiers_are_refused_for_a_model_that_caches_no_prefix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Whisper's cross-attention holds the encoder's K/V, which no prompt prefix names: no
+    prefix of it is cached, so a host tier would stay empty (planned silently before)."""
+    err = fails(capsys, "whisper-large-v3", "--memory", "40GiB", "--host-memory", "64GiB")
+    assert "(cross_attention) caches no prefix" in err and "--host-memory" in err

@@ -471,3 +471,20 @@ def test_loaded_blocks_enter_the_device_cache_with_their_stored_events() -> None
     announced = stored(allocator.take_events())
     assert [event for event in announced if set(event[0]) <= set(hashes)] == first
     assert len(announced) == len(first) + 1
+
+
+def test_tiers_are_refused_where_no_prefix_is_ever_cached() -> None:
+    """Found in review: with prefix caching off, or a group that caches no prefix (a Mamba
+    state kept only for the running request), the tiers were accepted and stayed empty:
+    host memory provisioned for nothing, silently."""
+    from runtime_testkit import mamba
+
+    from kvspec_core import SizingContext
+
+    tiers = (OffloadTier("host", 8),)
+    with pytest.raises(AllocatorError, match="enable_prefix_caching=False, so the tiers would"):
+        make_allocator([full(4)], 16, offload_tiers=tiers, enable_prefix_caching=False)
+    running_state = SizingContext(max_model_len=64, max_in_flight_tokens=8)  # mode "none"
+    with pytest.raises(AllocatorError, match=r"group 1 \(mamba\) caches no prefix"):
+        make_allocator([full(4), mamba(4)], [16, 8], [0, 1], ctx=running_state, offload_tiers=tiers)
+    make_allocator([full(4)], 16, offload_tiers=tiers)  # caching: accepted
