@@ -121,6 +121,24 @@ def _mla_latent_width(config: Mapping[str, Any], where: str) -> int:
     return rank + rope
 
 
+def _check_query_groups(
+    config: Mapping[str, Any], fields: HeadFields, kv_field: str, kv_heads: int, where: str
+) -> None:
+    """Refuse KV heads that do not divide the query heads: every KV head serves a whole
+    group of them (grouped-query attention), so such a config describes no model (vLLM's
+    attention asserts it) and its cache size would be a guess."""
+    found = first_present(config, *fields.heads)
+    if found is None or found[0] == kv_field:
+        return
+    heads = int_field(config, found[0], found[1], needed_for=where)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"config field {kv_field!r}={kv_heads} does not divide {found[0]!r}={heads} "
+            f"({where}): each KV head serves a whole group of query heads; fix the model "
+            "config"
+        )
+
+
 def check_decode_context_parallel(
     config: Mapping[str, Any],
     fields: HeadFields,
@@ -203,6 +221,7 @@ def resolve_attention_shape(
         head_size = head_size_v = _mla_latent_width(config, where)
     else:
         kv_field, total = _total_kv_heads(config, fields, where)
+        _check_query_groups(config, fields, kv_field, total, where)
         head_size = head_size_v = _head_size(config, fields, where)
     per_rank, replicated = kv_heads_per_rank(total, tensor_parallel_size, kv_field, where)
     check_decode_context_parallel(

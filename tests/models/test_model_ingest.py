@@ -160,3 +160,16 @@ def test_query_heads_of_a_kv_head_must_split_across_dcp() -> None:
         model_layers(config, options, PluginManager())
     accepted = PlanOptions(tensor_parallel_size=40, decode_context_parallel_size=5)
     assert model_layers(config, accepted, PluginManager()).layers
+
+
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused() -> None:
+    """Found in review: 5 KV heads over 32 query heads planned a cache no model has."""
+    config = {
+        "num_hidden_layers": 1,
+        "hidden_size": 32 * 64,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 5,
+        "max_position_embeddings": 4096,
+    }
+    with pytest.raises(ConfigError, match="'num_key_value_heads'=5 does not divide"):
+        model_layers(config, PlanOptions(), PluginManager())
