@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvspec_core.cli.arguments import check_tp_accepted, kv_cache_dtypes, plan_options
+from kvspec_core.cli.arguments import kv_cache_dtypes, plan_options
 from kvspec_core.cli.gpu_options import (
     budget_options,
     check_budget_options,
@@ -129,8 +129,8 @@ def plan_on_gpu(
     manager: PluginManager,
 ) -> tuple[PipelinePlan, dict[str, Any]]:
     """Every stage planned within what its GPU has left, and the ``--json`` keys
-    (:func:`~kvspec_core.cli.gpu_report.gpu_report`)."""
-    check_tp_accepted(resolved.config, args.tp)
+    (:func:`~kvspec_core.cli.gpu_report.gpu_report`); the caller has refused a ``--tp``
+    vLLM refuses (``check_tp_accepted``)."""
     memory, gpu = gpu_memory(args)
     options = budget_options(args, memory)
     source = model_weights_source(resolved, config)

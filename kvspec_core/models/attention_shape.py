@@ -121,19 +121,29 @@ def _mla_latent_width(config: Mapping[str, Any], where: str) -> int:
     return rank + rope
 
 
+def _query_heads(
+    config: Mapping[str, Any], fields: HeadFields, where: str
+) -> tuple[str, int] | None:
+    """The layer's query-head field and count, None when the config names none."""
+    found = first_present(config, *fields.heads)
+    if found is None:
+        return None
+    return found[0], int_field(config, found[0], found[1], needed_for=where)
+
+
 def _check_query_groups(
     config: Mapping[str, Any], fields: HeadFields, kv_field: str, kv_heads: int, where: str
 ) -> None:
     """Refuse KV heads that do not divide the query heads: every KV head serves a whole
     group of them (grouped-query attention), so such a config describes no model (vLLM's
     attention asserts it) and its cache size would be a guess."""
-    found = first_present(config, *fields.heads)
+    found = _query_heads(config, fields, where)
     if found is None or found[0] == kv_field:
         return
-    heads = int_field(config, found[0], found[1], needed_for=where)
+    field, heads = found
     if heads % kv_heads:
         raise ConfigError(
-            f"config field {kv_field!r}={kv_heads} does not divide {found[0]!r}={heads} "
+            f"config field {kv_field!r}={kv_heads} does not divide {field!r}={heads} "
             f"({where}): each KV head serves a whole group of query heads; fix the model "
             "config"
         )
@@ -178,14 +188,14 @@ def check_decode_context_parallel(
             f"KV head (tensor parallel size {tp}, {kv_field!r}={total_kv_heads}, {where}); use "
             f"a --dcp of at most {replicas}"
         )
-    found = first_present(config, *fields.heads)
+    found = _query_heads(config, fields, where)
     if found is None:
         return
-    heads = int_field(config, found[0], found[1], needed_for=where)
+    field, heads = found
     per_kv_head = heads // total_kv_heads
     if per_kv_head % dcp:
         raise ConfigError(
-            f"the {per_kv_head} query heads of each KV head ({found[0]!r}={heads} over "
+            f"the {per_kv_head} query heads of each KV head ({field!r}={heads} over "
             f"{kv_field!r}={total_kv_heads}, {where}) do not split across decode context "
             f"parallel size {dcp}; use a --dcp that divides {per_kv_head}"
         )

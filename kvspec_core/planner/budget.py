@@ -158,10 +158,7 @@ def _fill_leftover(
             cost = wanted * block_bytes[lowest]
             if cost > leftover:
                 wanted = leftover // block_bytes[lowest]
-                if (
-                    blocks_for(_next_level(levels[lowest], demand, pool_fixed), demand, pool_fixed)
-                    > blocks[lowest] + wanted
-                ):
+                if step > blocks[lowest] + wanted:
                     continue  # cannot reach its next level: its blocks would idle
             if wanted <= 0:
                 continue

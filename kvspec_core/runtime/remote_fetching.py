@@ -104,9 +104,10 @@ class RemoteFetching(RemoteTierState):
         if hit <= local or not wanted:
             return 0
         pages_by_group: dict[int, list[bytes | None]] = {}
+        largest = self._largest_block()
         for gid, hashes in wanted.items():
             store = self.stores[gid]
-            pages = store.get_many(hashes, max_payload_bytes=self._largest_block())
+            pages = store.get_many(hashes, max_payload_bytes=largest)
             missing = [digest for digest, page in zip(hashes, pages, strict=True) if page is None]
             if missing:
                 self.counters.fetch_misses += len(missing)
