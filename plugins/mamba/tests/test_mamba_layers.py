@@ -145,6 +145,15 @@ def test_indivisible_tp_is_refused_naming_the_field(
     assert "model.layers.0" in message
 
 
+def test_value_heads_not_a_multiple_of_key_heads_are_refused() -> None:
+    config = dict(load_config(QWEN3_NEXT), linear_num_value_heads=24)
+    with pytest.raises(ConfigError) as caught:
+        spec_of(config, "linear_attention")
+    message = str(caught.value)
+    assert "linear_num_value_heads=24" in message and "linear_num_key_heads=16" in message
+    assert "model.layers.0" in message
+
+
 def test_groups_that_neither_divide_nor_are_divided_by_tp_are_refused() -> None:
     config = dict(load_config(NEMOTRON_H_56B), n_groups=3)
     with pytest.raises(ConfigError, match="n_groups=3 neither divides"):

@@ -169,8 +169,18 @@ def gated_delta_net_state(layer: LayerConfig) -> StateLayout:
     d_conv = _field(layer, "linear_conv_kernel_dim", minimum=MIN_CONV_KERNEL)
     k_dim = _field(layer, "linear_key_head_dim")
     v_dim = _field(layer, "linear_value_head_dim")
-    k_heads = _per_rank(layer, "linear_num_key_heads", _field(layer, "linear_num_key_heads"))
-    v_heads = _per_rank(layer, "linear_num_value_heads", _field(layer, "linear_num_value_heads"))
+    all_k_heads = _field(layer, "linear_num_key_heads")
+    all_v_heads = _field(layer, "linear_num_value_heads")
+    if all_v_heads % all_k_heads:
+        # Each key head serves num_v_heads // num_k_heads value heads: the model code (vLLM's
+        # and transformers') views its projections per key head, so no such model exists.
+        raise ConfigError(
+            f"layer {layer.name}: linear_num_value_heads={all_v_heads} is not a multiple of "
+            f"linear_num_key_heads={all_k_heads}; each key head serves a whole number of value "
+            "heads. Fix the model config"
+        )
+    k_heads = _per_rank(layer, "linear_num_key_heads", all_k_heads)
+    v_heads = _per_rank(layer, "linear_num_value_heads", all_v_heads)
     conv = (d_conv - 1, 2 * k_heads * k_dim + v_heads * v_dim)
     return "gated_delta_net", (conv, (v_heads, k_dim, v_dim))
 
