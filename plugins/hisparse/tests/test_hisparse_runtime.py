@@ -6,12 +6,14 @@ from typing import ClassVar
 
 import attrs
 import pytest
+import torch
 from hisparse_testkit import latent_like, manager_with_hisparse
 
 from kvspec_core import SizingContext
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.full_attention import FullAttentionSpec
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
 from kvspec_hisparse.runtime_rules import HotCacheRules, ResidentRules
 
@@ -109,3 +111,31 @@ def test_a_group_wrapping_a_state_is_refused_not_given_full_attention_rules() ->
             manager=manager,
             hash_salt=b"hisparse-test",
         )
+
+
+@attrs.frozen(kw_only=True)
+class _WindowLike(FullAttentionSpec):
+    """Attention sized for a trailing window (as a sliding-window spec, without the plugin)."""
+
+    kind: ClassVar[str] = "hisparse_test_window"
+
+    def max_blocks_per_request(self, ctx: SizingContext) -> int:
+        return 4
+
+
+def test_a_group_wrapping_a_window_is_refused_not_capped_below_its_rules() -> None:
+    """Found in review: a group wrapping a window spec was sized for the window but got full
+    attention's rules, so every request longer than the window was over its admission cap."""
+    manager = manager_with_hisparse()
+    window = HiSparseGroupSpec(inner=_WindowLike(**_LATENT), role="hisparse_indexer")
+    with pytest.raises(AllocatorError) as caught:
+        rules_for(window, CTX, manager)
+    message = str(caught.value)
+    assert "'hisparse_test_window'" in message and "sized for 4 blocks" in message
+    assert "keep 32" in message and "max_model_len=2,048" in message
+    # The same spec sized as full attention is accepted.
+    full = HiSparseGroupSpec(inner=FullAttentionSpec(**_LATENT), role="hisparse_indexer")
+    assert type(rules_for(full, CTX, manager)) is FullAttentionRules
+
+
+_LATENT = dict(block_size=64, num_kv_heads=1, head_size=288, head_size_v=288, dtype=torch.bfloat16)
