@@ -60,6 +60,7 @@ from kvspec_core.cli.sizes import parse_size
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.catalog import resolve_model
 from kvspec_core.models.planning import prepare_model
+from kvspec_core.models.trained_length import trained_max_model_len
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime.mooncake_trace import DEFAULT_OUTPUT_CAP
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
@@ -178,7 +179,13 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         **tier_options,
     )
     check_max_model_len(prepared.model, args)
-    trace = trace_replay(args, file_requests, prepared.context.max_model_len)
+    trained = trained_max_model_len(prepared.model)
+    trace = trace_replay(
+        args,
+        file_requests,
+        prepared.context.max_model_len,
+        None if trained is None else trained[0],
+    )
     first = replay(prepared, budget, manager, trace.make_events(), trace.total_events, args)
     sweep = None
     if args.plot is not None:

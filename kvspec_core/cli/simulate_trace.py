@@ -75,10 +75,14 @@ def read_trace_file(args: argparse.Namespace) -> list[MooncakeRequest] | None:
 
 
 def fitting_requests(
-    args: argparse.Namespace, requests: list[MooncakeRequest], max_model_len: int
+    args: argparse.Namespace,
+    requests: list[MooncakeRequest],
+    max_model_len: int,
+    trained_length: int | None = None,
 ) -> list[MooncakeRequest]:
     """``requests`` whose prompts fit ``max_model_len``: those that do not are refused, or
-    left out with ``--skip-too-long``."""
+    left out with ``--skip-too-long``. ``trained_length``: the longest request the model
+    was built for (a suggested length past it names ``--allow-long-max-model-len`` too)."""
     too_long = [request for request in requests if request.input_length > max_model_len]
     if not too_long:
         return requests
@@ -87,12 +91,24 @@ def fitting_requests(
         fits = max(
             request.input_length + request.decode_tokens(DEFAULT_OUTPUT_CAP) for request in requests
         )
+        # Past the model's length, the suggested option alone would be refused next.
+        untrained = (
+            trained_length is not None
+            and fits > trained_length
+            and not args.allow_long_max_model_len
+        )
         raise TraceOptionError(
             f"trace {args.trace!r}: {len(too_long):,} of the {len(requests):,} requests taken "
             f"have prompts longer than max_model_len={max_model_len:,} and could never run "
             f"(the longest: line {longest.line}, {longest.input_length:,} tokens). Give "
-            f"--max-model-len {fits} (every request then also decodes its output), take fewer "
-            "with --requests, or leave them out with --skip-too-long"
+            f"--max-model-len {fits} (every request then also decodes its output"
+            + (
+                f"; past the {trained_length:,} tokens the model was built for, so add "
+                "--allow-long-max-model-len"
+                if untrained
+                else ""
+            )
+            + "), take fewer with --requests, or leave them out with --skip-too-long"
         )
     kept = [request for request in requests if request.input_length <= max_model_len]
     if not kept:
@@ -105,10 +121,14 @@ def fitting_requests(
 
 
 def trace_replay(
-    args: argparse.Namespace, file_requests: list[MooncakeRequest] | None, max_model_len: int
+    args: argparse.Namespace,
+    file_requests: list[MooncakeRequest] | None,
+    max_model_len: int,
+    trained_length: int | None = None,
 ) -> TraceReplay:
     """The events to replay: the built-in ``--trace`` (``file_requests`` is ``None``) or the
-    file's requests that fit ``max_model_len`` (:func:`fitting_requests`)."""
+    file's requests that fit ``max_model_len`` (:func:`fitting_requests`; ``trained_length``
+    as there)."""
     if file_requests is None:
         make_trace, default_requests = BUILT_IN_TRACES[args.trace]
         trace_seed = 0 if args.seed is None else args.seed
@@ -121,7 +141,7 @@ def trace_replay(
             skipped=0,
             label=f"{args.trace} (seed {trace_seed})",
         )
-    kept = fitting_requests(args, file_requests, max_model_len)
+    kept = fitting_requests(args, file_requests, max_model_len, trained_length)
     skipped = len(file_requests) - len(kept)
     return TraceReplay(
         make_events=lambda: trace_events(kept),

@@ -87,6 +87,27 @@ def test_prompts_over_max_model_len_are_refused_up_front(
     assert "--max-model-len 1102" in err and "--skip-too-long" in err
 
 
+def test_a_suggested_length_past_the_model_names_the_flag_it_needs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Llama-3.1 was built for 131,072 tokens: --max-model-len 140,002 alone would be refused
+    # next, so the first message says so (else the user learns it in two runs).
+    long_trace = write_trace(tmp_path / "long.jsonl", [(0, 140_000, 2, list(range(274)))])
+    code, out, err = run(capsys, "--trace", str(long_trace))
+    assert code == 2 and out == ""
+    assert "--max-model-len 140002" in err
+    assert "past the 131,072 tokens the model was built for" in err
+    assert "--allow-long-max-model-len" in err
+    code, out, err = run(
+        capsys, "--trace", str(tiny_trace_path(tmp_path)), "--max-model-len", "1050"
+    )
+    assert code == 2 and "--allow-long-max-model-len" not in err
+
+
+def tiny_trace_path(folder: Path) -> Path:
+    return write_trace(folder / "short.jsonl", [(0, 1100, 2, [10, 11, 12])])
+
+
 def test_skip_too_long_leaves_them_out_and_counts_them(
     capsys: pytest.CaptureFixture[str], tiny_trace: Path
 ) -> None:
