@@ -55,6 +55,12 @@ _REPLICATED_LINEARS = frozenset(
         "modality_router",
     }
 )
+#: torch convolutions vLLM builds as plain ``nn.Conv1d`` / ``Conv2dLayer`` modules, whole on
+#: every rank (Whisper's encoder ``conv1`` / ``conv2``, whisper.py:517; SigLIP's patch
+#: embedding, siglip.py:267), except the state mixers' causal ``conv1d`` (Mamba, gated
+#: delta-net), a column-parallel linear split with the channels it convolves.
+_PLAIN_CONVOLUTIONS = frozenset({"Conv1d", "Conv2d", "Conv3d"})
+_SHARDED_CONVOLUTIONS = frozenset({"conv1d"})
 #: Embedding tables besides the vocabulary that vLLM builds as VocabParallelEmbedding (split
 #: over TP): Gemma-3n's per-layer inputs (vLLM's gemma3n.py:619).
 _VOCAB_TABLES = frozenset({"embed_tokens_per_layer"})
@@ -172,8 +178,13 @@ def _role(model: Any, name: str, shape: tuple[int, ...], vocab_names: set[str]) 
     if "Embedding" in owner_class:
         return EMBEDDING
     if "Norm" in owner_class or "norm" in attribute.lower():
-        # vLLM shards Mamba-2's gated norm with the heads it normalises.
-        return SHARDED if "Gated" in owner_class else NORM
+        # vLLM shards Mamba-2's gated norm with the heads it normalises, but not one of one
+        # head's width applied to every head (Qwen3-Next's gated delta-net, weight head_v_dim).
+        if "Gated" in owner_class and not _per_head_norm(model, owner_name, shape):
+            return SHARDED
+        return NORM
+    if owner_class in _PLAIN_CONVOLUTIONS and attribute not in _SHARDED_CONVOLUTIONS:
+        return REPLICATED_LINEAR
     if attribute in _ROUTERS:
         return ROUTER
     if attribute in _REPLICATED_LINEARS:
@@ -187,6 +198,13 @@ def _role(model: Any, name: str, shape: tuple[int, ...], vocab_names: set[str]) 
     if len(shape) == 3:
         return EXPERTS
     return SHARDED
+
+
+def _per_head_norm(model: Any, owner_name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the norm ``owner_name`` (inside a mixer) has one head's width: its mixer's
+    ``head_v_dim`` (transformers' gated delta-net)."""
+    mixer = model.get_submodule(owner_name.rpartition(".")[0])
+    return getattr(mixer, "head_v_dim", None) == shape[0] if len(shape) == 1 else False
 
 
 def _kv_heads(model: Any, name: str) -> int | None:

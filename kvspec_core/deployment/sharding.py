@@ -7,12 +7,15 @@ Tensor parallelism (every rank holds the same bytes):
   rows more than the checkpoint); so is Gemma-3n's per-layer embedding table;
 * norms, other embedding tables (positions), MoE routers, MLA's down-projections
   (``kv_a_proj_with_mqa``, ``q_a_proj``), Gemma-3n's per-layer gate and projection and AltUp
-  coefficients, and the biases of row-parallel linears (``o_proj``, ``down_proj``,
-  ``out_proj``, ``fc2``) are replicated: every rank holds all of them;
+  coefficients, the biases of row-parallel linears (``o_proj``, ``down_proj``,
+  ``out_proj``, ``fc2``), plain convolutions (Whisper's encoder ``conv1`` / ``conv2``) and a
+  gated norm one head wide (Qwen3-Next's gated delta-net) are replicated: every rank holds
+  all of them;
 * K and V projections split by KV head; at TP above the KV head count vLLM replicates
   heads, so each rank holds one head's rows;
 * every other tensor (the attention and MLP linears, the experts, Mamba's projections,
-  convolution and per-head parameters, a vision tower's linears) is split 1/TP.
+  causal ``conv1d``, gated norm and per-head parameters, a vision tower's linears) is split
+  1/TP.
 
 Not modelled: a fused ``qkv_proj`` (Phi-3) is split 1/TP even above its KV head count (Phi-3's
 32 KV heads meet that only at TP 64), and a vision tower's class and position embeddings

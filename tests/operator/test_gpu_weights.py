@@ -479,3 +479,30 @@ def test_excluded_modules_match_as_vllm_matches_them() -> None:
     fp8 = {"quant_method": "fp8", "ignored_layers": ["model.layers.0.self_attn.k_proj"]}
     assert stored_bytes(k_proj, 2, fp8) == plain
     assert stored_bytes(k_proj, 2, {"quant_method": "fp8"}) == 256 * 512 + 4
+
+
+@pytest.mark.parametrize(
+    "preset, name, share",
+    [
+        # whisper.py:517-518: plain nn.Conv1d modules, whole on every rank.
+        ("whisper-large-v3", "model.encoder.conv1.weight", 1),
+        ("whisper-large-v3", "model.encoder.conv2.weight", 1),
+        # qwen_gdn_linear_attn.py:666: RMSNormGated(head_v_dim), one head's width, replicated.
+        ("qwen3-next-80b", "model.layers.0.linear_attn.norm.weight", 1),
+        # The state mixers' causal conv1d and Mamba-2's gated norm split with their channels.
+        ("qwen3-next-80b", "model.layers.0.linear_attn.conv1d.weight", Fraction(1, 2)),
+        ("nemotron-h-56b", "model.layers.0.mixer.conv1d.weight", Fraction(1, 2)),
+        ("nemotron-h-56b", "model.layers.0.mixer.norm.weight", Fraction(1, 2)),
+    ],
+)
+def test_convolutions_and_gated_norms_split_as_vllm_builds_them(
+    preset: str, name: str, share: Fraction
+) -> None:
+    from kvspec_core.deployment.sharding import tp_share
+    from kvspec_core.models.layer_typing import num_layers
+    from kvspec_core.models.normalized import normalize_config
+
+    raw = load_preset(preset)
+    weights = model_weights(raw, num_layers(normalize_config(raw).fields))
+    tensor = next(t for t in weights.tensors if t.name == name)
+    assert tp_share(tensor, 2) == share
