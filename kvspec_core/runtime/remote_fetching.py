@@ -87,7 +87,6 @@ class RemoteFetching(RemoteTierState):
             known = misses.first_missed(asked)
             if known < len(asked):
                 remembered_any = True
-                self.counters.remembered_miss_hits += 1
                 asked = [digest for digest in asked if not misses.remembers(digest)]
             if not asked:
                 continue
@@ -97,6 +96,8 @@ class RemoteFetching(RemoteTierState):
                 absent = [digest for digest, has in zip(asked, present, strict=True) if not has]
                 self.counters.misses_remembered += misses.remember(absent)
             available[gid] = {digest for digest, has in zip(asked, present, strict=True) if has}
+        # Per fetch, as documented (not per group whose run met a remembered miss).
+        self.counters.remembered_miss_hits += remembered_any
         if not available:
             self.counters.fetches_not_asked += remembered_any
             return 0

@@ -259,7 +259,7 @@ class RemoteBlockStore:
         if max_payload_bytes is not None:
             value_reply = HEADER_SIZE + max_payload_bytes + _BULK_FRAMING_BYTES
             max_reply = _HANDSHAKE_BYTES + _ARRAY_FRAMING_BYTES + len(keys) * value_reply
-        values = self._call(lambda pipe: pipe.mget(keys).execute()[0], len(keys), max_reply)
+        values = self._call(_values_of_mget(keys), len(keys), max_reply)
         if values is None:
             self._counters.misses += len(keys)
             return [None] * len(keys)
@@ -350,6 +350,26 @@ class RemoteBlockStore:
             and len(answer) == num_replies
         )
         return answer if self._answered else None
+
+
+class MalformedAnswer(Exception):
+    """The server answered with something no conforming server sends for that command."""
+
+
+def _values_of_mget(keys: list[bytes]) -> Callable[[Any], list[Any]]:
+    """``run(pipeline)`` for ``pipelined``: MGET's values, each bytes or None. Anything else
+    (integers, a per-key error a sharding proxy nests in the array, a nested array) fails the
+    whole call, so the breaker hears of it and no element is read as a value."""
+
+    def run(pipe: Any) -> list[Any]:
+        answer = pipe.mget(keys).execute()[0]
+        if not isinstance(answer, list) or not all(
+            value is None or value.__class__ is bytes for value in answer
+        ):
+            raise MalformedAnswer("MGET answered with elements that are neither values nor nil")
+        return answer
+
+    return run
 
 
 def _status_replies(num_keys: int) -> int:

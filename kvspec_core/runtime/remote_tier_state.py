@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 
 @attrs.define
 class RemoteTierCounters:
-    """What the remote tier did (the store's own counters say what the server answered)."""
+    """What the remote tier did (the store's own counters say what the server answered).
+    ``RemoteTier.counters`` is this object, updated in place as the tier works (unlike
+    ``RemoteBlockStore.counters``, a snapshot): take ``attrs.evolve(tier.counters)`` to
+    compare before and after."""
 
     #: Blocks fetched and cached in a local tier.
     fetched: int = 0

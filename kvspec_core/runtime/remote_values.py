@@ -53,7 +53,7 @@ def encode_value(key: bytes, payload: Pages) -> bytes:
 def decode_value(key: bytes, value: bytes) -> bytes | None:
     """The payload of ``value`` read under ``key``, or None unless header, length and digest
     all match."""
-    if len(value) < HEADER_SIZE:
+    if value.__class__ is not bytes or len(value) < HEADER_SIZE:
         return None
     magic, version, reserved, length, digest = _HEADER.unpack_from(value)
     if magic != _MAGIC or version != VALUE_FORMAT_VERSION or reserved != 0:

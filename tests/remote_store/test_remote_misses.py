@@ -8,7 +8,7 @@ import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from replica_engine import Replica
+from replica_engine import HybridReplica, Replica
 from test_remote_tier import PROMPT, published_by_replica_1
 from valkey_server import ServerProcess
 
@@ -169,3 +169,14 @@ def test_a_value_of_another_size_is_remembered_as_a_miss(valkey: ServerProcess) 
     assert replica_2.remote.fetch(Request("b", PROMPT)) == 0  # blocks 0, 1 are local now
     assert server_lookups(valkey) == asked  # block 2 not asked again
     assert replica_2.store.counters.corrupt == 1
+
+
+def test_a_hybrids_fetch_meeting_remembered_misses_counts_once(valkey: ServerProcess) -> None:
+    """Found in review: a fetch of a hybrid counted one remembered-miss hit per group (2 for
+    one fetch), though the counter counts fetches, as fetches_not_asked does."""
+    replica = HybridReplica(valkey.port)
+    tokens = list(range(21))
+    assert replica.remote.fetch(Request("a", tokens)) == 0  # nobody published: remembered
+    assert replica.remote.fetch(Request("b", tokens)) == 0
+    counters = replica.remote.counters
+    assert (counters.remembered_miss_hits, counters.fetches_not_asked) == (1, 1)

@@ -122,6 +122,35 @@ def without_hello(connection: socket.socket, reader: CommandReader) -> None:
             connection.sendall(answer_simply(command))
 
 
+@pytest.mark.parametrize(
+    "element",
+    [b":7\r\n", b"-ERR upstream shard failed\r\n", b"*1\r\n$1\r\nx\r\n"],
+    ids=["integer", "nested error", "nested array"],
+)
+def test_mget_elements_that_are_not_values_fail_the_call_never_raise(element: bytes) -> None:
+    """Found in review: an MGET array of the right length holding integers or per-key errors
+    (a sharding proxy nests them) raised TypeError into the engine's step, and the breaker
+    never heard of it."""
+
+    def answer(connection: socket.socket, reader: CommandReader) -> None:
+        while True:
+            command = reader.command()
+            if command[0].upper() == b"MGET":
+                count = len(command) - 1
+                connection.sendall(b"*%d\r\n" % count + element * count)
+            else:
+                connection.sendall(answer_simply(command))
+
+    with misbehaving_server(answer) as port:
+        store = store_at(port)
+        assert store.get_many([HASH, HASH], max_payload_bytes=64) == [None, None]
+        assert not store.last_call_answered
+        counters = store.counters
+        assert counters.errors == 1 and counters.misses == 2 and counters.hits == 0
+        assert store.server.counters.failed == 1
+        store.close()
+
+
 def test_a_server_without_hello_is_served() -> None:
     with misbehaving_server(without_hello) as port:
         store = store_at(port)
