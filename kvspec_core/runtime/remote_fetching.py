@@ -24,6 +24,7 @@ class RemoteFetching(RemoteTierState):
         allocator = self.allocator
         if allocator.is_running(request.request_id):
             return 0
+        self._bind_block_layouts()
         if self._planned:
             return self._fetch_planned(request)
         hashes = allocator.block_hashes(request, self.group)

@@ -3,8 +3,9 @@
 
 The namespace says what a block's bytes mean: the caller builds it from whatever fixes the
 page layout (the plan's ``input_checksums`` of the layout and of each group's layers and
-spec, the pool index, the tensor-parallel rank, ...), so a replica of another model, layout
-or rank never reads these bytes as its own.
+spec, the pool index, the tensor-parallel rank and size, ...), so a replica of another
+model, layout or rank never reads these bytes as its own. ``RemoteTier`` adds the order its
+storage gives a block's bytes (``RemoteBlockStore.bind_block_layout``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class BlockNamespace:
         and ``groups[i].spec``, the context fields that change a block's bytes
         (``dcp_size``, ``mamba_cache_mode``, ``max_encoder_tokens``; not ``num_blocks``, the
         budgets or ``max_model_len``: a replica with more memory stores the same bytes), the
-        pool index, the tensor-parallel rank, and what names the weights. Refuses an empty
+        pool index, the tensor-parallel rank and size (at TP above the KV heads, a rank's
+        head depends on both), and what names the weights. Refuses an empty
         namespace and values that are not str, bytes or int.
         """
         if not parts:

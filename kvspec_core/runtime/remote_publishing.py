@@ -45,6 +45,7 @@ class RemotePublishing(RemoteTierState):
         Groups without a store are skipped, and so are blocks the tier does not cache under
         that hash in that slot (``KVCacheAllocator.tier_holds``: a copy dropped as never
         computed, a slot evicted since)."""
+        self._bind_block_layouts()
         by_group: dict[int, list[tuple[bytes, bytes]]] = {}
         for transfer in stores:
             if transfer.group not in self.stores:

@@ -168,6 +168,8 @@ class RemoteBlockStore:
         self.server = server
         self.config = server.config
         self._key_prefix = namespace.key_prefix
+        #: The block byte order bound by :meth:`bind_block_layout` (None: not bound).
+        self.block_layout: str | None = None
         ttl_s = self.config.ttl_s
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._counters = RemoteStoreCounters()
@@ -191,6 +193,30 @@ class RemoteBlockStore:
     def breaker_open(self) -> bool:
         """True while the server's breaker keeps calls from it."""
         return self.server.breaker_open
+
+    def bind_block_layout(self, layout: str) -> None:
+        """Key this store's blocks under its namespace and ``layout``, what orders a block's
+        bytes in the caller's storage (``RemoteTier`` binds its runner's
+        ``TransferRunner.block_layouts``): replicas whose views order a block's bytes
+        differently (kernel-block views, a byte tensor) never read each other's values,
+        whatever namespace their callers built. Binding again to another layout is refused
+        (one store, one storage)."""
+        if not isinstance(layout, str):
+            raise TypeError(
+                f"RemoteBlockStore.bind_block_layout: layout must be a str, not "
+                f"{type(layout).__name__}"
+            )
+        if self.block_layout is not None:
+            if layout != self.block_layout:
+                raise ValueError(
+                    "RemoteBlockStore.bind_block_layout: this store is bound to the block "
+                    f"layout {self.block_layout!r}, not {layout!r}; give each storage its own "
+                    "store"
+                )
+            return
+        bound = BlockNamespace.of(namespace=self.namespace.digest, block_layout=layout)
+        self._key_prefix = bound.key_prefix
+        self.block_layout = layout
 
     def key_of(self, block_hash: bytes) -> bytes:
         """The server key of ``block_hash`` in this store's namespace."""

@@ -151,6 +151,9 @@ class RemoteTier(RemoteFetching, RemotePublishing):
         }
         self.misses = self.misses_by_group[self.group]
         self.counters = RemoteTierCounters()
+        # The plan-based namespace does not see how the runner's views order a block's
+        # bytes (kernel-block views do otherwise): keys name that order too.
+        self._bind_block_layouts()
         # One full-attention group resumes from a run of leading blocks: fetch the run after
         # the local hit. Any other group (a window, a state), alone or not, is planned.
         self._planned = (

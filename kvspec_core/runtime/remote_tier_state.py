@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.remote_misses import RecentMisses
 from kvspec_core.runtime.remote_store import RemoteBlockStore
 from kvspec_core.runtime.tier_copy import TransferRunner
@@ -64,3 +65,19 @@ class RemoteTierState:
     #: Whether fetches are planned over the groups (a hybrid, or one group that is not full
     #: attention) rather than a run of leading blocks.
     _planned: bool
+
+    def _bind_block_layouts(self) -> None:
+        """Bind each store's keys to the order the runner's storage gives its group's block
+        bytes (``RemoteBlockStore.bind_block_layout``): at construction, then before each
+        fetch and publish, so that storage replaced since is refused, not read under keys
+        of another order."""
+        self.runner.prepare(self.allocator)
+        for gid, store in self.stores.items():
+            layout = self.runner.source_block_layout(self.allocator._pool_of[gid])
+            if store.block_layout is not None and store.block_layout != layout:
+                raise AllocatorError(
+                    f"RemoteTier: group {gid}'s storage orders a block's bytes as {layout!r} "
+                    f"now, not as {store.block_layout!r} when its store was bound; build a "
+                    "RemoteTier, with its own stores, for the new storage"
+                )
+            store.bind_block_layout(layout)

@@ -280,6 +280,28 @@ class TransferRunner:
             moved = data.to(to_tensor.device, non_blocking=to_tensor.device.type != "cpu")
             _copyable(to_tensor).index_copy_(0, to_ids, _copyable(moved))
 
+    def block_layout(self, tier: int, pool: int) -> str:
+        """What orders the bytes of a block of ``pool`` in ``tier`` as :meth:`read_blocks`
+        gives them: a file's block size, or the tensors' rows per block and per-row shapes
+        and dtypes (kernel-block views order a block's bytes otherwise than plain ones of the
+        same plan). Call after :meth:`check_storage` (it learns the rows per block)."""
+        storage = self._at(tier, pool)
+        if isinstance(storage, BlockFile):
+            return f"file:{storage.block_bytes}"
+        rows = self.rows_per_block.get((tier, pool), 1)
+        shapes = ",".join(f"{tensor.dtype}{list(tensor.shape[1:])}" for tensor in storage)
+        return f"rows:{rows}:{shapes}"
+
+    def source_block_layout(self, pool: int) -> str:
+        """:meth:`block_layout` of ``pool`` in the lowest tier with storage (the device):
+        every copy keeps a block's bytes in that order (tensor tiers hold the same rows and
+        shapes, files the bytes as :meth:`read_blocks` gives them), so it is the order of
+        its bytes in every tier."""
+        tiers = sorted(tier for tier, pool_here, _ in self._pools() if pool_here == pool)
+        if not tiers:
+            raise AllocatorError(f"TransferRunner has no storage for pool {pool}")
+        return self.block_layout(tiers[0], pool)
+
     def block_bytes(self, tier: int, pool: int) -> int:
         """Bytes of one block of ``pool`` in ``tier`` (every tensor's block bytes, in turn)."""
         storage = self._at(tier, pool)

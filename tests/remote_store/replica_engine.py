@@ -34,6 +34,14 @@ def pool_views(num_blocks: int) -> list[torch.Tensor]:
     return [keys, values]
 
 
+def kernel_block_views(num_blocks: int) -> list[torch.Tensor]:
+    """pool_views as materialize(kernel_block_sizes=...) gives them: two rows of half a
+    block per block, the same bytes per block."""
+    keys = torch.zeros(2 * num_blocks, BLOCK // 2, 1, 8, dtype=torch.float16)
+    values = torch.zeros(3, 2 * num_blocks, BLOCK // 2, dtype=torch.int32).transpose(0, 1)
+    return [keys, values]
+
+
 class Replica:
     """One engine process's allocator, storage and remote tier."""
 
@@ -46,6 +54,7 @@ class Replica:
         host_blocks: int = HOST_BLOCKS,
         disk_blocks: int = 0,
         remote: dict[str, Any] | None = None,
+        views: Callable[[int], list[torch.Tensor]] = pool_views,
         **config: Any,
     ) -> None:
         tiers = [OffloadTier("host", host_blocks)]
@@ -59,10 +68,10 @@ class Replica:
             hash_salt=salt,
             offload_tiers=tuple(tiers),
         )
-        self.device, self.host = pool_views(DEVICE_BLOCKS), pool_views(host_blocks)
+        self.device, self.host = views(DEVICE_BLOCKS), views(host_blocks)
         storage = {0: [self.device], 1: [self.host]}
         if disk_blocks:
-            self.disk = pool_views(disk_blocks)
+            self.disk = views(disk_blocks)
             storage[2] = [self.disk]
         self.runner = TransferRunner(storage)
         self.store = RemoteBlockStore(
@@ -92,9 +101,10 @@ class Replica:
         generator = torch.Generator().manual_seed(seed)
         tables = self.allocator.block_ids(rid)
         blocks = [block for table in tables for block in table[start // BLOCK :] if block]
-        ids = torch.tensor(blocks, dtype=torch.long)
         for tensor in self.device:
-            fresh = torch.randint(-100, 100, (len(blocks), *tensor.shape[1:]),
+            rows = tensor.shape[0] // self.allocator.pools[0].num_blocks  # kernel rows
+            ids = torch.tensor([b * rows + r for b in blocks for r in range(rows)])
+            fresh = torch.randint(-100, 100, (len(ids), *tensor.shape[1:]),
                                   generator=generator).to(tensor.dtype)  # fmt: skip
             tensor.index_copy_(0, ids, fresh)
 

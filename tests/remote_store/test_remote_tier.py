@@ -12,14 +12,21 @@ import time
 import pytest
 import redis
 import torch
-from replica_engine import BLOCK, LLAMA, Replica, compute_and_publish, pool_views
+from replica_engine import (
+    BLOCK,
+    DEVICE_BLOCKS,
+    LLAMA,
+    Replica,
+    compute_and_publish,
+    kernel_block_views,
+    pool_views,
+)
 from valkey_server import ServerProcess
 
 from kvspec_core import FullAttentionSpec, SizingContext
 from kvspec_core.errors import AllocatorError
 from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request, TransferRunner
-from kvspec_core.runtime.remote_store import KEY_PREFIX, BlockNamespace
 from kvspec_core.runtime.remote_tier import RemoteTier
 from kvspec_core.runtime.tier_copy import BlockFile
 from kvspec_core.runtime.tiers import REMOTE_TIER
@@ -85,7 +92,7 @@ def test_a_corrupt_value_ends_the_run_there(valkey: ServerProcess) -> None:
     pages, _ = published_by_replica_1(valkey.port)
     replica_2 = Replica(valkey.port)
     hashes = replica_2.allocator.block_hashes(Request("b", PROMPT), 0)
-    key = KEY_PREFIX + BlockNamespace.of(**LLAMA).digest + hashes[2]
+    key = replica_2.store.key_of(hashes[2])
     client = redis.Redis(port=valkey.port, socket_timeout=2)
     value = bytearray(client.get(key))
     value[-1] ^= 0x01
@@ -293,26 +300,39 @@ def test_a_reservation_waits_for_the_copies_out_of_its_tier() -> None:
     assert allocator.find_cached_prefix(Request("b", PROMPT)).tokens_by_tier[1] > 0
 
 
-def kernel_block_views(num_blocks: int) -> list[torch.Tensor]:
-    """pool_views as materialize(kernel_block_sizes=...) gives them: two rows of half a
-    block per block, the same bytes per block."""
-    keys = torch.zeros(2 * num_blocks, BLOCK // 2, 1, 8, dtype=torch.float16)
-    values = torch.zeros(3, 2 * num_blocks, BLOCK // 2, dtype=torch.int32).transpose(0, 1)
-    return [keys, values]
-
-
 def test_the_first_fetch_into_kernel_block_views_sizes_blocks_as_the_allocator_does(
     valkey: ServerProcess,
 ) -> None:
     """A replica whose storage holds two kernel rows per block fetches before its runner has
     run any transfer: the block size comes from its storage checked against the allocator,
     not one row per block (every page refused and remembered as a miss, before)."""
-    remote_pages, _ = published_by_replica_1(valkey.port)
-    replica_2 = Replica(valkey.port)
-    replica_2.device = kernel_block_views(8)
-    replica_2.runner.storage[0] = [replica_2.device]
-    replica_2.runner.storage[1] = [kernel_block_views(16)]
+    replica_1 = Replica(valkey.port, views=kernel_block_views)
+    replica_1.admit("a", PROMPT, seed=1)
+    remote_pages = replica_1.pages("a", 5)
+    replica_1.allocator.free("a")
+    replica_1.admit("filler", FILLER, seed=2)
+    assert replica_1.remote.counters.published == 5
+    replica_2 = Replica(valkey.port, views=kernel_block_views)
     assert replica_2.remote.fetch(Request("b", PROMPT)) == 5
     assert replica_2.remote.counters.fetch_misses == 0
     assert replica_2.admit("b", PROMPT).tokens_by_tier == (0, 5 * BLOCK)
     assert replica_2.pages("b", 5) == remote_pages
+
+
+def test_replicas_whose_views_order_block_bytes_otherwise_never_hit(
+    valkey: ServerProcess,
+) -> None:
+    """Found in review: the namespace is built from the plan, which does not see
+    materialize(kernel_block_sizes=...); kernel-block views order a block's bytes otherwise
+    (heads and tokens swapped under LBHNC), so a replica with them read a plain replica's
+    values as its own: a silent wrong load. Keys now name the storage's byte order."""
+    published_by_replica_1(valkey.port)  # plain views
+    kernel = Replica(valkey.port, views=kernel_block_views)
+    assert kernel.store.namespace == Replica(valkey.port).store.namespace  # the same recipe
+    assert kernel.remote.fetch(Request("b", PROMPT)) == 0
+    assert kernel.admit("b", PROMPT).num_tokens == 0
+    # Storage replaced after the tier was built is refused, not read under the old keys.
+    plain = Replica(valkey.port)
+    plain.runner.storage[0] = [kernel_block_views(DEVICE_BLOCKS)]
+    with pytest.raises(AllocatorError, match="orders a block's bytes"):
+        plain.remote.fetch(Request("c", PROMPT))
