@@ -166,6 +166,73 @@ def test_bad_prompts_are_refused_naming_the_field() -> None:
     assert engine.allocator.num_running == 0
 
 
+def test_stop_none_and_numpy_lengths_are_taken_and_bools_refused() -> None:
+    """Found in review: stop_token_ids=None raised a bare TypeError, and a numpy integer
+    max_new_tokens was refused though numpy prompts are taken."""
+    import numpy as np
+
+    engine = engine_for("llama")
+    default = engine.generate(PROMPT, 3).token_ids
+    assert engine.generate(PROMPT, np.int64(3), stop_token_ids=None).token_ids == default
+    for refused in (True, np.bool_(True), 2.0, "3"):
+        with pytest.raises(EngineError, match="max_new_tokens="):
+            engine.generate(PROMPT, refused)  # type: ignore[arg-type]
+    assert engine.allocator.num_running == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "int4_per_token_head", "nvfp4"])
+def test_kv_dtypes_with_scales_or_packed_values_are_refused_at_start(kv_cache_dtype: str) -> None:
+    """Found in review: the engine started on such a plan, and its first forward died on a
+    torch shape error (the adapters store K/V as they are, never quantised)."""
+    from kvspec_core.errors import ConfigError
+    from kvspec_core.plugins.layer_config import PlanOptions
+
+    case = model_case("llama")
+    with pytest.raises(ConfigError, match=f"quant mode '{kv_cache_dtype}' stores scales"):
+        TransformersEngine(
+            case.model,
+            kvspec_config=case.config,
+            options=PlanOptions(kv_cache_dtype=kv_cache_dtype),
+        )
+
+
+def test_an_encoder_decoder_model_is_refused_at_start() -> None:
+    """Found in review: Whisper's decoder self-attention and cross-attention layers share an
+    index; the cross-attention binding replaced the self-attention one, and generate died
+    inside the encoder."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, num_mel_bins=80, max_source_positions=64,
+        max_target_positions=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1,
+    )  # fmt: skip
+    model = WhisperForConditionalGeneration(config).eval()
+    with pytest.raises(EngineError, match="encoder_attn is cross_attention"):
+        TransformersEngine(model)
+
+
+def test_k_v_of_other_heads_than_planned_are_refused_naming_the_layer() -> None:
+    """Found in review: Falcon's new architecture hands the cache K/V repeated to all 4 query
+    heads while its config plans 2 KV heads; the write died on a torch shape error."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvspec_core.errors import ConfigError
+
+    config = AutoConfig.for_model(
+        "falcon", vocab_size=512, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+        new_decoder_architecture=True, num_kv_heads=2, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    engine = TransformersEngine(model)
+    with pytest.raises(ConfigError, match="wrote cells of 4 heads x 32 values, but its "):
+        engine.generate([1, 2, 3], 2)
+
+
 def test_a_request_longer_than_max_model_len_is_refused_and_freed() -> None:
     case = model_case("llama")
     engine = TransformersEngine(case.model, kvspec_config=case.config, max_model_len=32)

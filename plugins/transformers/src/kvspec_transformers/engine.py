@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import operator
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,6 +43,7 @@ from kvspec_core.runtime.remote_tier import RemoteTier
 from kvspec_core.runtime.results import CachedPrefix
 from kvspec_core.runtime.tiers import TieredPrefix, tiers_from_plan
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.encoder import CrossAttentionSpec, EncoderOnlyAttentionSpec
 from kvspec_core.specs.kv_sharing import KVSharingSpec
 from kvspec_transformers.adapter_registry import adapter_for
 from kvspec_transformers.cache import KVSpecCache
@@ -212,18 +214,30 @@ class TransformersEngine:
 
     def _bind(self, layers: Sequence[Any], specs: Mapping[str, Any]) -> dict[int, LayerBinding]:
         group_of = {name: group.id for group in self.plan.groups for name in group.layers}
-        bindings = {}
+        bindings: dict[int, LayerBinding] = {}
         for layer in layers:
             source = self.plan.kv_source_of(layer.name)
             if layer.name not in group_of and source is None:
                 continue  # memoryless (no blocks): nothing cached for it
+            spec = _own_spec(specs[layer.name])
+            if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
+                raise EngineError(
+                    f"layer {layer.name} is {spec.kind}: kvspec-transformers runs decoder-only "
+                    "causal LMs (no encoder, no cross-attention cache); run this "
+                    "encoder-decoder model with transformers' own generate"
+                )
+            if layer.index in bindings:
+                raise EngineError(
+                    f"layers {bindings[layer.index].layer_name} and {layer.name} both have "
+                    f"index {layer.index}; the engine binds one cache layer per decoder layer"
+                )
             # A reader reads its source's blocks: the source's group (block table) and a
             # view aliasing the source's bytes, through its own spec (the same cache).
             bindings[layer.index] = LayerBinding(
                 layer_index=layer.index,
                 layer_name=layer.name,
                 group=self.plan.cache_group_of(layer.name).id,
-                spec=_own_spec(specs[layer.name]),
+                spec=spec,
                 view=self.buffers.views[layer.name],
                 context=self.plan.context,
                 source_layer=source,
@@ -296,20 +310,22 @@ class TransformersEngine:
         max_new_tokens: int,
         *,
         request_id: str | None = None,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] | None = (),
     ) -> Generation:
         """Greedy decoding of ``prompt_token_ids`` for up to ``max_new_tokens`` tokens,
         reusing any cached prefix; the request's blocks are freed (and stay cached) after.
 
         ``prompt_token_ids``: Python ints, numpy integers or a 1-d integer array / tensor
-        (see :mod:`kvspec_transformers.prompts`). Generation stops at ``max_new_tokens``,
+        (see :mod:`kvspec_transformers.prompts`); ``max_new_tokens`` an integer (numpy's
+        too); ``stop_token_ids`` None or token ids. Generation stops at ``max_new_tokens``,
         at a stop token, or where the sequence (prompt and generated tokens) reaches
         ``max_model_len`` (``finish_reason`` ``"length"``, as vLLM). Calls from several
         threads run one after the other (the engine computes one request at a time). If
         the model's forward raises (or is interrupted), the error propagates and the blocks
         whose K/V it had not written leave the prefix cache
         (:meth:`KVCacheAllocator.discard_uncomputed`), so no later request hits them."""
-        prompt = self._check_prompt(prompt_token_ids, max_new_tokens)
+        max_new_tokens = _checked_max_new_tokens(max_new_tokens)
+        prompt = self._check_prompt(prompt_token_ids)
         stops = frozenset(self._check_stop_tokens(stop_token_ids))
         if self._running_thread == threading.get_ident():
             # Waiting on the lock would hang this thread forever.
@@ -421,13 +437,7 @@ class TransformersEngine:
                     ends.update(ask(prefix.num_tokens, num_tokens, prefix.checkpoint_at))
         return sorted(end for end in ends if end > prefix.num_tokens)
 
-    def _check_prompt(self, prompt_token_ids: Iterable[Any], max_new_tokens: int) -> list[int]:
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or (max_new_tokens < 1)
-        ):
-            raise EngineError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    def _check_prompt(self, prompt_token_ids: Iterable[Any]) -> list[int]:
         prompt = prompt_token_ids_of(prompt_token_ids, self._vocab_size())
         limit = self.allocator.max_model_len
         if len(prompt) > limit:
@@ -437,7 +447,9 @@ class TransformersEngine:
             )
         return prompt
 
-    def _check_stop_tokens(self, stop_token_ids: Sequence[int]) -> list[int]:
+    def _check_stop_tokens(self, stop_token_ids: Sequence[int] | None) -> list[int]:
+        if stop_token_ids is None:
+            return []
         vocab = self._vocab_size()
         return [
             token_id_of(token, index, vocab, field="stop_token_ids")
@@ -487,3 +499,17 @@ class TransformersEngine:
             output = self.model(**arguments)
         self.cache.finish_step(step)
         return output.logits[0, -1]
+
+
+def _checked_max_new_tokens(max_new_tokens: object) -> int:
+    """``max_new_tokens`` as an int >= 1 (numpy integers too; bools refused)."""
+    refused = EngineError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if isinstance(max_new_tokens, bool) or type(max_new_tokens).__name__ == "bool_":
+        raise refused
+    try:
+        count = operator.index(max_new_tokens)  # type: ignore[arg-type]  # checked: TypeError below
+    except TypeError:
+        raise refused from None
+    if count < 1:
+        raise refused
+    return count

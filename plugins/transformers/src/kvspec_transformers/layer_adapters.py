@@ -116,6 +116,24 @@ class StepDriven:
         self._step = None
 
 
+def _check_plain_cells(layer_name: str, spec: object) -> None:
+    """Refuse a spec whose cells are not plain ``[K | V]`` values of its dtype: the
+    adapters store K/V as they are and never quantise them, so per-token-head scales or
+    values packed below the dtype's width (int8/fp8/int4 per token-head, NVFP4, TurboQuant)
+    would not fit their cells."""
+    if not isinstance(spec, AttentionSpec):
+        return
+    mode = spec.kv_quant_mode
+    width = spec.dtype.itemsize * 8
+    if mode.scale_bytes_per_token_head or mode.element_bits(spec.dtype) != (width, width):
+        raise ConfigError(
+            f"layer {layer_name}: the KV-cache quant mode {mode.name!r} stores scales or packed "
+            "values, which kvspec-transformers does not write (it stores K and V as they "
+            "are); plan with kv_cache_dtype 'auto', a float dtype, or 'fp8' (per-tensor, "
+            "unscaled)"
+        )
+
+
 class PagedAttentionLayer(StepDriven, CacheLayerMixin):
     """K and V of an attention layer, paged: a cell is ``[K | V]`` of one head and token.
 
@@ -138,6 +156,7 @@ class PagedAttentionLayer(StepDriven, CacheLayerMixin):
                 f"layer {binding.layer_name}: {type(binding.spec).__name__} is not an "
                 "attention spec; register an adapter for its family"
             )
+        _check_plain_cells(binding.layer_name, binding.spec)
         super().__init__(binding)
         self.spec: AttentionSpec = binding.spec
         self.is_initialized = True
@@ -179,8 +198,16 @@ class PagedAttentionLayer(StepDriven, CacheLayerMixin):
                 f"layer {self.binding.layer_name} got {cells.shape[0]} new tokens in a step of "
                 f"{step.num_tokens}; feed the model exactly the step's tokens"
             )
-        blocks, states = self.spec.slot_mapping(self.block_table, step.positions)
         view = self.binding.view
+        if cells.shape[1:] != (view.shape[1], view.shape[-1]):
+            # (Falcon's new architecture hands the cache K/V already repeated to every head.)
+            raise ConfigError(
+                f"layer {self.binding.layer_name} wrote cells of {cells.shape[1]} heads x "
+                f"{cells.shape[2]} values, but its planned cache holds {view.shape[1]} heads x "
+                f"{view.shape[-1]}; the model's K/V do not match its config's KV heads and "
+                "head sizes, which kvspec planned"
+            )
+        blocks, states = self.spec.slot_mapping(self.block_table, step.positions)
         view[blocks, :, states] = cells.to(view.dtype)
 
     def read_cells(self, start: int, end: int) -> torch.Tensor:
