@@ -7,8 +7,8 @@ Public API (stable, typed)::
 
 Plugin authors find the whole contract here too: :class:`LayerConfig` (what a
 ``kvspec_layer_spec`` hook receives), the ``Register*`` callables the registration hooks
-receive, :class:`FamilyRules` / :class:`FullAttentionRules` (runtime rules), ``cdiv`` /
-``round_up`` (:mod:`kvspec_core.arithmetic`).
+receive, :class:`FamilyRules` / :class:`FullAttentionRules` / :class:`TrailingWindowRules`
+(runtime rules), ``cdiv`` / ``round_up`` (:mod:`kvspec_core.arithmetic`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvspec_core.plugins import (
     RegisterSpecKind,
     hookimpl,
 )
-from kvspec_core.plugins.core_rules import FullAttentionRules
+from kvspec_core.plugins.core_rules import FullAttentionRules, TrailingWindowRules
 from kvspec_core.plugins.family_rules import FamilyRules, RulesFactory
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
 from kvspec_core.plugins.manager import load_plugins
@@ -80,6 +80,7 @@ __all__ = [
     "RulesFactory",
     "SinkFullAttentionSpec",
     "SizingContext",
+    "TrailingWindowRules",
     "UniformTypeSpecs",
     "__version__",
     "cdiv",

@@ -193,7 +193,36 @@ def rules_for(spec: KVSpec, ctx: SizingContext, manager: PluginManager | None) -
             f"runtime rules for kind {family_spec.kind!r} ({factory!r}) do not implement "
             "kvspec_core.runtime.rules.FamilyRules"
         )
+    _check_rules_keep_within_sizing(family_spec, ctx, rules, kind, owner)
     return rules
+
+
+def _check_rules_keep_within_sizing(
+    spec: KVSpec, ctx: SizingContext, rules: FamilyRules, kind: str, owner: str | None
+) -> None:
+    """Refuse rules that free no block (full attention's step methods) for a spec sized for
+    fewer blocks than a request of ``max_model_len`` tokens then holds: a kind without rules
+    of its own (a plugin's window or sink+recent spec) falls back to full attention's, and
+    every request would be refused as over its admission cap long before max_model_len,
+    while the plan counts it whole."""
+    if getattr(type(rules), "skipped_tokens", None) is not FullAttentionRules.skipped_tokens:
+        return  # the rules free blocks as the request grows
+    sized = spec.max_blocks_per_request(ctx)
+    if sized == 0:
+        return  # a group holding no blocks (encoder-only layers): the allocator skips it
+    _, needed = rules.blocks_needed(0, 0, ctx.max_model_len, 0)
+    if needed <= sized:
+        return
+    source = f"kind {kind!r}'s" + (f" (plugin {owner!r})" if owner else "")
+    raise AllocatorError(
+        f"kind {spec.kind!r} is sized for {sized} blocks per request (its "
+        f"max_blocks_per_request), but the runtime rules it gets, {source} "
+        f"{type(rules).__name__}, free none and keep {needed} for a request of "
+        f"max_model_len={ctx.max_model_len:,} tokens, so no request could grow past "
+        f"{sized * rules.block_tokens:,} tokens while the plan counts it whole; register "
+        f"rules for {spec.kind!r} that free what its sizing leaves out (the "
+        "kvspec_register_runtime_rules hook; a TrailingWindowRules subclass for a window)"
+    )
 
 
 def plugin_rules_error(

@@ -10,7 +10,8 @@ Engine model (one event at a time, no batching of compute):
   run and is rejected.
 * ``decode``: append the token and allocate one slot. When blocks are short the request is
   preempted (its blocks freed, recomputed later from its tokens, as engines do) and queued
-  first in line; a request reaching ``max_model_len`` stops generating (truncated). A
+  first in line; a request reaching ``max_model_len`` stops generating (truncated), and so
+  does a preempted one whose tokens no longer fit the admission cap when it retries. A
   request in the queue (never admitted yet, or preempted) generates nothing: the fixed
   trace's decodes for it are dropped and counted (``dropped_decodes``); re-admitted, it
   decodes the trace's later ones.
@@ -249,7 +250,13 @@ def simulate(
             reason = try_admit(head)
             if reason == OVER_ADMISSION_CAP:
                 del waiting[head.request_id]
-                report.rejected += 1
+                stopped.add(head.request_id)
+                if head.request_id in admitted:
+                    # Preempted, its tokens now past the cap: it stops, as at max_model_len
+                    # (counted once: admitted, not also rejected).
+                    report.truncated += 1
+                else:
+                    report.rejected += 1
                 continue
             if reason:
                 report.wait_retries += 1

@@ -11,6 +11,7 @@ import torch
 
 from kvspec_core import AttentionShape, LayerConfig, PlanOptions, PluginManager, SizingContext
 from kvspec_core.errors import ConfigError
+from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.testing import check_spec_protocol
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvspec-streaming"
@@ -68,11 +69,26 @@ def test_installed_example_plugin_loads_and_plans(
     )
     assert owner == "streaming"
     ctx = SizingContext(max_model_len=131072, max_in_flight_tokens=2048)
-    # 1 sink block + cdiv(1023 + 2048, 16) window blocks + 1 for a window starting mid-block.
-    assert spec.max_blocks_per_request(ctx) == 1 + 192 + 1
+    # cdiv(1023 + 2048, 16) window blocks + 1 for a window starting mid-block (the sink
+    # tokens are the engine's, beside the paged cache).
+    assert spec.max_blocks_per_request(ctx) == 192 + 1
     check_spec_protocol(spec, manager)
     with pytest.raises(ConfigError, match=r"model.layers.3.*streaming_sink_tokens"):
         manager.layer_specs(streaming_layer())
+    # Its rules free what its sizing leaves out: one request, prefilled and decoded in steps
+    # of max_in_flight_tokens, reaches max_model_len within its admission cap (found in
+    # review: without rules it got full attention's and stopped near 1,568 tokens).
+    small = SizingContext(max_model_len=8192, max_in_flight_tokens=512)
+    allocator = KVCacheAllocator(
+        [spec], 4 * spec.max_blocks_per_request(small), small, manager=manager
+    )
+    request = Request("r", list(range(8192)))
+    for _ in range(8192 // 512):
+        assert allocator.allocate_slots(request, 512)
+    held = [block for block in allocator.block_ids("r")[0] if block != 0]
+    assert len(held) <= spec.max_blocks_per_request(small)
+    allocator.free("r")
+    allocator.check_invariants()
 
 
 def test_installed_example_plugin_ships_its_license(installed_example: Path) -> None:

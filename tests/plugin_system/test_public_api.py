@@ -14,7 +14,6 @@ import kvspec_core.plugins
 from kvspec_core import (
     AttentionSpec,
     FamilyRules,
-    FullAttentionRules,
     KVSpec,
     LayerConfig,
     RegisterRuntimeRules,
@@ -23,7 +22,7 @@ from kvspec_core import (
     cdiv,
     hookimpl,
 )
-from kvspec_core.runtime import rules_for
+from kvspec_core.runtime import TrailingWindowRules, rules_for
 from kvspec_core.testing import manager_with, model_layer
 
 CONTRACT_NAMES = [
@@ -62,8 +61,15 @@ class EveryOtherBlockSpec(AttentionSpec):
         return cdiv(cdiv(ctx.max_model_len, self.block_size), 2)
 
 
-class EveryOtherBlockRules(FullAttentionRules):
+class EveryOtherBlockRules(TrailingWindowRules):
+    """Frees what the spec's sizing leaves out (rules that free nothing are refused for it):
+    keeps the last half of max_model_len's positions."""
+
     hit_priority = 3
+
+    def __init__(self, spec: KVSpec, ctx: SizingContext) -> None:
+        super().__init__(spec, ctx)
+        self.retained_tokens = ctx.max_model_len // 2
 
 
 class PublicNamesPlugin:

@@ -6,7 +6,7 @@ reported apart."""
 
 from __future__ import annotations
 
-from runtime_testkit import full, make_allocator
+from runtime_testkit import context, full, make_allocator, sliding
 
 from kvspec_core.runtime.simulation import simulate
 
@@ -47,3 +47,21 @@ def test_a_preempted_request_is_readmitted_with_the_tokens_it_had() -> None:
     assert report.longest_request_tokens == 18
     # Its own four blocks, still cached: a hit, reported apart from reuse across requests.
     assert report.hit_tokens == report.readmission_hit_tokens == 16
+
+
+def test_a_preempted_request_past_the_cap_stops_counted_once() -> None:
+    """Found in review: a preempted request whose tokens had grown past its group's
+    admission cap was refused on re-admission and counted in ``rejected`` too, though it
+    was admitted: ``never_admitted`` came out negative. It stops, as at max_model_len."""
+    # A window of 4 over 4-token blocks, 8 in-flight tokens: at most 4 blocks per step.
+    allocator = make_allocator([sliding(4, 4)], 3, ctx=context(64, 8))
+    events = [("admit", "a", list(range(8)))]
+    events += [("decode", "a", 100 + i) for i in range(12)]  # a holds 20 tokens
+    events += [("admit", "b", [200]), ("decode", "a", 400)]  # no block: a is preempted
+    # b's decodes evict a's cached blocks; then a retries with 21 tokens to compute in one
+    # step: over the cap.
+    events += [("decode", "b", 300 + i) for i in range(8)]
+    events += [("finish", "b"), ("decode", "a", 401), ("finish", "a")]
+    report = simulate(allocator, events)
+    assert (report.admitted, report.preemptions) == (2, 1)
+    assert (report.rejected, report.truncated, report.never_admitted) == (0, 1, 0)

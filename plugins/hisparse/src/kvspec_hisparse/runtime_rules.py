@@ -8,8 +8,8 @@
   attention (a Mamba state) is refused: full attention's rules would cache every block as if
   it held the state at its end, though a state is written only where a step ends (a false
   prefix hit). So is one sized for fewer blocks than those rules keep (a sliding window or
-  a chunked local spec): every request longer than its window would be over its admission
-  cap.
+  a chunked local spec; the core's ``rules_for`` refuses it): every request longer than its
+  window would be over its admission cap.
 * ``hisparse_resident``: the pages of tokens not yet computed are held; once a token is
   computed its KV is backed by the host, so every block entirely below the computed length
   is reclaimed and a request keeps only its in-flight window (one partial tail block at
@@ -78,20 +78,9 @@ def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
             "group, and full attention's would give false prefix hits on its states; wrap "
             "attention specs only (MLA latents, indexer keys)"
         )
-    rules = rules_for(inner, ctx, None)
-    # The group is sized by its wrapped spec; rules keeping more than that (full attention's
-    # for a window) would refuse every long request as over its admission cap.
-    _, needed = rules.blocks_needed(0, 0, ctx.max_model_len, 0)
-    sized = inner.max_blocks_per_request(ctx)
-    if needed > sized:
-        raise AllocatorError(
-            f"a HiSparse group wraps {type(inner).__name__} (kind {inner.kind!r}), sized "
-            f"for {sized} blocks per request, but the rules reachable from the HiSparse "
-            f"group ({type(rules).__name__}) keep {needed} for a request of "
-            f"max_model_len={ctx.max_model_len:,} tokens, so such requests could never be "
-            "admitted; wrap full-attention kinds only (MLA latents, indexer keys)"
-        )
-    return rules
+    # A wrapped spec sized for fewer blocks than these rules keep (a window under full
+    # attention's) is refused by rules_for itself.
+    return rules_for(inner, ctx, None)
 
 
 @hookimpl
