@@ -211,3 +211,18 @@ def test_num_gpu_blocks_override_holds_on_every_stage(vllm_config: Any) -> None:
     assert outcome is not None and outcome.reason is None, outcome
     assert [c.num_blocks for c in ours] == [100, 100]
     assert [_facts(c) for c in ours] == [_facts(c) for c in own]
+
+
+def test_an_override_plans_on_what_vllm_allocates_not_the_measured_memory(
+    vllm_config: Any,
+) -> None:
+    """Found in review: vLLM sizes the cache from num_gpu_blocks_override (it replaces the
+    measured memory with override * bytes_per_block); kvspec planned on the measured
+    memory, and where that held less than one request its CapacityError stopped the
+    engine vLLM alone starts."""
+    config = copy.deepcopy(vllm_config)
+    config.cache_config.num_gpu_blocks_override = 100
+    own, ours, outcome = _both(config, pipeline(llama(4), [4]), [64 * 1024])
+    assert outcome is not None and outcome.reason is None, outcome
+    assert [c.num_blocks for c in ours] == [c.num_blocks for c in own] == [100]
+    assert [_facts(c) for c in ours] == [_facts(c) for c in own]

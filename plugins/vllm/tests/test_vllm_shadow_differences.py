@@ -78,6 +78,26 @@ def test_sliding_window_retention_is_an_expected_difference() -> None:
     assert "group 0 block 0, which vLLM did not cache" in report.expected_differences[0]
 
 
+def test_a_chunk_ending_before_kvspecs_hit_is_a_difference_not_a_crash() -> None:
+    """Found in review: with chunked prefill, vLLM (hit 0, the window not retained)
+    computed 32 tokens while kvspec's hit was 64; the shadow asked kvspec for -32 new
+    tokens and its AllocatorError killed vLLM's engine. It is now an admission difference
+    that follows the expected hit difference, and the request is no longer mirrored."""
+    scheduler = vllm_managers.Scheduler(100, retention_interval=0)
+    scheduler.request("a", [*SHARED, *[11] * 8])
+    scheduler.admit("a")
+    scheduler.request("b", SHARED)
+    assert scheduler.admit("b", chunk=32) == 0
+    report = scheduler.report
+    assert report.agrees
+    assert report.expected_reasons[shadow_differences.NOT_RETAINED] == 1
+    assert any(
+        "vLLM allocated slots up to token 32, kvspec refused" in difference
+        for difference in report.expected_differences
+    )
+    assert not scheduler.shadow.allocator.is_running("b")
+
+
 def resume_scenario(scheduler: vllm_managers.Scheduler) -> int | None:
     """Gemma-2's shape: a 121-token prompt decodes 7 tokens, is preempted with 129 tokens
     and resumes: the hit of its 128 computed tokens needs sliding-window blocks 2 and 3."""

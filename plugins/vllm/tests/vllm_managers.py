@@ -120,16 +120,20 @@ class Scheduler:
         self.requests[request_id] = request
         return request
 
-    def admit(self, request_id: str) -> int | None:
-        """Look the waiting request up and admit it; its hit in tokens, or None when
-        vLLM refused it (it stays waiting)."""
+    def admit(self, request_id: str, chunk: int | None = None) -> int | None:
+        """Look the waiting request up and admit it (its first ``chunk`` uncached tokens
+        when given: chunked prefill); its hit in tokens, or None when vLLM refused it (it
+        stays waiting)."""
         from vllm.v1.request import RequestStatus
 
         request = self.requests[request_id]
         blocks, hit, _ = self.manager.get_computed_blocks(request)
+        num_new = (
+            request.num_tokens - hit if chunk is None else min(chunk, request.num_tokens - hit)
+        )
         admitted = self.manager.allocate_slots(
             request,
-            request.num_tokens - hit,
+            num_new,
             num_new_computed_tokens=hit,
             new_computed_blocks=blocks,
             full_sequence_must_fit=True,
@@ -138,7 +142,7 @@ class Scheduler:
         if admitted is None:
             return None
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = request.num_tokens
+        request.num_computed_tokens = hit + num_new
         self.running.append(request_id)
         return int(hit)
 

@@ -130,6 +130,15 @@ def kvspec_configs(
     stages = stages_of(kv_cache_specs)
     if len(stages) > 1 and any(not kv_cache_specs[workers[0]] for workers in stages):
         raise NotRepresentable("a pipeline stage holds no KV-cache layer")
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    if override is not None:
+        # vLLM sizes the cache from the override, not the measured memory
+        # (get_kv_cache_configs replaces available_memory with override * bytes_per_block,
+        # kv_cache_utils.py): plan on what its own config allocates, so a measured memory
+        # holding less than one request does not refuse a cache vLLM runs.
+        available_memory = [
+            sum(tensor.size for tensor in config.kv_cache_tensors) for config in own
+        ]
     planned = [
         _stage_plan(
             vllm_config,
@@ -140,7 +149,6 @@ def kvspec_configs(
         )
         for workers in stages
     ]
-    override = vllm_config.cache_config.num_gpu_blocks_override
     blocks = override if override is not None else min(plan.num_blocks for plan, _ in planned)
     configs: list[Any] = [None] * len(kv_cache_specs)
     plans: list[KVCachePlan] = []

@@ -106,6 +106,7 @@ class KVCacheShadow:
             return
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         allocator = self.allocator
+        result: object
         if allocator.is_running(rid):
             mirror = self._requests[rid]
             mirror.token_ids.extend(request.all_token_ids[len(mirror.token_ids) :])
@@ -116,8 +117,13 @@ class KVCacheShadow:
             self._requests[rid] = mirror
             prefix = self._prefixes.pop(rid, None)
             start = prefix.num_tokens if prefix is not None else 0
-            result = allocator.allocate_slots(
-                mirror, end - start, num_lookahead_tokens, prefix=prefix
+            # kvspec's hit may reach past the chunk vLLM computes (vLLM hit less: a window's
+            # blocks it did not retain): kvspec cannot take this step as vLLM does, so the
+            # admissions differ (recorded below), never an error inside vLLM's schedule().
+            result = (
+                allocator.allocate_slots(mirror, end - start, num_lookahead_tokens, prefix=prefix)
+                if end >= start
+                else False
             )
         report = self.report
         report.allocations += 1
