@@ -21,8 +21,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def plugins_report(manager: PluginManager) -> dict[str, Any]:
-    """The ``--json`` document: ``core`` (the core's own families), ``plugins`` (loaded
-    entry-point plugins) and ``failed`` (plugins that did not load, with their error)."""
+    """The ``--json`` document: ``core`` (the core's own families and KV-cache dtypes),
+    ``plugins`` (loaded entry-point plugins, each with the kinds and dtypes it registered)
+    and ``failed`` (plugins that did not load, with their error)."""
     core = next(info for info in manager.plugins if info.name == CORE_PLUGIN_NAME)
     return {
         "core": {
@@ -30,7 +31,7 @@ def plugins_report(manager: PluginManager) -> dict[str, Any]:
             "version": core.version,
             "contract_version": CONTRACT_VERSION,
             "spec_kinds": list(core.spec_kinds),
-            "kv_cache_dtypes": manager.kv_dtypes.names(),
+            "kv_cache_dtypes": _dtypes_of(manager, CORE_PLUGIN_NAME),
         },
         "plugins": [
             {
@@ -38,6 +39,7 @@ def plugins_report(manager: PluginManager) -> dict[str, Any]:
                 "distribution": info.distribution,
                 "version": info.version,
                 "spec_kinds": list(info.spec_kinds),
+                "kv_cache_dtypes": _dtypes_of(manager, info.name),
                 "hooks": list(info.hooks),
             }
             for info in manager.plugins
@@ -53,6 +55,13 @@ def plugins_report(manager: PluginManager) -> dict[str, Any]:
             for failure in manager.failures
         ],
     }
+
+
+def _dtypes_of(manager: PluginManager, owner: str) -> list[str]:
+    """The KV-cache dtype names ``owner`` registered (a plugin's are its own, not the
+    core's)."""
+    dtypes = manager.kv_dtypes
+    return [name for name in dtypes.names() if dtypes.owner_of(name) == owner]
 
 
 def run(args: argparse.Namespace, manager: PluginManager) -> int:

@@ -12,9 +12,12 @@ def plugin_label(name: str, distribution: str | None) -> str:
     return f"plugin {name!r}" + (f" (distribution {distribution})" if distribution else "")
 
 
-def check_contract_version(plugin: object, name: str, label: str) -> None:
-    """Refuse ``plugin`` (registered as ``name``, ``label`` in messages) unless it declares
-    ``kvspec_contract_version == CONTRACT_VERSION``, the int itself."""
+def check_contract_version(
+    plugin: object, name: str, label: str, distribution: str | None = None
+) -> None:
+    """Refuse ``plugin`` (registered as ``name`` from ``distribution``, ``label`` in
+    messages) unless it declares ``kvspec_contract_version == CONTRACT_VERSION``, the int
+    itself."""
     try:
         declared = getattr(plugin, "kvspec_contract_version", None)
     except Exception as error:  # any object may come out of an entry point
@@ -30,6 +33,6 @@ def check_contract_version(plugin: object, name: str, label: str) -> None:
     if type(declared) is not int or declared != CONTRACT_VERSION:
         raise PluginError(
             f"{label} targets hook contract version {declared!r}, but this kvspec-core "
-            f"implements version {CONTRACT_VERSION}; install a {name} release built for "
-            f"contract {CONTRACT_VERSION}"
+            f"implements version {CONTRACT_VERSION}; install a {distribution or name} release "
+            f"built for contract {CONTRACT_VERSION}"
         )

@@ -52,8 +52,22 @@ def allowed_names(environ: Mapping[str, str]) -> set[str] | None:
     return {name.strip() for name in raw.split(",") if name.strip()}
 
 
+_STRICT_ON = frozenset({"1", "true", "yes", "on"})
+_STRICT_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
 def is_strict(environ: Mapping[str, str]) -> bool:
-    return environ.get(STRICT_VAR, "").strip().lower() in {"1", "true", "yes", "on"}
+    """``KVSPEC_STRICT_PLUGINS``: on for 1/true/yes/on, off when unset or 0/false/no/off
+    (any case); anything else is refused (a typo must not silently turn it off)."""
+    value = environ.get(STRICT_VAR, "").strip().lower()
+    if value in _STRICT_ON:
+        return True
+    if value in _STRICT_OFF:
+        return False
+    raise PluginError(
+        f"{STRICT_VAR}={environ[STRICT_VAR]!r}: give 1, true, yes or on for strict loading, "
+        "or 0, false, no, off or nothing for the default"
+    )
 
 
 def _dist_of(entry_point: importlib_metadata.EntryPoint) -> tuple[str | None, str | None]:
@@ -85,7 +99,8 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
             manager.failures.append(failure)
         message = (
             f"kvspec plugin {name!r}"
-            + (f" from distribution {distribution} {version}" if distribution else "")
+            + (f" from distribution {distribution}" if distribution else "")
+            + (f" {version}" if distribution and version else "")
             + f" failed to load: {error}"
         )
         if strict:
@@ -105,6 +120,19 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
 
     for name in sorted(by_name):
         if allow is not None and name not in allow:
+            continue
+        if name == CORE_PLUGIN_NAME:
+            # The core registers itself under this name: another distribution's entry point
+            # of that name would otherwise be skipped without a word.
+            for entry_point in by_name[name]:
+                distribution, version = _dist_of(entry_point)
+                fail(
+                    name,
+                    distribution,
+                    version,
+                    f"entry-point name {CORE_PLUGIN_NAME!r} is reserved for kvspec-core; "
+                    f"rename the entry point of {entry_point.value}",
+                )
             continue
         if manager.is_loaded(name):
             continue

@@ -99,7 +99,7 @@ class PluginManager:
         label = plugin_label(name, distribution)
         if name in self._infos:
             raise PluginError(f"{label}: a plugin named {name!r} is already registered")
-        check_contract_version(plugin, name, label)
+        check_contract_version(plugin, name, label, distribution)
         if self._pm.is_registered(plugin):
             # Checked here because pluggy's own refusal would send us into the rollback below,
             # which would unregister the plugin from under its first name.

@@ -60,6 +60,10 @@ def test_json_lists_the_five_families_with_distribution_and_version() -> None:
         assert set(entry) >= {"name", "distribution", "version", "spec_kinds", "hooks"}
     assert report["failed"] == []
     assert "full_attention" in report["core"]["spec_kinds"]
+    # Each dtype under its owner (found in review: the core listed the plugins' too).
+    assert "fp8_ds_mla" in by_name["mla"]["kv_cache_dtypes"]
+    assert "fp8_ds_mla" not in report["core"]["kv_cache_dtypes"]
+    assert "fp8" in report["core"]["kv_cache_dtypes"]
 
 
 def test_allow_list_loads_only_mla() -> None:

@@ -155,3 +155,30 @@ def test_invalid_hook_implementation_is_refused(fake_dist) -> None:
     )
     with pytest.warns(PluginLoadWarning, match="invalid hook implementations"):
         PluginManager().load_entry_points({"KVSPEC_PLUGINS": "typo"})
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "strict", "ture"])
+def test_an_unknown_strict_value_is_refused_not_read_as_off(value: str) -> None:
+    """Found in review: any value but 1/true/yes/on silently meant "off"."""
+    with pytest.raises(PluginError, match=f"KVSPEC_STRICT_PLUGINS='{value}'.*1, true, yes or on"):
+        PluginManager().load_entry_points({"KVSPEC_PLUGINS": "", "KVSPEC_STRICT_PLUGINS": value})
+    for off in ("", "0", " False ", "no", "OFF"):
+        PluginManager().load_entry_points({"KVSPEC_PLUGINS": "", "KVSPEC_STRICT_PLUGINS": off})
+
+
+def test_an_entry_point_named_core_is_reported_not_skipped(fake_dist, good_plugin) -> None:
+    """Found in review: the core registers itself as 'core', so a third party's entry point
+    of that name was skipped without a word and its kinds silently did not exist."""
+    fake_dist("kvspec-corelike", "core", "kvspec_corelike", good_plugin("corelike"))
+    manager = PluginManager()
+    with pytest.warns(PluginLoadWarning, match="'core' is reserved for kvspec-core; rename"):
+        manager.load_entry_points({})
+    assert "corelike" not in manager.spec_kinds
+    [failure] = [f for f in manager.failures if f.name == "core"]
+    assert failure.distribution == "kvspec-corelike"
+
+
+def test_a_contract_mismatch_names_the_distribution_to_upgrade(fake_dist, good_plugin) -> None:
+    fake_dist("kvspec-vtwo", "vtwo", "kvspec_vtwo", good_plugin("vtwo").replace("= 1", "= 2"))
+    with pytest.warns(PluginLoadWarning, match="install a kvspec-vtwo release built for"):
+        PluginManager().load_entry_points({"KVSPEC_PLUGINS": "vtwo"})
