@@ -93,6 +93,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return int(args.handler(args, manager))
     except KVSpecError as error:
         print(f"kvspec: error: {error}", file=sys.stderr)
+        for note in getattr(error, "__notes__", ()):
+            print(f"kvspec: note: {note}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -33,7 +33,15 @@ def collect_layer_claims(
     for plugin_name, impl in impls:
         try:
             spec = call_impl(impl, layer=layer)
-        except KVSpecError:
+        except KVSpecError as error:
+            # A deliberate refusal, but of which plugin: a faulty one refusing a layer that
+            # is not its family's would otherwise read as the model config's fault.
+            _add_note(
+                error,
+                f"raised by plugin {plugin_name!r}'s kvspec_layer_spec for layer {layer.name} "
+                f"({layer.layer_type}); if that plugin is not this layer's family, it is its "
+                f"bug: leave it out with {loading.ALLOW_LIST_VAR}",
+            )
             raise
         except Exception as error:
             faults.append(
@@ -70,6 +78,16 @@ def collect_layer_claims(
             ) from error
         claims.append((plugin_name, spec))
     return claims, faults
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11; the same attribute before)."""
+    notes = getattr(error, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        error.__notes__ = notes  # type: ignore[attr-defined]
+    if note not in notes:
+        notes.append(note)
 
 
 def refuse_or_warn(

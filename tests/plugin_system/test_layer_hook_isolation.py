@@ -192,3 +192,33 @@ def test_cli_refuses_a_layer_only_the_faulty_plugin_could_claim_and_strict_mode(
     error = capsys.readouterr().err
     assert error.startswith("kvspec: error: plugin 'boom' (distribution kvspec-boom) raised")
     assert "KVSPEC_STRICT_PLUGINS=1 makes any plugin fault an error" in error
+
+
+_REFUSING_PLUGIN = """
+    from kvspec_core import hookimpl
+    from kvspec_core.errors import ConfigError
+
+    kvspec_contract_version = 1
+
+    @hookimpl
+    def kvspec_layer_spec(layer):
+        raise ConfigError(f"layer {layer.name} lacks 'made_up_field'; fix the model config")
+"""
+
+
+def test_a_plugins_refusal_names_the_plugin_beside_the_config(
+    fake_dist,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found in review: a plugin refusing layers of other families (a kvspec error, taken as
+    deliberate) read as the model config's fault: Llama did not plan, and no plugin was
+    named. The refusal stands, with a note naming the plugin and the allow-list."""
+    monkeypatch.delenv("KVSPEC_STRICT_PLUGINS", raising=False)
+    monkeypatch.delenv("KVSPEC_PLUGINS", raising=False)
+    fake_dist("kvspec-refuser", "refuser", "kvspec_refuser", _REFUSING_PLUGIN)
+    assert main(["plan", "llama-3.1-8b", "--memory", "40GiB"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "kvspec: error: layer model.layers.0 lacks 'made_up_field'" in err
+    assert "kvspec: note: raised by plugin 'refuser''s kvspec_layer_spec" in err
+    assert "leave it out with KVSPEC_PLUGINS" in err
