@@ -6,8 +6,9 @@
 * Otherwise (hybrid): layers are bucketed by merge compatibility, and every bucket is split,
   in model order, into consecutive runs of equally many layers, so that groups whose slots
   have one shape (one pool) use its slots alike. The size is at most vLLM's (the smallest
-  bucket's layer count, or the largest when within 25 %): a pool's null block and rounding
-  cost one block, and a state (Mamba) block of all its layers would be huge. Within a pool
+  bucket's layer count, or the largest when under 1.5 times it, as vLLM 0.32 and 0.33): a
+  pool's null block and rounding cost one block, and a state (Mamba) block of all its
+  layers would be huge. Within a pool
   the size is lowered to split its buckets without short groups when that does not more
   than double their number (Nemotron-H: 54 Mamba layers in 6 groups of 9, not 5 of 10 and
   one of 4). Block sizes are never changed.
@@ -38,8 +39,8 @@ from kvspec_core.plugins.manager import PluginManager
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.uniform import UniformTypeSpecs
 
-#: vLLM's rule: buckets within this ratio of each other are padded to the largest.
-_PAD_TO_LARGEST_RATIO = 1.25
+#: vLLM's rule (0.32, 0.33): buckets within this ratio of each other are padded to the largest.
+_PAD_TO_LARGEST_RATIO = 1.5
 
 
 @attrs.frozen

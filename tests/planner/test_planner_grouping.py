@@ -109,8 +109,9 @@ def test_mergeable_specs_share_a_group() -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_short_groups_within_a_quarter_are_padded_and_sound(layout: str) -> None:
-    # 6 full and 5 window layers: vLLM's 25 % rule gives groups of 6 (one short group).
+def test_short_groups_within_half_are_padded_and_sound(layout: str) -> None:
+    # 6 full and 5 window layers: vLLM's rule (largest < 1.5 x smallest) gives groups of 6
+    # (one short group).
     specs = layers(
         [full(num_kv_heads=2, head_size=8, block_size=4)] * 6
         + [window(8, num_kv_heads=2, head_size=8, block_size=4)] * 5
@@ -125,6 +126,25 @@ def test_short_groups_within_a_quarter_are_padded_and_sound(layout: str) -> None
     assert [len(g.layers) for g in plan.groups] == [6, 5]
     assert len(plan.pools[0].slot_bytes) == 6
     assert_views_sound(plan)
+
+
+def test_buckets_within_half_of_each_other_pad_to_the_largest_as_vllm() -> None:
+    """Found in review: 4 window + 5 full layers were grouped 4, 4 and 1 (the old 1.25
+    ratio), the lone full layer filling a quarter of its 4-layer blocks: 20.90 requests
+    where vLLM 0.32/0.33 (ratio 1.5: kv_cache_utils.py / kv_cache_planning.py) pad the
+    window group to 5 layers and hold 24.82."""
+    specs = layers(
+        [window(100, num_kv_heads=2, head_size=8, block_size=4)] * 4
+        + [full(num_kv_heads=2, head_size=8, block_size=4)] * 5
+    )
+    plan = plan_kv_cache(
+        specs,
+        48 << 10,
+        SizingContext(max_model_len=64, max_in_flight_tokens=8),
+        manager_with_test_kinds(),
+    )
+    assert sorted(len(g.layers) for g in plan.groups) == [4, 5]
+    assert len(plan.pools[0].slot_bytes) == 5
 
 
 def test_window_and_chunked_layers_in_one_model() -> None:
