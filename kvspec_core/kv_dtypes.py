@@ -190,11 +190,20 @@ class KVDtypeRegistry:
                 f"plugin {owner!r} registered {kv_dtype!r} as a KV dtype; expected a KVCacheDtype"
             )
         names = (kv_dtype.name, *kv_dtype.aliases)
+        folded = {known.casefold(): known for known in self._by_name}
         for name in names:
             if name in self._by_name and self._by_name[name] != kv_dtype:
                 raise PluginError(
                     f"KV dtype name {name!r} registered by {owner!r} is already registered by "
                     f"{self._owner[name]!r}"
+                )
+            known = folded.get(name.casefold())
+            if known is not None and known != name and self._by_name[known] != kv_dtype:
+                # --kv-cache-dtype FP8 picking a plugin's dtype where fp8 is the core's would
+                # be a silent surprise: names differing only in case are one name.
+                raise PluginError(
+                    f"KV dtype name {name!r} registered by {owner!r} differs only in case from "
+                    f"{known!r}, registered by {self._owner[known]!r}; choose another name"
                 )
         for name in names:
             # An identical re-registration keeps the first owner, so that a later rollback of

@@ -11,7 +11,7 @@ import importlib_metadata
 
 from kvspec_core.errors import KindConflictError, PluginError
 from kvspec_core.plugins.contract import ENTRY_POINT_GROUP
-from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure
+from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure, PluginInfo
 
 #: Comma-separated entry-point names to load; unset loads all, empty loads none.
 ALLOW_LIST_VAR = "KVSPEC_PLUGINS"
@@ -30,6 +30,9 @@ class PluginHost(Protocol):
     strict_plugins: bool
     failures: list[PluginFailure]
     kind_conflicts: list[KindConflictError]
+
+    @property
+    def plugins(self) -> list[PluginInfo]: ...
 
     def is_loaded(self, name: str) -> bool: ...
 
@@ -171,4 +174,23 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
         except PluginError as error:
             fail(name, distribution, version, str(error))
         for conflict in manager.kind_conflicts[conflicts_before:]:
+            # Every claimant lost the kind, not only the one loaded last (which one that is
+            # depends on the names' order): each is listed, the warning given once.
+            for claimant in conflict.claimants:
+                if claimant != name:
+                    _record_failure(manager, claimant, str(conflict))
             fail(name, distribution, version, str(conflict))
+
+
+def _record_failure(manager: PluginHost, name: str, error: str) -> None:
+    """List ``name`` (a loaded plugin) among ``manager.failures`` with ``error``, without a
+    warning of its own."""
+    info = next((info for info in manager.plugins if info.name == name), None)
+    failure = PluginFailure(
+        name=name,
+        distribution=None if info is None else info.distribution,
+        version=None if info is None else info.version,
+        error=error,
+    )
+    if failure not in manager.failures:
+        manager.failures.append(failure)

@@ -62,6 +62,15 @@ def test_quant_mode_validates_bits() -> None:
         KVQuantMode(name="bad", scale_bytes_per_token_head=-1)
 
 
+def test_a_name_differing_only_in_case_is_refused() -> None:
+    """Found in review: a plugin registering 'FP8' beside the core's 'fp8' made
+    --kv-cache-dtype FP8 silently pick the plugin's dtype."""
+    registry = PluginManager().kv_dtypes
+    with pytest.raises(PluginError, match=r"'FP8'.*differs only in case from 'fp8'.*'core'"):
+        registry.register(KVCacheDtype(name="FP8", storage_dtype=torch.uint8), "intruder")
+    assert "FP8" not in registry.names()
+
+
 def test_a_registered_name_cannot_be_redefined_by_another_owner() -> None:
     registry = PluginManager().kv_dtypes
     with pytest.raises(PluginError, match=r"'fp8'.*already registered by 'core'"):
