@@ -12,6 +12,7 @@ import importlib_metadata
 from kvspec_core.errors import KindConflictError, PluginError
 from kvspec_core.plugins.contract import ENTRY_POINT_GROUP
 from kvspec_core.plugins.records import CORE_PLUGIN_NAME, PluginFailure, PluginInfo
+from kvspec_core.switches import switch_value
 
 #: Comma-separated entry-point names to load; unset loads all, empty loads none.
 ALLOW_LIST_VAR = "KVSPEC_PLUGINS"
@@ -55,18 +56,12 @@ def allowed_names(environ: Mapping[str, str]) -> set[str] | None:
     return {name.strip() for name in raw.split(",") if name.strip()}
 
 
-_STRICT_ON = frozenset({"1", "true", "yes", "on"})
-_STRICT_OFF = frozenset({"", "0", "false", "no", "off"})
-
-
 def is_strict(environ: Mapping[str, str]) -> bool:
     """``KVSPEC_STRICT_PLUGINS``: on for 1/true/yes/on, off when unset or 0/false/no/off
     (any case); anything else is refused (a typo must not silently turn it off)."""
-    value = environ.get(STRICT_VAR, "").strip().lower()
-    if value in _STRICT_ON:
-        return True
-    if value in _STRICT_OFF:
-        return False
+    strict = switch_value(environ.get(STRICT_VAR))
+    if strict is not None:
+        return strict
     raise PluginError(
         f"{STRICT_VAR}={environ[STRICT_VAR]!r}: give 1, true, yes or on for strict loading, "
         "or 0, false, no, off or nothing for the default"
@@ -97,9 +92,10 @@ def load_entry_points(manager: PluginHost, environ: Mapping[str, str] | None = N
         by_name.setdefault(entry_point.name, []).append(entry_point)
 
     def fail(name: str, distribution: str | None, version: str | None, error: str) -> None:
-        failure = PluginFailure(name=name, distribution=distribution, version=version, error=error)
-        if failure not in manager.failures:
-            manager.failures.append(failure)
+        _add_failure(
+            manager,
+            PluginFailure(name=name, distribution=distribution, version=version, error=error),
+        )
         message = (
             f"kvspec plugin {name!r}"
             + (f" from distribution {distribution}" if distribution else "")
@@ -186,11 +182,17 @@ def _record_failure(manager: PluginHost, name: str, error: str) -> None:
     """List ``name`` (a loaded plugin) among ``manager.failures`` with ``error``, without a
     warning of its own."""
     info = next((info for info in manager.plugins if info.name == name), None)
-    failure = PluginFailure(
-        name=name,
-        distribution=None if info is None else info.distribution,
-        version=None if info is None else info.version,
-        error=error,
+    _add_failure(
+        manager,
+        PluginFailure(
+            name=name,
+            distribution=None if info is None else info.distribution,
+            version=None if info is None else info.version,
+            error=error,
+        ),
     )
+
+
+def _add_failure(manager: PluginHost, failure: PluginFailure) -> None:
     if failure not in manager.failures:
         manager.failures.append(failure)

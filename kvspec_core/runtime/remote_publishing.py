@@ -45,6 +45,8 @@ class RemotePublishing(RemoteTierState):
         Groups without a store are skipped, and so are blocks the tier does not cache under
         that hash in that slot (``KVCacheAllocator.tier_holds``: a copy dropped as never
         computed, a slot evicted since)."""
+        if not stores:
+            return 0  # (most steps): no key is computed, no layout need be checked
         self._bind_block_layouts()
         by_group: dict[int, list[tuple[bytes, bytes]]] = {}
         for transfer in stores:

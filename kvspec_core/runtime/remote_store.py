@@ -197,7 +197,7 @@ class RemoteBlockStore:
     def bind_block_layout(self, layout: str) -> None:
         """Key this store's blocks under its namespace and ``layout``, what orders a block's
         bytes in the caller's storage (``RemoteTier`` binds its runner's
-        ``TransferRunner.block_layouts``): replicas whose views order a block's bytes
+        ``TransferRunner.source_block_layout``): replicas whose views order a block's bytes
         differently (kernel-block views, a byte tensor) never read each other's values,
         whatever namespace their callers built. Binding again to another layout is refused
         (one store, one storage)."""

@@ -74,10 +74,11 @@ class RemoteTierState:
         self.runner.prepare(self.allocator)
         for gid, store in self.stores.items():
             layout = self.runner.source_block_layout(self.allocator._pool_of[gid])
-            if store.block_layout is not None and store.block_layout != layout:
+            try:
+                store.bind_block_layout(layout)
+            except ValueError as error:  # bound to another layout
                 raise AllocatorError(
-                    f"RemoteTier: group {gid}'s storage orders a block's bytes as {layout!r} "
-                    f"now, not as {store.block_layout!r} when its store was bound; build a "
-                    "RemoteTier, with its own stores, for the new storage"
-                )
-            store.bind_block_layout(layout)
+                    f"RemoteTier: group {gid}'s storage orders a block's bytes otherwise than "
+                    f"when its store was bound ({error}); build a RemoteTier, with its own "
+                    "stores, for the new storage"
+                ) from None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import operator
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -61,7 +60,7 @@ from kvspec_transformers.paged_attention import (
     CACHE_KWARG,
     register_paged_attention,
 )
-from kvspec_transformers.prompts import prompt_token_ids_of, token_id_of
+from kvspec_transformers.prompts import max_new_tokens_of, prompt_token_ids_of, token_id_of
 from kvspec_transformers.remote import RemoteOptions, remote_tier
 from kvspec_transformers.step import StepContext
 
@@ -324,7 +323,7 @@ class TransformersEngine:
         the model's forward raises (or is interrupted), the error propagates and the blocks
         whose K/V it had not written leave the prefix cache
         (:meth:`KVCacheAllocator.discard_uncomputed`), so no later request hits them."""
-        max_new_tokens = _checked_max_new_tokens(max_new_tokens)
+        max_new_tokens = max_new_tokens_of(max_new_tokens)
         prompt = self._check_prompt(prompt_token_ids)
         stops = frozenset(self._check_stop_tokens(stop_token_ids))
         if self._running_thread == threading.get_ident():
@@ -499,17 +498,3 @@ class TransformersEngine:
             output = self.model(**arguments)
         self.cache.finish_step(step)
         return output.logits[0, -1]
-
-
-def _checked_max_new_tokens(max_new_tokens: object) -> int:
-    """``max_new_tokens`` as an int >= 1 (numpy integers too; bools refused)."""
-    refused = EngineError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-    if isinstance(max_new_tokens, bool) or type(max_new_tokens).__name__ == "bool_":
-        raise refused
-    try:
-        count = operator.index(max_new_tokens)  # type: ignore[arg-type]  # checked: TypeError below
-    except TypeError:
-        raise refused from None
-    if count < 1:
-        raise refused
-    return count

@@ -27,14 +27,20 @@ def _is_bool(token: Any) -> bool:
     )
 
 
+def _integer_of(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (Python, numpy or a one-element torch
+    integer tensor) and not a bool, else None."""
+    if _is_bool(value):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def token_id_of(token: Any, index: int, vocab: int, field: str = "prompt_token_ids") -> int:
     """``token`` (item ``index`` of ``field``) as a Python int in ``[0, vocab)``."""
-    value: int | None = None
-    if not _is_bool(token):
-        try:
-            value = operator.index(token)
-        except (TypeError, ValueError, RuntimeError):
-            value = None
+    value = _integer_of(token)
     if value is None:
         raise EngineError(
             f"{field}[{index}]={token!r} ({type(token).__name__}{_dtype_of(token)}) must be "
@@ -74,3 +80,12 @@ def prompt_token_ids_of(prompt: Iterable[Any], vocab: int) -> list[int]:
     if not items:
         raise EngineError("prompt_token_ids is empty; give at least one token")
     return [token_id_of(token, index, vocab) for index, token in enumerate(items)]
+
+
+def max_new_tokens_of(value: Any) -> int:
+    """``max_new_tokens`` as a Python int >= 1: an integer (Python, numpy or a one-element
+    torch integer tensor), not a bool."""
+    count = _integer_of(value)
+    if count is None or count < 1:
+        raise EngineError(f"max_new_tokens={value!r} must be an int >= 1")
+    return count

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from kvspec_core.switches import switch_value
 from kvspec_vllm.errors import KVSpecVLLMError
 
 #: The environment variable that turns kvspec's planning on.
@@ -17,9 +18,6 @@ SHADOW_SWITCH = "KVSPEC_VLLM_SHADOW"
 #: The environment variable that puts kvspec's allocator behind vLLM's scheduler
 #: (:mod:`kvspec_vllm.scheduler_seam`).
 ALLOCATOR_SWITCH = "KVSPEC_VLLM_ALLOCATOR"
-
-_ON = frozenset({"1", "true", "on", "yes"})
-_OFF = frozenset({"", "0", "false", "off", "no"})
 
 
 def plugin_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -42,11 +40,9 @@ def allocator_enabled(environ: Mapping[str, str] | None = None) -> bool:
 def switch_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
     """The value of the switch ``name`` in ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
-    value = env.get(name, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
+    value = switch_value(env.get(name))
+    if value is not None:
+        return value
     raise KVSpecVLLMError(
         f"{name}={env.get(name)!r} is not a switch value: set {name}=1 to turn it on, or "
         f"unset it (or {name}=0) to leave it off"
