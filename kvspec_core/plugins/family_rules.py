@@ -44,6 +44,14 @@ class FamilyRules(Protocol):
     families that resume only where a step ended (Mamba); the allocator then tells the
     engine where ending a prefill step would save a reusable checkpoint.
 
+    Optional attribute ``caches_prompt_only`` (default ``False``): ``True`` for families
+    whose K/V past the prompt depend on where the prompt ended, not on the tokens alone
+    (R-SWA: a generated token attends the prompt and the last few generated tokens, a
+    prompt token every earlier one), so a block holding a generated position must not be
+    a hit for a request that has it in its prompt. The allocator then caches only the
+    blocks entirely inside the request's ``num_prompt_tokens``; such a group's steps run
+    as Python (the compiled kernels cache every full block).
+
     Optional method ``offload_range(num_cached: int) -> tuple[int, int]``: which of the
     group's blocks are worth keeping in slower tiers (asked by an allocator whose offload
     tier says ``keep="family_rules"``; absent, the default, or with the tier's default

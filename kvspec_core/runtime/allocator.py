@@ -44,6 +44,7 @@ from kvspec_core.runtime.pool import DEFAULT_EVICTION, BlockPool
 from kvspec_core.runtime.results import Allocated, Usage
 from kvspec_core.runtime.rules import (
     FullAttentionRules,
+    caches_prompt_only,
     overrides_on_instance,
     rules_for,
     rules_plugin,
@@ -202,12 +203,15 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
         self._is_state_group = [
             gid in self._coordinator.state_groups for gid in range(len(self.specs))
         ]
+        # Groups caching only the blocks inside a request's prompt (R-SWA's rules).
+        self._prompt_only = [caches_prompt_only(rules) for rules in self.rules]
         # Every holding group keeps all its blocks and caches them as they fill (the core's
         # full-attention rules, not a subclass) and no events are recorded: decode steps
         # that cross a block boundary take the short path of _grow_dense.
         self._dense = self._events is None and all(
             type(self.rules[gid]) is FullAttentionRules
             and not overrides_on_instance(self.rules[gid])
+            and not self._prompt_only[gid]
             for gid in self._holding
         )
         # One full-attention group whose blocks are hash blocks: find_cached_prefix asks it

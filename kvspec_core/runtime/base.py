@@ -59,6 +59,7 @@ class AllocatorBase:
     _guarded: list[int]
     _guarded_methods: dict[int, frozenset[str]]
     _is_state_group: list[bool]
+    _prompt_only: list[bool]
     _dense: bool
     _single_full: bool
     _hash_finer: bool

@@ -66,6 +66,11 @@ class BlockCaching(AllocatorBase):
                 # The step ends past the tokens the engine appended (drafts): the state
                 # it saves is not the state of a known prefix, so nothing is cached.
                 start = stop = known // tokens
+            elif self._prompt_only[gid] and upto > request.num_prompt_tokens:
+                # Past the prompt the group's K/V depend on where it ended (R-SWA).
+                start, stop = self.rules[gid].cache_range(
+                    num_cached[gid], request.num_prompt_tokens
+                )
             else:
                 start, stop = self.rules[gid].cache_range(num_cached[gid], upto)
             if stop > start:

@@ -45,6 +45,11 @@ class Request:
         lora_name: adapter name; requests under different adapters never share blocks.
         mm_inputs: multimodal inputs, mixed into the hashes of the blocks they overlap.
         num_encoder_tokens: encoder input tokens held by cross-attention groups.
+        num_prompt_tokens: how many of ``token_ids`` are the prompt (default: all of them at
+            construction). An engine building the request again after a preemption, with
+            its generated tokens in ``token_ids``, passes the original prompt length: a
+            family whose K/V depend on where the prompt ended (R-SWA) caches only the
+            prompt's blocks.
     """
 
     __slots__ = (
@@ -54,6 +59,7 @@ class Request:
         "lora_name",
         "mm_inputs",
         "num_encoder_tokens",
+        "num_prompt_tokens",
         "request_id",
         "token_ids",
     )
@@ -67,6 +73,7 @@ class Request:
         lora_name: str | None = None,
         mm_inputs: Sequence[MultiModalInput] = (),
         num_encoder_tokens: int = 0,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         if not isinstance(token_ids, list):
             raise AllocatorError(
@@ -77,8 +84,17 @@ class Request:
             raise AllocatorError(
                 f"request {request_id!r}: num_encoder_tokens={num_encoder_tokens} must be >= 0"
             )
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(token_ids)
+        elif num_prompt_tokens.__class__ is not int or not 0 <= num_prompt_tokens <= len(token_ids):
+            raise AllocatorError(
+                f"request {request_id!r}: num_prompt_tokens={num_prompt_tokens!r} must be an "
+                f"int in [0, {len(token_ids)}] (the prompt's share of token_ids), or None for "
+                "all of them"
+            )
         self.request_id = request_id
         self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         self.mm_inputs = tuple(sorted(mm_inputs, key=lambda item: item.offset))

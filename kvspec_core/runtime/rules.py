@@ -46,6 +46,7 @@ __all__ = [
     "StateCheckpointRules",
     "TrailingWindowRules",
     "block_tokens_of",
+    "caches_prompt_only",
     "compiled_shape",
     "hit_scanner",
     "plugin_rules_error",
@@ -87,7 +88,7 @@ def compiled_shape(rules: object) -> int | None:
     """The index in :data:`COMPILED_SHAPES` of the shape whose step methods ``rules`` keeps
     (a subclass that overrides none of them, none set on the instance), or ``None`` (its
     steps run as Python)."""
-    if overrides_on_instance(rules):
+    if overrides_on_instance(rules) or caches_prompt_only(rules):
         return None
     for code, shape in enumerate(COMPILED_SHAPES):
         if isinstance(rules, shape) and all(
@@ -95,6 +96,19 @@ def compiled_shape(rules: object) -> int | None:
         ):
             return code
     return None
+
+
+def caches_prompt_only(rules: object) -> bool:
+    """The rules' optional ``caches_prompt_only`` (see :class:`FamilyRules`): ``False``
+    when absent; anything but a bool is refused (a truthy string must not decide which
+    blocks are hits)."""
+    value = getattr(rules, "caches_prompt_only", False)
+    if value.__class__ is not bool:
+        raise AllocatorError(
+            f"runtime rules {rules!r}: caches_prompt_only={value!r} must be True or False "
+            "(whether only blocks inside the request's prompt enter the prefix cache)"
+        )
+    return value
 
 
 #: ``longest_hit(hashes, cache, max_blocks)`` as the allocator calls it.

@@ -84,6 +84,11 @@ def test_invalid_requests_and_multimodal_inputs_are_refused() -> None:
         MultiModalInput(offset=0, length=0, identifier="x")
     with pytest.raises(AllocatorError, match="hash_block_size"):
         PrefixHasher(0)
+    for bad in (-1, 3, True, 1.0):
+        with pytest.raises(AllocatorError, match="num_prompt_tokens="):
+            Request("r", [1, 2], num_prompt_tokens=bad)  # type: ignore[arg-type]
+    assert Request("r", [1, 2]).num_prompt_tokens == 2
+    assert Request("r", [1, 2], num_prompt_tokens=1).num_prompt_tokens == 1
 
 
 def test_a_hasher_remembers_roots_per_tenant_and_adapter_without_mixing_them(

@@ -22,6 +22,7 @@ from kvspec_core import (
     SizingContext,
     hookimpl,
 )
+from kvspec_core.errors import AllocatorError
 from kvspec_core.plugins.core_rules import FullAttentionRules
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.rules import compiled_shape, hit_scanner
@@ -172,3 +173,46 @@ def test_instance_overrides_keep_a_group_off_the_compiled_shapes() -> None:
     assert compiled_shape(rules) == 0
     rules.blocks_needed = lambda *args: (0, 0)  # type: ignore[method-assign]
     assert compiled_shape(rules) is None
+
+
+class PromptOnlyPlugin(NoResumePlugin):
+    """Its rules factory marks the core's full-attention rules ``caches_prompt_only`` on the
+    instance (``flag``) instead: only blocks inside a request's prompt may be hits."""
+
+    def __init__(self, flag: object) -> None:
+        self.flag = flag
+
+    def rules(self, spec: KVSpec, ctx: SizingContext) -> FullAttentionRules:  # type: ignore[override]
+        rules = FullAttentionRules(spec, ctx)
+        rules.caches_prompt_only = self.flag  # type: ignore[attr-defined]
+        return rules
+
+
+def prompt_only_allocator(flag: object) -> KVCacheAllocator:
+    manager = PluginManager()
+    manager.register(PromptOnlyPlugin(flag), "prompt_only")
+    spec = NoResumeSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    ctx = SizingContext(max_model_len=64, max_in_flight_tokens=16)
+    return KVCacheAllocator([spec], 32, ctx, manager=manager)
+
+
+def test_prompt_only_rules_cache_no_block_past_the_prompt() -> None:
+    # The compiled steps cache every full block: a prompt-only group stays off them.
+    allocator = prompt_only_allocator(True)
+    assert compiled_shape(allocator.rules[0]) is None
+    request = Request("a", list(range(1, 7)))  # prompt 6: block 0 inside it
+    assert allocator.allocate_slots(request, 6)
+    for token in range(100, 112):
+        request.append_token(token)
+        assert allocator.allocate_slots(request, 1)
+    allocator.free("a")
+    assert allocator.usage.cached_blocks == 1
+    follow_up = Request("b", [*request.token_ids, 5])
+    assert allocator.find_cached_prefix(follow_up).num_tokens == 4
+    allocator.check_invariants()
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_prompt_only_flag_that_is_not_a_bool_is_refused(flag: object) -> None:
+    with pytest.raises(AllocatorError, match="caches_prompt_only="):
+        prompt_only_allocator(flag)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given, settings
 
@@ -10,8 +11,16 @@ import kvspec_sliding_window.plugin as sliding_window_plugin
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
 from kvspec_core.runtime import KVCacheAllocator, Request, block_tokens_of
 from kvspec_core.runtime.rules import FullAttentionRules
-from kvspec_sliding_window.runtime_rules import KpoolTailRules, SlidingWindowRules
-from kvspec_sliding_window.specs import KpoolTailSpec, SlidingWindowSpec
+from kvspec_sliding_window.runtime_rules import (
+    KpoolTailRules,
+    ReferenceSlidingWindowRules,
+    SlidingWindowRules,
+)
+from kvspec_sliding_window.specs import (
+    KpoolTailSpec,
+    ReferenceSlidingWindowSpec,
+    SlidingWindowSpec,
+)
 
 CTX = SizingContext(max_model_len=256, max_in_flight_tokens=16)
 
@@ -37,7 +46,56 @@ def test_hook_registers_rules_for_the_plugins_kinds() -> None:
     plugins = manager()
     assert plugins.runtime_rules("sliding_window") is SlidingWindowRules
     assert plugins.runtime_rules("kpool_tail") is KpoolTailRules
-    assert plugins.runtime_rules("reference_sliding_window") is FullAttentionRules
+    assert plugins.runtime_rules("reference_sliding_window") is ReferenceSlidingWindowRules
+    assert issubclass(ReferenceSlidingWindowRules, FullAttentionRules)
+
+
+def rswa_spec(block_size: int = 4) -> ReferenceSlidingWindowSpec:
+    return ReferenceSlidingWindowSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16, rswa_window=4
+    )
+
+
+def answered(allocator: KVCacheAllocator, prompt: list[int], generated: int) -> Request:
+    """A request that prefilled ``prompt``, decoded ``generated`` tokens and was freed."""
+    request = Request("answer", list(prompt))
+    assert allocator.allocate_slots(request, len(prompt))
+    for token in range(100, 100 + generated):
+        request.append_token(token)
+        assert allocator.allocate_slots(request, 1)
+    allocator.free("answer")
+    return request
+
+
+@pytest.mark.parametrize("rswa", [True, False])
+def test_rswa_caches_only_the_prompt_blocks(rswa: bool) -> None:
+    """R-SWA's generated positions attend the prompt and the last rswa_window generated
+    tokens, while the same tokens in a later prompt attend everything before them: their
+    K/V differ, so a follow-up whose prompt holds the answer hits the first prompt only.
+    Full attention (control) hits the answer too."""
+    spec = (
+        rswa_spec()
+        if rswa
+        else FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    )
+    allocator = KVCacheAllocator([spec], 64, CTX, manager=manager())
+    answer = answered(allocator, list(range(1, 11)), 22)  # prompt 10: blocks 0-1 inside it
+    follow_up = Request("follow-up", [*answer.token_ids, 999])
+    assert allocator.find_cached_prefix(follow_up).num_tokens == (8 if rswa else 32)
+    # A prompt shorter than the first one reuses what it shares with it.
+    assert allocator.find_cached_prefix(Request("short", list(range(1, 7)))).num_tokens == 4
+
+
+def test_rswa_rebuilt_request_caches_up_to_its_original_prompt() -> None:
+    """An engine building the request again after a preemption (its generated tokens in
+    token_ids, recomputed under the decode mask) names the original prompt length."""
+    allocator = KVCacheAllocator([rswa_spec()], 64, CTX, manager=manager())
+    tokens = list(range(1, 31))
+    resumed = Request("resumed", tokens, num_prompt_tokens=9)
+    assert allocator.allocate_slots(resumed, len(tokens))
+    allocator.free("resumed")
+    assert allocator.find_cached_prefix(Request("again", [*tokens, 7])).num_tokens == 8
+    assert allocator.usage.cached_blocks == 2
 
 
 @settings(max_examples=60)

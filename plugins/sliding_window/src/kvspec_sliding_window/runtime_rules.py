@@ -10,7 +10,11 @@
 * ``kpool_tail``: one block for the request's life, never cached.
 * ``reference_sliding_window`` (R-SWA): its gap eviction depends on where the prompt ends,
   which the positional rules cannot express yet, so it keeps every block, exactly like full
-  attention (and its admission cap is full attention's): correct, never frees early.
+  attention (and its admission cap is full attention's): correct, never frees early. Its
+  K/V past the prompt depend on where the prompt ended too (a generated token attends the
+  prompt and the last ``rswa_window`` generated tokens; the same token in a later prompt
+  attends every earlier one), so only the blocks inside a request's prompt are cached: a
+  multi-turn follow-up whose prompt holds the earlier answer hits the earlier prompt only.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ class SlidingWindowRules(TrailingWindowRules):
         return found[:leading]
 
 
+class ReferenceSlidingWindowRules(FullAttentionRules):
+    """R-SWA: full attention's steps and hits, caching only the blocks inside the prompt."""
+
+    caches_prompt_only = True
+
+
 class KpoolTailRules(SingleBlockRules):
     """The kpool indexer's one-block raw tail."""
 
@@ -70,4 +80,4 @@ class KpoolTailRules(SingleBlockRules):
 def kvspec_register_runtime_rules(register: RegisterRuntimeRules) -> None:
     register("sliding_window", SlidingWindowRules)
     register("kpool_tail", KpoolTailRules)
-    register("reference_sliding_window", FullAttentionRules)
+    register("reference_sliding_window", ReferenceSlidingWindowRules)

@@ -99,4 +99,6 @@ def kvspec_request_of(request: Any) -> Request:
         # vLLM hashes the adapter's name and path: a name pointed at another adapter
         # must not hit the K/V the previous one computed.
         lora_name=repr((lora.lora_name, lora.lora_path)) if lora is not None else None,
+        # Built again on a resume, its token ids then hold its output too.
+        num_prompt_tokens=request.num_prompt_tokens,
     )

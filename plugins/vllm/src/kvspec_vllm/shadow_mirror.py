@@ -187,7 +187,13 @@ class KVCacheShadow:
     # ----------------------------------------------------------------- helpers
     def _new_request(self, request: Any) -> Request:
         salt = getattr(request, "cache_salt", None)
-        return Request(request.request_id, list(request.all_token_ids), cache_salt=salt)
+        # A resumed request's token ids hold its output: its prompt is vLLM's count.
+        return Request(
+            request.request_id,
+            list(request.all_token_ids),
+            cache_salt=salt,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
 
     def _leave_out(self, rid: str) -> None:
         self._left_out.add(rid)
