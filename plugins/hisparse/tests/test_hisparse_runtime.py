@@ -14,6 +14,7 @@ from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import FullAttentionRules, KVCacheAllocator, Request, rules_for
 from kvspec_core.specs.base import KVSpec
 from kvspec_core.specs.full_attention import FullAttentionSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs
 from kvspec_hisparse import HiSparseGroupSpec, HiSparseHotSpec, HiSparseResidentSpec
 from kvspec_hisparse.runtime_rules import HotCacheRules, ResidentRules
 
@@ -133,9 +134,36 @@ def test_a_group_wrapping_a_window_is_refused_not_capped_below_its_rules() -> No
     message = str(caught.value)
     assert "'hisparse_test_window'" in message and "sized for 4 blocks" in message
     assert "keep 32" in message and "max_model_len=2,048" in message
+    # The fix named is the HiSparse group's, not rules_for's (registering rules for the
+    # wrapped kind does not reach a HiSparse group).
+    assert "not reachable from a HiSparse group" in message
+    assert "register rules" not in message
     # The same spec sized as full attention is accepted.
     full = HiSparseGroupSpec(inner=FullAttentionSpec(**_LATENT), role="hisparse_indexer")
     assert type(rules_for(full, CTX, manager)) is FullAttentionRules
 
 
 _LATENT = dict(block_size=64, num_kv_heads=1, head_size=288, head_size_v=288, dtype=torch.bfloat16)
+
+
+def test_a_group_wrapping_a_uniform_type_group_of_attention_layers_gets_their_rules() -> None:
+    """Found in review: the usual source group (a uniform-type group of MLA layers) was
+    refused as "not attention", the check reading the wrapper instead of its layers."""
+    manager = manager_with_hisparse()
+    layers = {f"model.layers.{i}": latent_like(block_size=4) for i in range(3)}
+    wrapped = UniformTypeSpecs.from_specs(layers, manager.spec_kinds)
+    assert wrapped is not None
+    source = HiSparseGroupSpec(inner=wrapped, role="hisparse_source")
+    assert type(rules_for(source, CTX, manager)) is FullAttentionRules
+    allocator = KVCacheAllocator(
+        [source, latent_like(block_size=4)],
+        [16, 16],
+        CTX,
+        pool_of_group=[0, 1],
+        manager=manager,
+        hash_salt=b"hisparse-test",
+    )
+    first = Request("a", list(range(9)))
+    assert allocator.allocate_slots(first, 9)
+    allocator.free("a")
+    assert allocator.find_cached_prefix(Request("b", list(range(9)))).num_tokens == 8

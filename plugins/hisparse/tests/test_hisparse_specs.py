@@ -179,6 +179,11 @@ def test_group_field_refusals() -> None:
             role="hisparse_source",
         )
     assert caught.value.field == "inner"
+    # Not a spec at all: refused by name too, not an AttributeError from its defaults.
+    for bad in (3, None, "mla"):
+        with pytest.raises(InvalidFieldTypeError) as caught:
+            HiSparseGroupSpec(inner=bad, role="hisparse_source")  # type: ignore[arg-type]
+        assert caught.value.field == "inner"
 
 
 def test_group_merge() -> None:

@@ -42,7 +42,13 @@ def _check_inner(instance: Any, attribute: Any, value: Any) -> None:
 
 
 def _from_inner(name: str) -> Any:
-    return attrs.Factory(lambda self: getattr(self.inner, name), takes_self=True)
+    def default(self: Any) -> Any:
+        # Defaults are computed before validators run: refuse a bad inner here, by name,
+        # instead of an AttributeError from reading its field.
+        _check_inner(self, attrs.fields(type(self)).inner, self.inner)
+        return getattr(self.inner, name)
+
+    return attrs.Factory(default, takes_self=True)
 
 
 @attrs.frozen(kw_only=True)

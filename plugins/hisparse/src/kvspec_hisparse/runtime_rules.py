@@ -26,6 +26,7 @@ from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
 from kvspec_core.runtime import NEVER, FamilyRules, FullAttentionRules, rules_for
 from kvspec_core.specs.attention import AttentionSpec
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.uniform import UniformTypeSpecs
 from kvspec_hisparse.groups import HiSparseGroupSpec
 from kvspec_hisparse.specs import HiSparseHotSpec, HiSparseResidentSpec
 
@@ -71,16 +72,27 @@ def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
     """The rules of a HiSparse source or indexer group: its wrapped spec's (see the module
     docstring; a wrapped spec that is not attention is refused)."""
     inner = spec.inner if isinstance(spec, HiSparseGroupSpec) else spec
-    if not isinstance(inner, AttentionSpec):
+    # A uniform-type group of layers: its layers' family decides, as in rules_for.
+    layers = inner.first_spec if isinstance(inner, UniformTypeSpecs) else inner
+    if not isinstance(layers, AttentionSpec):
         raise AllocatorError(
-            f"a HiSparse group wraps {type(inner).__name__} (kind {inner.kind!r}), which is "
+            f"a HiSparse group wraps {type(layers).__name__} (kind {layers.kind!r}), which is "
             "not attention: its family's runtime rules are not reachable from the HiSparse "
             "group, and full attention's would give false prefix hits on its states; wrap "
             "attention specs only (MLA latents, indexer keys)"
         )
-    # A wrapped spec sized for fewer blocks than these rules keep (a window under full
-    # attention's) is refused by rules_for itself.
-    return rules_for(inner, ctx, None)
+    try:
+        return rules_for(inner, ctx, None)
+    except AllocatorError as error:
+        # A wrapped spec sized for fewer blocks than the core's rules keep (a window under
+        # full attention's): rules_for's fix (register rules) does not apply here.
+        raise AllocatorError(
+            f"a HiSparse group wraps {type(layers).__name__} (kind {layers.kind!r}), but it "
+            "gets the core's runtime rules for it (a plugin's rules for the wrapped kind are "
+            f"not reachable from a HiSparse group): {str(error).split('; register')[0]}. Wrap "
+            "full-attention-shaped specs "
+            "only (MLA latents, indexer keys)"
+        ) from None
 
 
 @hookimpl
