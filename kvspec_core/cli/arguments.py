@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from kvspec_core.byte_sizes import format_size
@@ -55,6 +57,21 @@ def plot_file(text: str) -> str:
         )
     if "\0" in text:
         raise argparse.ArgumentTypeError(f"{text!r} holds a NUL character; no file has one")
+    # Checked before any work (a sweep of replays used to run first, then fail to write).
+    path = Path(text)
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the plot is a PNG image; give a file name ending in .png"
+        )
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give the PNG file to write")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: its directory {str(folder)!r} does not exist; create it first"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written here (permission denied)")
     return text
 
 
@@ -211,9 +228,12 @@ def add_model_arguments(
     parser.add_argument(
         "--max-in-flight-tokens",
         type=positive_int,
-        default=DEFAULT_MAX_IN_FLIGHT_TOKENS,
+        default=None,
         metavar="N",
-        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS})",
+        help=(
+            f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS}; with --gpu "
+            "and no --overhead, the overheads' calibration: 8192)"
+        ),
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

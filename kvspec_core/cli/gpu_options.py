@@ -11,7 +11,9 @@ from kvspec_core.cli.ascii_numbers import match_ascii_decimal
 from kvspec_core.cli.sizes import UNITS, parse_size
 from kvspec_core.deployment.gpu_budget import DEFAULT_UTILIZATION
 from kvspec_core.deployment.gpus import find_gpu
+from kvspec_core.deployment.overheads import calibration_batched_tokens
 from kvspec_core.errors import ConfigError
+from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
 
 
 def gpu_requested(args: argparse.Namespace) -> bool:
@@ -39,6 +41,26 @@ def check_budget_options(args: argparse.Namespace) -> None:
         ):
             if value is not None:
                 raise ConfigError(f"{option} applies to --gpu / --gpu-memory; add --gpu NAME")
+    resolve_in_flight_tokens(args)
+
+
+def resolve_in_flight_tokens(args: argparse.Namespace) -> None:
+    """``--max-in-flight-tokens``, defaulted: on a GPU whose overheads come from the table,
+    the batch they were measured at (vLLM's activation peak is a forward of that many
+    tokens); more is refused there, the larger peak not being measured."""
+    calibrated = calibration_batched_tokens()
+    from_table = gpu_requested(args) and args.overhead is None
+    if args.max_in_flight_tokens is None:
+        args.max_in_flight_tokens = calibrated if from_table else DEFAULT_MAX_IN_FLIGHT_TOKENS
+    elif from_table and args.max_in_flight_tokens > calibrated:
+        raise ConfigError(
+            f"--max-in-flight-tokens {args.max_in_flight_tokens:,} with --gpu: the activation "
+            f"peak kvspec subtracts was measured at {calibrated:,} batched tokens (vLLM's "
+            "profiling forward runs max_num_batched_tokens tokens, so it grows with them), "
+            f"and at {args.max_in_flight_tokens:,} it is larger by an amount not measured "
+            "here; pass --overhead SIZE (activation + non-torch per GPU, as vLLM logs them at "
+            f"that batch) or --max-in-flight-tokens {calibrated} or less"
+        )
 
 
 def gpu_memory(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:

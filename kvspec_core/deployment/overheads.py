@@ -63,6 +63,13 @@ def overhead_table() -> dict[str, Any]:
     return table
 
 
+def calibration_batched_tokens() -> int:
+    """The batched tokens per step of the runs the activation figures come from (vLLM
+    profiles that many tokens, so its peak grows with them; see ``overheads.json``)."""
+    tokens: int = overhead_table()["calibration_batched_tokens"]
+    return tokens
+
+
 def _gib(value: float) -> int:
     return round(value * GIB)
 

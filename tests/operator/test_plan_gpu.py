@@ -267,3 +267,26 @@ def test_an_overhead_of_zero_is_taken_and_labelled_as_the_override(
     table = capsys.readouterr().out
     assert "\n--overhead " in table and "activation peak" not in table
     assert "unknown unit 'XB'" in fails(capsys, "qwen3-8b", "--gpu", "l4", "--overhead", "0XB")
+
+
+def test_in_flight_tokens_default_to_the_overheads_calibration_and_more_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found in review: --max-in-flight-tokens changed nothing in the GPU budget, though
+    vLLM's activation peak is a forward of that many tokens (the table's is at 8,192)."""
+    assert plan_json(capsys, "llama-3.1-8b", "--gpu", "h100-80gb")["max_in_flight_tokens"] == 8192
+    error = fails(capsys, "llama-3.1-8b", "--gpu", "h100-80gb", "--max-in-flight-tokens", "16384")
+    assert "measured at 8,192 batched tokens" in error and "--overhead SIZE" in error
+    # With a measured --overhead any batch is planned; without --gpu the default is 16,384.
+    measured = plan_json(
+        capsys,
+        "llama-3.1-8b",
+        "--gpu",
+        "h100-80gb",
+        "--max-in-flight-tokens",
+        "16384",
+        "--overhead",
+        "3GiB",
+    )
+    assert measured["max_in_flight_tokens"] == 16384
+    assert plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB")["max_in_flight_tokens"] == 16384
