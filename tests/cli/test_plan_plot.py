@@ -88,8 +88,26 @@ def test_an_unwritable_plot_path_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target = tmp_path / "no" / "such" / "folder" / "p.png"
-    assert main(["plan", "llama-3.1-8b", "--memory", "40GiB", "--plot", str(target)]) == 2
-    assert "cannot write the plot" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "llama-3.1-8b", "--memory", "40GiB", "--plot", str(target)])
+    assert exited.value.code == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["plot.svg", "plot", "folder"])
+def test_a_plot_name_that_is_not_a_png_file_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """Found in review: ``--plot out.svg`` wrote PNG bytes under an SVG name, and a path
+    that could not be written failed only after simulate's whole sweep of replays."""
+    (tmp_path / "folder.png").mkdir()
+    target = tmp_path / (name + ".png" if name == "folder" else name)
+    for command in (["plan", "llama-3.1-8b", "--memory", "40GiB"], ["simulate", "llama-3.1-8b"]):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--plot", str(target)])
+        assert exited.value.code == 2
+        error = capsys.readouterr().err
+        assert "argument --plot" in error and ("ending in .png" in error or "directory" in error)
 
 
 def test_context_lengths_span_up_to_the_max_model_len() -> None:
