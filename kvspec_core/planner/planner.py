@@ -107,15 +107,22 @@ def rebuild_with_blocks(
     *,
     budget_bytes: int | None = None,
     host_budget_bytes: int | None = None,
+    tiers: TierRequest | None = None,
 ) -> KVCachePlan:
     """The same plan with other per-pool block counts (each at least one request's worth),
     optionally under another budget that still holds them; its offload tiers are sized
-    again from their budgets."""
+    again from their budgets (``tiers``: other budgets for them)."""
     skeleton = skeleton_of_plan(plan)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
     host_budget = plan.host_budget_bytes if host_budget_bytes is None else host_budget_bytes
     check_block_counts(plan, blocks, budget, host_budget)
     kinds = [group.kind for group in plan.groups]
     return assemble(
-        skeleton, kinds, blocks, plan.context, budget, host_budget, request_of(plan.tiers)
+        skeleton,
+        kinds,
+        blocks,
+        plan.context,
+        budget,
+        host_budget,
+        request_of(plan.tiers) if tiers is None else tiers,
     )

@@ -1,9 +1,10 @@
 """Making workers agree: one plan from several (the smallest pools win).
 
 Workers plan independently from their own free memory; they must end with the same groups
-and specs (else they would lay the cache out differently) and the same block counts (the
-scheduler hands the same block ids to all). Disagreeing specs are refused naming the first
-differing layer or the first layer placed in another slot.
+and specs (else they would lay the cache out differently), the same block counts (the
+scheduler hands the same block ids to all) and the same offload tiers, each sized from the
+smallest budget asked for it (a disk tier keeps each worker's own folder). Disagreeing specs
+are refused naming the first differing layer or the first layer placed in another slot.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import attrs
 from kvspec_core.errors import PlanError
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.planner import rebuild_with_blocks
+from kvspec_core.planner.tiers import TierRequest
 from kvspec_core.specs.serialization import spec_to_dict
 
 
@@ -33,6 +35,8 @@ def plan_signature(plan: KVCachePlan) -> dict[str, Any]:
         "memoryless_layers": list(plan.memoryless_layers),
         "kv_sharing": [list(pair) for pair in plan.kv_sharing],
         "block_bytes": [pool.block_bytes for pool in plan.pools],
+        # The tiers every worker has (their sizes are agreed: the smallest budget of each).
+        "tiers": [tier.name for tier in plan.tiers],
     }
 
 
@@ -67,6 +71,11 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         )
     if a["block_bytes"] != b["block_bytes"]:
         return f"pool block bytes differ ({a['block_bytes']} vs {b['block_bytes']})"
+    if a["tiers"] != b["tiers"]:
+        return (
+            f"offload tiers differ ({a['tiers'] or 'none'} vs {b['tiers'] or 'none'}): the "
+            "scheduler hands out tier block ids every worker must hold; plan the same tiers"
+        )
     return None
 
 
@@ -87,15 +96,30 @@ def reconcile_plans(plans: Sequence[KVCachePlan]) -> KVCachePlan:
         if difference is not None:
             raise PlanError(
                 f"plans 0 and {index} cannot be reconciled: {difference}; every worker must "
-                "plan the same layer specs"
+                "plan the same layer specs and offload tiers"
             )
     blocks = [min(plan.pools[i].num_blocks for plan in plans) for i in range(len(plans[0].pools))]
+    tier_budgets = [
+        min(plan.tiers[index].budget_bytes for plan in plans)
+        for index in range(len(plans[0].tiers))
+    ]
     return rebuild_with_blocks(
         plans[0],
         blocks,
+        tiers=_tier_request(plans[0], tier_budgets),
         **_smallest_budgets(
             [plan.budget_bytes for plan in plans], [plan.host_budget_bytes for plan in plans]
         ),
+    )
+
+
+def _tier_request(plan: KVCachePlan, budgets: Sequence[int]) -> TierRequest:
+    """``plan``'s tiers under the agreed ``budgets`` (one per tier, in order): every worker
+    sizes them alike (same pools, same budget); a disk tier keeps this worker's own path."""
+    by_name = {tier.name: budget for tier, budget in zip(plan.tiers, budgets, strict=True)}
+    disk = next((tier for tier in plan.tiers if tier.name == "disk"), None)
+    return TierRequest(
+        by_name.get("host"), by_name.get("disk"), None if disk is None else disk.path
     )
 
 
@@ -122,7 +146,7 @@ def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan
         if difference is not None:
             raise PlanError(
                 f"ranks 0 and {rank} planned different KV caches: {difference}; every rank "
-                "must plan the same layer specs"
+                "must plan the same layer specs and offload tiers"
             )
     # Block counts, then the budgets (-1 stands for "no host budget").
     host = -1 if plan.host_budget_bytes is None else plan.host_budget_bytes
@@ -132,17 +156,21 @@ def agree_plan_across_ranks(plan: KVCachePlan, group: Any = None) -> KVCachePlan
         if dist.get_backend(group) == dist.Backend.NCCL
         else torch.device("cpu")
     )
+    num_pools = len(plan.pools)
     counts = torch.tensor(
-        [pool.num_blocks for pool in plan.pools] + [plan.budget_bytes, host],
+        [pool.num_blocks for pool in plan.pools]
+        + [plan.budget_bytes, host]
+        + [tier.budget_bytes for tier in plan.tiers],
         dtype=torch.int64,
         device=device,
     )
     dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
     values = [int(count) for count in counts.tolist()]
-    blocks, budget, host_budget = values[:-2], values[-2], values[-1]
+    blocks, budget, host_budget = values[:num_pools], values[num_pools], values[num_pools + 1]
     return rebuild_with_blocks(
         plan,
         blocks,
         budget_bytes=budget,
         host_budget_bytes=None if host_budget < 0 else host_budget,
+        tiers=_tier_request(plan, values[num_pools + 2 :]),
     )

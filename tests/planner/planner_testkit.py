@@ -8,7 +8,7 @@ through the spec protocol alone, as it must work for any plugin.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -321,7 +321,7 @@ def agreement_worker(rank: int, port: int, out_dir: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        for scenario in ("agree", "mismatch"):
+        for scenario in ("agree", "mismatch", "tiers"):
             state = StateSpec(block_size=4, state_bytes=1000)
             head = 16 if (scenario == "mismatch" and rank == 1) else 8
             specs = layers(
@@ -333,13 +333,17 @@ def agreement_worker(rank: int, port: int, out_dir: str) -> None:
                 ]
             )
             ctx = SizingContext(max_model_len=64)
-            plan = plan_kv_with_budget(specs, (96 + 32 * rank) << 10, ctx)
+            # "tiers": rank 0 asks for a host tier four times rank 1's.
+            tiers = {"host_offload_bytes": (256 >> (2 * rank)) << 10} if scenario == "tiers" else {}
+            plan = plan_kv_with_budget(specs, (96 + 32 * rank) << 10, ctx, **tiers)
             try:
                 agreed = agree_plan_across_ranks(plan)
                 outcome = {
                     "blocks": [p.num_blocks for p in agreed.pools],
                     "own": [p.num_blocks for p in plan.pools],
                     "plan": agreed.to_dict(),
+                    "tiers": [list(tier.blocks_per_pool) for tier in agreed.tiers],
+                    "own_tiers": [list(tier.blocks_per_pool) for tier in plan.tiers],
                 }
             except PlanError as error:
                 outcome = {"error": str(error)}
@@ -350,8 +354,8 @@ def agreement_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def plan_kv_with_budget(
-    specs: Mapping[str, KVSpec], budget: int, ctx: SizingContext
+    specs: Mapping[str, KVSpec], budget: int, ctx: SizingContext, **tiers: Any
 ) -> KVCachePlan:
     from kvspec_core.planner import plan_kv_cache
 
-    return plan_kv_cache(specs, budget, ctx, manager_with_test_kinds())
+    return plan_kv_cache(specs, budget, ctx, manager_with_test_kinds(), **tiers)

@@ -78,6 +78,40 @@ def test_two_gloo_ranks_agree_on_the_minimum_and_refuse_a_mismatch(tmp_path) -> 
         refused = outcome("mismatch", rank)
         assert "ranks 0 and 1" in refused["error"]
         assert "layer model.layers.2" in refused["error"]
+    # Found in review: each rank kept its own host tier, so tier block ids the scheduler
+    # handed out did not exist on the smaller rank.
+    tiered = [outcome("tiers", rank) for rank in range(2)]
+    assert tiered[0]["own_tiers"] != tiered[1]["own_tiers"]
+    assert tiered[0]["tiers"] == tiered[1]["tiers"] == tiered[1]["own_tiers"]
+    assert tiered[0]["plan"] == tiered[1]["plan"]
+
+
+def test_reconcile_sizes_each_tier_from_its_smallest_budget_and_refuses_other_tiers(
+    tmp_path,
+) -> None:
+    big, small = (
+        plan_kv_with_budget(_specs(), 96 << 10, CTX, host_offload_bytes=host)
+        for host in (512 << 10, 128 << 10)
+    )
+    assert big.tiers[0].blocks_per_pool != small.tiers[0].blocks_per_pool
+    for order in ([big, small], [small, big]):
+        agreed = reconcile_plans(order)
+        assert agreed.tiers == small.tiers
+    untiered = plan_kv_with_budget(_specs(), 96 << 10, CTX)
+    for order in ([big, untiered], [untiered, big]):
+        with pytest.raises(PlanError, match="offload tiers differ"):
+            reconcile_plans(order)
+    # A disk tier is sized alike everywhere but keeps the first plan's own folder.
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+    disks = [
+        plan_kv_with_budget(_specs(), 96 << 10, CTX, disk_offload_bytes=size, disk_path=str(folder))
+        for size, folder in zip((512 << 10, 128 << 10), folders, strict=True)
+    ]
+    agreed = reconcile_plans(disks)
+    assert agreed.tiers[0].blocks_per_pool == disks[1].tiers[0].blocks_per_pool
+    assert agreed.tiers[0].path == str(folders[0])
 
 
 def test_reconcile_refuses_plans_whose_layers_sit_in_other_slots() -> None:
