@@ -12,8 +12,9 @@ for plain reads and writes. Host-resident pools are not offloaded: they have no 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import torch
@@ -68,6 +69,17 @@ class TierBuffers:
                 f"(pools offloaded: {sorted(self.runs)}, {count} blocks)"
             )
         return [(start + block * stride, length) for start, length, stride in self.runs[pool]]
+
+    def remove_files(self) -> None:
+        """Delete the disk tier's files (a materialisation that failed after making them;
+        nothing for the host tier)."""
+        _remove(self.files.values())
+
+
+def _remove(paths: Iterable[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _pin() -> bool:
@@ -147,8 +159,7 @@ def _map_files(files: Mapping[int, str], geometry: KVCachePlan) -> dict[int, tor
             buffers[pool_id] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return buffers
     except BaseException:
-        for path in made:
-            os.remove(path)
+        _remove(made)
         raise
 
 
@@ -176,11 +187,15 @@ def materialize_tier(
             pool.id: make(pool.size_bytes, dtype=torch.uint8, pin_memory=_pin())
             for pool in offloaded
         }
-    return TierBuffers(
-        name=tier.name,
-        plan=geometry,
-        buffers=buffers,
-        views={view.layer: make_view(buffers[view.pool], view) for view in layer_views},
-        files=files,
-        runs={pool.id: _block_runs(geometry, pool.id) for pool in offloaded},
-    )
+    try:
+        return TierBuffers(
+            name=tier.name,
+            plan=geometry,
+            buffers=buffers,
+            views={view.layer: make_view(buffers[view.pool], view) for view in layer_views},
+            files=files,
+            runs={pool.id: _block_runs(geometry, pool.id) for pool in offloaded},
+        )
+    except BaseException:
+        _remove(files.values())
+        raise

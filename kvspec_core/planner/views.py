@@ -8,7 +8,7 @@ allocated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,14 +17,14 @@ from kvspec_core.dtypes import dtype_name
 from kvspec_core.errors import InvalidFieldError, InvalidFieldTypeError, PlanError
 from kvspec_core.planner.layer_views import LayerView, make_view, plan_layer_views
 from kvspec_core.planner.plan import KVCachePlan
-from kvspec_core.planner.tier_buffers import TierBuffers, materialize_tier
+from kvspec_core.planner.tier_buffers import TierBuffers, materialize_tier, tier_geometry
 
 __all__ = ["KVCacheBuffers", "LayerView", "make_view", "materialize", "plan_layer_views"]
 
 
 def _check_device(device: object) -> torch.device:
     try:
-        return torch.device(device)  # type: ignore[call-overload]
+        target = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as error:
         raise InvalidFieldError(
             "materialize",
@@ -32,6 +32,35 @@ def _check_device(device: object) -> torch.device:
             device,
             f"must name a torch device such as 'cpu' or 'cuda:0' ({error})",
         ) from error
+    if target.type == "cuda":
+        # Checked before anything is allocated (torch's own refusal is a bare assert).
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidFieldError(
+                "materialize", "device", device, "names CUDA, which this torch cannot use here"
+            )
+        if target.index is not None and not 0 <= target.index < count:
+            raise InvalidFieldError(
+                "materialize",
+                "device",
+                device,
+                f"names CUDA device {target.index}, but only {count} are visible (0..{count - 1})",
+            )
+    return target
+
+
+def _check_views(plan: KVCachePlan, views: Sequence[LayerView], where: str) -> None:
+    """Make every view on the meta device (no memory), refusing one torch cannot express."""
+    meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]
+    for view in views:
+        try:
+            make_view(meta[view.pool], view)
+        except RuntimeError as error:
+            raise PlanError(
+                f"layer {view.layer}{where} cannot be viewed as {view.dtype} at byte offset "
+                f"{view.offset} with byte strides {view.strides} in layout {plan.layout}: "
+                f"{error}; align the spec's pages (block_stride_alignment) to the dtype size"
+            ) from error
 
 
 class KVCacheBuffers:
@@ -115,21 +144,13 @@ def materialize(
         )
     target = _check_device(device)
     layer_views = plan_layer_views(plan, kernel_block_sizes)
-    meta = [torch.empty(pool.size_bytes, dtype=torch.uint8, device="meta") for pool in plan.pools]
-    for view in layer_views:
-        try:
-            make_view(meta[view.pool], view)
-        except RuntimeError as error:
-            raise PlanError(
-                f"layer {view.layer} cannot be viewed as {view.dtype} at byte offset "
-                f"{view.offset} with byte strides {view.strides} in layout {plan.layout}: "
-                f"{error}; align the spec's pages (block_stride_alignment) to the dtype size"
-            ) from error
-    # Tiers first: the disk tier's checks are the ones that can refuse.
-    tiers = {
-        tier.name: materialize_tier(plan, tier, kernel_block_sizes)
-        for tier in (plan.tiers if offload_tiers else ())
-    }
+    _check_views(plan, layer_views, "")
+    planned_tiers = plan.tiers if offload_tiers else ()
+    for tier in planned_tiers:
+        # A tier's views sit at other offsets than the device's in layer-outer layouts (its
+        # block count differs), so each is checked too before anything is allocated.
+        geometry = tier_geometry(plan, tier)
+        _check_views(geometry, plan_layer_views(geometry, kernel_block_sizes), f" ({tier.name})")
     make = torch.zeros if plan.needs_zeroing else torch.empty
     buffers = [
         make(
@@ -139,4 +160,14 @@ def materialize(
         )
         for pool in plan.pools
     ]
+    # Tiers after the device buffers (whose allocation may fail): the disk tier's files are
+    # removed again if anything after them fails.
+    tiers: dict[str, TierBuffers] = {}
+    try:
+        for tier in planned_tiers:
+            tiers[tier.name] = materialize_tier(plan, tier, kernel_block_sizes)
+    except BaseException:
+        for made in tiers.values():
+            made.remove_files()
+        raise
     return KVCacheBuffers(plan, buffers, layer_views, tiers)

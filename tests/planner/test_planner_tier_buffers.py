@@ -10,9 +10,10 @@ import torch
 from planner_testkit import StateSpec, full, layers, manager_with_test_kinds, window
 
 from kvspec_core import SizingContext
-from kvspec_core.errors import ConfigError
+from kvspec_core.errors import ConfigError, InvalidFieldError, PlanError
 from kvspec_core.planner import KVCachePlan, materialize, plan_kv_cache
 from kvspec_core.planner.tier_buffers import tier_file_name
+from kvspec_core.specs import FullAttentionSpec
 
 CTX = SizingContext(max_model_len=1024, max_in_flight_tokens=256)
 
@@ -135,3 +136,63 @@ def test_host_tier_is_pinned_only_with_cuda(tmp_path: Path) -> None:
     host = materialize(plan).tiers["host"]
     assert all(buffer.device.type == "cpu" for buffer in host.buffers.values())
     assert all(buffer.is_pinned() == torch.cuda.is_available() for buffer in host.buffers.values())
+
+
+def test_tier_views_are_checked_on_meta_before_anything_is_made(tmp_path: Path) -> None:
+    """Found in review: a tier's view offsets depend on its block count in layer-outer
+    layouts, so a plan whose device views pass could fail on its tier, after the tier's
+    memory was allocated and its disk file made (left behind: every retry refused)."""
+    packed = FullAttentionSpec(
+        block_size=1, num_kv_heads=1, head_size=1, dtype=torch.uint8, state_content_bytes=3
+    )
+    fp32 = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    ctx = SizingContext(max_model_len=2, max_in_flight_tokens=1)
+    plan = plan_kv_cache(
+        {"l0": packed, "l1": fp32},
+        88,
+        ctx,
+        manager_with_test_kinds(),
+        layout="LBHNC",
+        disk_offload_bytes=55,
+        disk_path=str(tmp_path),
+    )
+    materialize(plan, offload_tiers=False)  # the device's views alone are fine
+    with pytest.raises(PlanError, match=r"layer l1 \(disk\) cannot be viewed"):
+        materialize(plan)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_after_the_disk_files_were_made_removes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvspec_core.planner import tier_buffers
+
+    plan = _plan("LBHNC", tmp_path)
+    real = tier_buffers._block_runs
+    calls: list[int] = []
+
+    def fail_on_the_disk_tier(geometry: KVCachePlan, pool: int) -> object:
+        calls.append(pool)  # the host tier's pools come first, then the disk tier's
+        if len(calls) > len(plan.pools):
+            assert sorted(path.name for path in tmp_path.iterdir()) == [
+                tier_file_name(pool.id) for pool in plan.pools
+            ]
+            raise RuntimeError("injected after the files were made")
+        return real(geometry, pool)
+
+    monkeypatch.setattr(tier_buffers, "_block_runs", fail_on_the_disk_tier)
+    with pytest.raises(RuntimeError, match="injected"):
+        materialize(plan)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert materialize(_plan("LBHNC", tmp_path)).tiers["disk"].files  # the retry succeeds
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"])
+def test_a_cuda_device_this_torch_cannot_use_is_refused_naming_the_field(
+    tmp_path: Path, device: str
+) -> None:
+    with pytest.raises(InvalidFieldError, match=r"materialize\.device=.*CUDA"):
+        materialize(_plan("LBHNC", tmp_path), device)
+    assert list(tmp_path.iterdir()) == []
