@@ -21,6 +21,7 @@ import attrs
 from kvspec_core.deployment.checkpoint import CheckpointSize
 from kvspec_core.deployment.overheads import Overheads, estimate_overheads, overridden_overheads
 from kvspec_core.deployment.parameters import ModelWeights, model_weights
+from kvspec_core.deployment.quant_split import quantized_split_refusal
 from kvspec_core.deployment.sharding import stage_weight_bytes
 from kvspec_core.deployment.stored_bytes import (
     QUANT_METHODS,
@@ -207,8 +208,9 @@ def _int_field(fields: Mapping[str, Any], name: str) -> int | None:
 def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
     """Why vLLM refuses ``tp`` for the model, or ``None`` when it accepts it: TP must divide
     the attention heads (an encoder-decoder's encoder and decoder heads), divide or be a
-    multiple of the KV heads (``QKVParallelLinear``), and for a Mamba-2 mixer divide its
-    heads and its groups unless there is one group (``MambaMixer2``'s asserts)."""
+    multiple of the KV heads (``QKVParallelLinear``), for a Mamba-2 mixer divide its
+    heads and its groups unless there is one group (``MambaMixer2``'s asserts), and leave
+    each rank whole quantisation blocks or groups (:mod:`quant_split`)."""
     text = raw.get("text_config")
     fields = text if isinstance(text, Mapping) else raw
     for name in (
@@ -226,7 +228,7 @@ def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
     groups = _int_field(fields, "n_groups")
     if _int_field(fields, "mamba_num_heads") and groups not in (None, 1) and groups % tp:
         return f"TP {tp} does not divide the Mamba-2 mixer's n_groups {groups}"
-    return None
+    return quantized_split_refusal(raw, tp)
 
 
 def tp_candidates(raw: Mapping[str, Any]) -> list[int]:
