@@ -45,6 +45,7 @@ from kvspec_core.cli.arguments import (
 from kvspec_core.cli.simulate_replay import (
     OFFLOAD_POLICIES,
     PLOT_HOST_MULTIPLES,
+    check_host_sweep,
     host_sweep,
     replay,
 )
@@ -191,6 +192,8 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         prepared.context.max_model_len,
         None if trained is None else trained[0],
     )
+    if args.plot is not None:
+        check_host_sweep(prepared, budget, manager)
     first = replay(prepared, budget, manager, trace.make_events(), trace.total_events, args)
     sweep = None
     if args.plot is not None:

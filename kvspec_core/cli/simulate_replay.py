@@ -5,6 +5,7 @@ host-tier sizes."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -12,7 +13,9 @@ from typing import Any
 
 import attrs
 
+from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import offload_tier_error
+from kvspec_core.errors import ConfigError
 from kvspec_core.models.planning import ModelPlan, PreparedModel
 from kvspec_core.planner.tiers import OffloadTierError
 from kvspec_core.plugins.manager import PluginManager
@@ -102,6 +105,27 @@ def replay(
     finally:
         close()
     return Replay(planned, report, time.perf_counter() - start)
+
+
+def check_host_sweep(prepared: PreparedModel, budget: int, manager: PluginManager) -> None:
+    """Plan each of ``--plot``'s host tiers before any replay: a budget whose smallest one
+    holds no block of every pool is refused naming --plot (not --host-memory, which the
+    sweep replaces)."""
+    for multiple in PLOT_HOST_MULTIPLES:
+        if not multiple:
+            continue
+        try:
+            attrs.evolve(prepared, host_offload_bytes=int(budget * multiple)).plan(budget, manager)
+        except OffloadTierError as error:
+            if error.tier != "host":
+                raise offload_tier_error(error) from None
+            raise ConfigError(
+                f"--plot replays host tiers of {', '.join(map(str, PLOT_HOST_MULTIPLES[1:]))} "
+                f"times --memory, and at --memory {format_size(budget)} the {multiple}x one "
+                f"({format_size(int(budget * multiple))}) cannot hold a block of every pool "
+                f"({format_size(error.needed)} needed): pass --memory "
+                f"{math.ceil(error.needed / multiple)} or more, or drop --plot"
+            ) from None
 
 
 def host_sweep(

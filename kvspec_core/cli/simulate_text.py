@@ -22,7 +22,13 @@ def _figure_rows(document: dict[str, Any], trace_label: str) -> list[tuple[str, 
             "requests",
             f"{document['requests']:,} ({document['admitted']:,} admitted, "
             f"{document['never_admitted']:,} never admitted, {document['rejected']:,} over the "
-            "admission cap)",
+            "admission cap"
+            + (
+                f", {document['truncated']:,} cut short at max_model_len"
+                if document.get("truncated")
+                else ""
+            )
+            + ")",
         ),
         ("events replayed", f"{document['events']:,} in {document['seconds']:.2f} s"),
         (

@@ -63,7 +63,7 @@ def read_trace_file(args: argparse.Namespace) -> list[MooncakeRequest] | None:
         if args.skip_too_long:
             raise TraceOptionError(
                 "--skip-too-long applies to a trace file; a built-in trace's requests over "
-                "max_model_len are replayed and counted as 'over max_model_len'"
+                "max_model_len are replayed and counted as 'over the admission cap'"
             )
         return None
     if args.seed is not None:

@@ -87,6 +87,24 @@ def test_plot_sweeps_host_memory_and_writes_a_png(
     assert sweep[1]["hit_tokens"] > sweep[0]["hit_tokens"]
 
 
+def test_a_budget_too_small_for_the_plot_sweep_is_refused_naming_plot_before_replaying(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Found in review: the sweep's 0.25x host tier held no block, and the error blamed
+    --host-memory (which the sweep replaces), after the first replays had run."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "hosts.png"
+    code = main(
+        ["simulate", "llama-3.1-8b", "--memory", "12MiB", "--max-model-len", "48"]
+        + ["--requests", "5", "--no-progress", "--plot", str(target)]
+    )
+    assert code == 2
+    captured = capsys.readouterr()
+    assert "--plot replays host tiers" in captured.err and "--host-memory" not in captured.err
+    assert "pass --memory 16777216 or more" in captured.err
+    assert "replaying" not in captured.err and not target.exists()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -179,3 +179,20 @@ def test_a_prompt_over_a_steps_tokens_is_counted_as_over_the_admission_cap(
     out = capsys.readouterr().out
     assert code == 0
     assert "2 (1 admitted, 0 never admitted, 1 over the admission cap)" in out
+
+
+def test_requests_cut_short_at_max_model_len_are_shown_in_the_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Found in review: prompts that fit but whose output does not were counted only in
+    --json; the table did not show them."""
+    trace = write_trace(
+        tmp_path / "long_outputs.jsonl",
+        [(0, 1900, 200, [1, 2, 3, 4]), (1, 1900, 200, [5, 6, 7, 8])],
+    )
+    code, out, err = run(capsys, "--trace", str(trace), "--max-model-len", "2032", "--no-progress")
+    assert code == 0, err
+    assert "2 cut short at max_model_len)" in out
+    code, out, err = run(capsys, "--trace", str(trace), "--no-progress")
+    assert code == 0, err
+    assert "cut short" not in out
