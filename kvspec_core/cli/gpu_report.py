@@ -9,7 +9,9 @@ The plan's keys stay; ``kv_budget_bytes`` is then the bottleneck stage's budget.
 * ``weights``: ``source`` (``safetensors index``, ``safetensors header`` or ``parameter
   count``), ``checkpoint_bytes`` (the whole model as stored; as loaded when ``loaded_as``
   is set), ``parameters`` (transformers' count, or null), ``quant_method`` (or null),
-  ``path`` (the metadata file read, or null),
+  ``path`` (the metadata file read, or null), ``assumed`` (null, or what the count had
+  to assume that the config does not say: a multimodal config without its
+  ``vision_config`` is counted with transformers' default vision tower),
   ``loaded_as`` (null, or why vLLM holds the weights in a narrower dtype than the config's:
   a float32 model is loaded, and its ``auto`` KV cache stored, in bfloat16, so its weights
   are its parameters at 2 bytes, not the checkpoint's float32 size);
@@ -54,6 +56,7 @@ def gpu_report(
             "parameters": source.parameters,
             "quant_method": source.quant_method,
             "path": source.path,
+            "assumed": source.assumed,
         },
         "overheads": {
             "activation_bytes": overheads.activation_bytes,

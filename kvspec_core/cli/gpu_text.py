@@ -52,7 +52,8 @@ def gpu_lines(report: dict[str, Any]) -> list[str]:
         + (f" x PP {pp}" if pp > 1 else "")
         + f" = {tp * pp} GPU{'s' if tp * pp > 1 else ''}",
         f"weights          {format_size(weights['checkpoint_bytes'])} in all, from the "
-        f"{weights['source']} ({count}{stored})",
+        f"{weights['source']} ({count}{stored})"
+        + (f"; assumed: {weights['assumed']}" if weights["assumed"] else ""),
         f"overheads        {report['overheads']['basis']}; {report['overheads']['source']}",
         "",
         render_table(headers, table_rows, align_right=tuple(range(1, len(headers)))),

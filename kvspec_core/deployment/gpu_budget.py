@@ -52,6 +52,9 @@ class WeightsSource:
         stored: each tensor's stored bytes, by name.
         unsplittable: why the weights cannot be split over TP / PP ranks (``None`` when
             they can).
+        assumed: what the count had to assume that the config does not say (``None`` when
+            nothing): a multimodal config without its ``vision_config`` is counted with
+            transformers' default vision tower, not necessarily the checkpoint's.
     """
 
     kind: str
@@ -62,6 +65,7 @@ class WeightsSource:
     model: ModelWeights | None = attrs.field(repr=False)
     stored: Mapping[str, Fraction] = attrs.field(repr=False)
     unsplittable: str | None = None
+    assumed: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -150,6 +154,30 @@ def weights_source(
         model=model,
         stored=stored,
         unsplittable=unsplittable,
+        assumed=_default_vision_tower(raw) if checkpoint is None else None,
+    )
+
+
+def _default_vision_tower(raw: Mapping[str, Any]) -> str | None:
+    """Why a parameter count of ``raw`` holds a vision tower the config does not describe:
+    a multimodal config (a ``text_config`` under a ``...ForConditionalGeneration``) without
+    its ``vision_config`` gets transformers' default one (Llama-4-Scout's preset, trimmed:
+    a 455M-parameter tower where the checkpoint's has 872M)."""
+    architectures = raw.get("architectures")
+    multimodal = (
+        isinstance(raw.get("text_config"), Mapping)
+        and isinstance(architectures, list)
+        and any(
+            isinstance(name, str) and name.endswith("ForConditionalGeneration")
+            for name in architectures
+        )
+    )
+    if not multimodal or "vision_config" in raw:
+        return None
+    return (
+        "the config has no vision_config, so transformers' default vision tower is counted, "
+        "which may differ from the checkpoint's; put its model.safetensors.index.json beside "
+        "its config.json for the exact size"
     )
 
 

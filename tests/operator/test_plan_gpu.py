@@ -48,6 +48,7 @@ def test_json_keeps_the_plan_keys_and_adds_the_documented_ones(
         "quant_method",
         "path",
         "loaded_as",
+        "assumed",
     }
     assert set(report["overheads"]) == {"activation_bytes", "non_torch_bytes", "basis", "source"}
     (stage,) = report["memory_per_gpu"]
@@ -290,3 +291,23 @@ def test_in_flight_tokens_default_to_the_overheads_calibration_and_more_is_refus
     )
     assert measured["max_in_flight_tokens"] == 16384
     assert plan_json(capsys, "llama-3.1-8b", "--memory", "40GiB")["max_in_flight_tokens"] == 16384
+
+
+def test_a_vision_tower_the_config_does_not_describe_is_said_to_be_assumed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found in review: Llama-4-Scout's preset (trimmed, no vision_config) was counted with
+    transformers' default vision tower, 417M parameters short of the checkpoint's, silently."""
+    scout = plan_json(
+        capsys, "llama-4-scout", "--gpu", "h100-80gb", "--tp", "4", "--max-model-len", "262144"
+    )
+    assert "no vision_config" in scout["weights"]["assumed"]
+    assert plan_json(capsys, "llama-3.1-8b", "--gpu", "h100-80gb")["weights"]["assumed"] is None
+    assert (
+        main(
+            ["plan", "llama-4-scout", "--gpu", "h100-80gb", "--tp", "4"]
+            + ["--max-model-len", "262144"]
+        )
+        == 0
+    )
+    assert "; assumed: the config has no vision_config" in capsys.readouterr().out
