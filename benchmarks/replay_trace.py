@@ -8,8 +8,9 @@ JSONL trace read by :mod:`kvspec_core.runtime.mooncake_trace` (first 2,000 reque
 default; 32 running, at most 200 output tokens each); FILE defaults to ``$MOONCAKE_TRACE_FILE``,
 else ``../shared/bench/mooncake_synthetic_trace.jsonl`` beside the repository (Mooncake's
 FAST'25 synthetic trace, ``FAST25-release/traces/synthetic_trace.jsonl``). Its prompts reach
-191,386 tokens, so the allocator's max_model_len is 262,144 for it (8,192 otherwise); a
-request longer than that is refused before the replay (it would block the admission queue).
+191,378 tokens (191,386 with their output), so the allocator's max_model_len is 262,144 for
+it (8,192 otherwise); a request longer than that is refused before the replay (it would
+block the admission queue).
 ``--hybrid`` with it prefills in chunks of 16,384 tokens (``max_in_flight_tokens``: its
 sliding-window group admits no more per step); every other replay prefills a prompt in one
 step (or two, see ``checkpoint_at`` below).
@@ -89,6 +90,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvspec_core import FullAttentionSpec, PluginManager, SizingContext
+from kvspec_core.errors import KVSpecError
 from kvspec_core.runtime import CachedPrefix, KVCacheAllocator, NotNow, Request, chat_trace, trace
 from kvspec_core.runtime.mooncake_trace import TraceFormatError, read_mooncake_trace, trace_events
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
@@ -109,7 +111,7 @@ MAX_MODEL_LEN = 8192
 MODELS = ("full_attention", "hybrid", "mamba_hybrid")
 #: ``--trace`` name -> (trace generator, default number of requests).
 TRACES = {"shared": (trace.make_trace, 2000), "chat": (chat_trace.make_trace, 3000)}
-#: ``--trace mooncake``: its max_model_len (longer than its longest prompt, 191,386 tokens)
+#: ``--trace mooncake``: its max_model_len (longer than its longest request, 191,386 tokens)
 #: and default number of requests.
 MOONCAKE_MAX_MODEL_LEN = 262_144
 MOONCAKE_REQUESTS = 2000
@@ -382,11 +384,13 @@ def replay(
         else:
             rid = event[1]
             if rid in waiting:
+                # Finished while queued: dropped. The queue is retried as after any finish
+                # (its head may be the one dropped), as kvspec simulate does.
                 del waiting[rid]
                 dropped += 1
-                continue
-            allocator.free(rid)
-            del requests[rid]
+            else:
+                allocator.free(rid)
+                del requests[rid]
             while waiting:
                 head = next(iter(waiting.values()))
                 if not admit(head):
@@ -474,7 +478,8 @@ def load_trace(
             raise ValueError("--seed applies to shared and chat; a Mooncake trace has no seed")
         trace_file = trace_file or os.environ.get("MOONCAKE_TRACE_FILE") or ""
         trace_file = trace_file or str(MOONCAKE_DEFAULT_FILE)
-        events, taken = mooncake_events(trace_file, requests or MOONCAKE_REQUESTS)
+        taken = MOONCAKE_REQUESTS if requests is None else requests
+        events, taken = mooncake_events(trace_file, taken)
         # Its sliding-window group admits at most max_in_flight_tokens prompt tokens per
         # step: longer prompts are prefilled in chunks of that many.
         chunk = SizingContext(max_model_len=MOONCAKE_MAX_MODEL_LEN).max_in_flight_tokens
@@ -487,6 +492,37 @@ def load_trace(
         events = list(make_trace(seed=0 if seed is None else seed, num_requests=taken))
         return LoadedTrace(events, taken, None, MAX_MODEL_LEN, None)
     raise ValueError(f"--trace {trace_name!r}: give shared, chat, mooncake or mooncake:FILE")
+
+
+def allocator_of_args(
+    args: argparse.Namespace, max_model_len: int, parser: argparse.ArgumentParser
+) -> KVCacheAllocator:
+    """The allocator the command line asks for (model, pools, tiers and their policies);
+    pools too small for the model are a usage error naming what the allocator refused."""
+    try:
+        return build_allocator(
+            args.blocks,
+            model_name(args),
+            args.eviction,
+            max_model_len,
+            args.host_blocks,
+            args.disk_blocks,
+            WRITE_THROUGH if args.write_through else WRITE_BACK,
+            KEEP_FAMILY_RULES if args.family_keep else KEEP_EVERYTHING,
+        )
+    except KVSpecError as error:
+        parser.error(str(error))
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
 
 
 def main() -> None:
@@ -510,7 +546,7 @@ def main() -> None:
         action="store_true",
         help="Mamba state (align mode) + full attention sharing one pool",
     )
-    parser.add_argument("--blocks", type=int, default=32768)
+    parser.add_argument("--blocks", type=positive_int, default=32768)
     parser.add_argument(
         "--host-blocks",
         type=int,
@@ -540,7 +576,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--requests",
-        type=int,
+        type=positive_int,
         default=None,
         help="requests in the trace (default: 2000 shared, 3000 chat, 2000 mooncake)",
     )
@@ -576,16 +612,7 @@ def main() -> None:
     write_policy = WRITE_THROUGH if args.write_through else WRITE_BACK
     keep = KEEP_FAMILY_RULES if args.family_keep else KEEP_EVERYTHING
     model = model_name(args)
-    allocator = build_allocator(
-        args.blocks,
-        model,
-        args.eviction,
-        max_model_len,
-        args.host_blocks,
-        args.disk_blocks,
-        write_policy,
-        keep,
-    )
+    allocator = allocator_of_args(args, max_model_len, parser)
     # As an engine freezes its heap once started, the KV-cache allocator built (vLLM's
     # engine core does; vs_vllm.py too).
     gc.collect()

@@ -41,9 +41,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from replay_trace import (
+from replay_trace import (  # build_allocator: what its callers build allocators with
     BLOCK_SIZE,
-    build_allocator,
+    allocator_of_args,
+    build_allocator,  # noqa: F401
     load_trace,
     model_name,
     prefill_steps,
@@ -53,10 +54,6 @@ from replay_trace import (
 from kvspec_core.runtime import KVCacheAllocator, Request
 from kvspec_core.runtime.pool import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvspec_core.runtime.tiers import (
-    KEEP_EVERYTHING,
-    KEEP_FAMILY_RULES,
-    WRITE_BACK,
-    WRITE_THROUGH,
     Transfer,
 )
 
@@ -262,11 +259,13 @@ def check_replay(
                 waiting[request.request_id] = request
         else:
             rid = event[1]
-            if waiting.pop(rid, None) is not None or rid not in requests:
-                continue
-            allocator.free(rid)
-            del requests[rid]
-            shadow.forget(rid)
+            if waiting.pop(rid, None) is None:
+                if rid not in requests:
+                    continue
+                allocator.free(rid)
+                del requests[rid]
+                shadow.forget(rid)
+            # As after any finish, also one of a request still queued (replay_trace.replay).
             admit_waiting()
     return {
         "hit_tokens": hit_tokens,
@@ -310,16 +309,7 @@ def main() -> None:
         )
     except ValueError as error:
         parser.error(str(error))
-    allocator = build_allocator(
-        args.blocks,
-        model,
-        args.eviction,
-        max_model_len,
-        args.host_blocks,
-        args.disk_blocks,
-        WRITE_THROUGH if args.write_through else WRITE_BACK,
-        KEEP_FAMILY_RULES if args.family_keep else KEEP_EVERYTHING,
-    )
+    allocator = allocator_of_args(args, max_model_len, parser)
     figures = check_replay(events, allocator, prefill_chunk)
     header = {
         "trace": args.trace,

@@ -354,8 +354,9 @@ def replay_vllm(
             if rid in waiting:
                 del waiting[rid]
                 dropped += 1
-                continue
-            manager.free(requests.pop(rid))
+            else:
+                manager.free(requests.pop(rid))
+            # The queue is retried after any finish, a queued one's too (replay_trace.replay).
             while waiting:
                 head_id, head = next(iter(waiting.items()))
                 if not admit(head_id, head):

@@ -271,13 +271,13 @@ def lockstep(
                     waiting[rid] = pair
             else:
                 rid = event[1]
-                if waiting.pop(rid, None) is not None:
-                    continue
-                vllm_request, _ = running.pop(rid)
-                manager.free(vllm_request)
-                allocator.free(rid)
-                for history in histories.values():
-                    history.forget(rid)
+                if waiting.pop(rid, None) is None:
+                    vllm_request, _ = running.pop(rid)
+                    manager.free(vllm_request)
+                    allocator.free(rid)
+                    for history in histories.values():
+                        history.forget(rid)
+                # The queue is retried after any finish, a queued one's too (replay_trace).
                 while waiting:
                     head = next(iter(waiting))
                     if not admit(head, *waiting[head]):

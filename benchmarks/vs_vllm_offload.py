@@ -634,8 +634,9 @@ def replay_vllm_offloading(
                     connector_finished(request)
                     manager.free(request)
                     step([], [], {}, {request.request_id})
-                continue
-            finish(rid)
+            else:
+                finish(rid)
+            # The queue is retried after any finish, a queued one's too (replay_trace.replay).
             while waiting:
                 head_id, head = next(iter(waiting.items()))
                 if not admit_request(head_id, head):
