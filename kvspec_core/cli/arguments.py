@@ -37,6 +37,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: The largest ``--block-size``: 256x vLLM's largest attention block (256 tokens on CUDA).
+MAX_BLOCK_SIZE = 65_536
+
+
+def block_size(text: str) -> int:
+    """argparse type: tokens per attention block, in ``[1, MAX_BLOCK_SIZE]`` (a larger one
+    made the spec's own page size overflow, reported as a plugin's bug)."""
+    value = positive_int(text)
+    if value > MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} tokens per block is over {MAX_BLOCK_SIZE:,}; engines use 16 to 256 "
+            "(vLLM's default 16)"
+        )
+    return value
+
+
 def seed(text: str) -> int:
     """argparse type: a trace seed, an int (a leading ``-`` allowed) in ASCII digits."""
     value = parse_ascii_integer(text, signed=True)
@@ -204,7 +220,7 @@ def add_model_arguments(
     )
     parser.add_argument(
         "--block-size",
-        type=positive_int,
+        type=block_size,
         default=16,
         metavar="N",
         help="tokens per attention block (default 16; never inflated)",

@@ -233,3 +233,13 @@ def test_fuzzed_simulate_arguments_never_raise(plan_argv: list[str], seed: str) 
     status, stderr = run_cli(argv)
     assert status in (0, EXIT_USAGE), stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("size", ["65537", "100000000", "1000000000000"])
+def test_a_block_size_past_the_limit_is_refused_naming_the_option(size: str) -> None:
+    """Found in review: a huge --block-size overflowed the spec's page size and was reported
+    as a bug of the 'core' plugin; the capacity error below it suggested a larger budget."""
+    status, stderr = run_cli(["plan", "llama-3.1-8b", "--memory", "40GiB", "--block-size", size])
+    assert status == 2
+    assert f"argument --block-size: {size!r} tokens per block is over 65,536" in stderr
+    assert "plugin" not in stderr
