@@ -5,6 +5,8 @@ Shared by the device pools (:mod:`~kvspec_core.planner.views`) and the offload t
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Mapping
 
 import attrs
@@ -142,7 +144,24 @@ def _check_kernel_block_sizes(
             unknown,
             f"keys must be group ids of the plan (0..{len(plan.groups) - 1})",
         )
-    return dict(kernel_block_sizes)
+    # A None value used to mean "no split" silently; leave the group out for that. Integers
+    # of other types (numpy's, a 0-d tensor) are read through __index__.
+    sizes: dict[int, int] = {}
+    for key, value in kernel_block_sizes.items():
+        size: int | None = None
+        if value.__class__ is not bool:
+            with contextlib.suppress(TypeError):
+                size = operator.index(value)
+        if size is None:
+            raise InvalidFieldTypeError(
+                "materialize",
+                f"kernel_block_sizes[{key}]",
+                value,
+                "expected an int kernel block size dividing the group's block size (leave "
+                "the group out for no split)",
+            )
+        sizes[key] = size
+    return sizes
 
 
 def plan_layer_views(

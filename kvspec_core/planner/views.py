@@ -142,6 +142,13 @@ def materialize(
             type(plan).__name__,
             "expected a KVCachePlan (plan_from_dict reads a dict)",
         )
+    if offload_tiers.__class__ is not bool:
+        raise InvalidFieldTypeError(
+            "materialize",
+            "offload_tiers",
+            offload_tiers,
+            "expected True (allocate the plan's tiers, the default) or False",
+        )
     target = _check_device(device)
     layer_views = plan_layer_views(plan, kernel_block_sizes)
     _check_views(plan, layer_views, "")

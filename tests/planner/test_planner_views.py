@@ -144,6 +144,16 @@ def test_materialize_refuses_bad_arguments_naming_them(monkeypatch: pytest.Monke
         materialize(plan, kernel_block_sizes=4)  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldError, match=r"kernel_block_sizes.*group ids"):
         materialize(plan, kernel_block_sizes={"0": 4})  # type: ignore[dict-item]
+    # Found in review: None silently meant "no split", and any truthy offload_tiers counted.
+    for bad in (None, 8.0, True):
+        with pytest.raises(InvalidFieldTypeError, match=r"kernel_block_sizes\[0\]"):
+            materialize(plan, kernel_block_sizes={0: bad})  # type: ignore[dict-item]
+    with pytest.raises(InvalidFieldTypeError, match=r"materialize\.offload_tiers='no'"):
+        materialize(plan, offload_tiers="no")  # type: ignore[arg-type]
+    import numpy
+
+    split = materialize(plan, kernel_block_sizes={0: numpy.int64(8)})  # an int by __index__
+    assert split.views[next(iter(split.views))].shape[2] == 8
     allocations: list[object] = []
     real_empty = torch.empty
 
@@ -160,8 +170,10 @@ def test_materialize_refuses_bad_arguments_naming_them(monkeypatch: pytest.Monke
 
 def test_kernel_block_size_is_checked_even_when_it_changes_nothing() -> None:
     plan = _plan(layers([full(**SMALL)] * 2), "LBNHC")
-    for bad in (8.0, True, 0):
-        with pytest.raises(PlanError, match="positive divisor"):
+    with pytest.raises(PlanError, match="positive divisor"):
+        materialize(plan, kernel_block_sizes={0: 0})
+    for bad in (8.0, True):  # not ints: refused naming the entry (test above)
+        with pytest.raises(InvalidFieldTypeError, match=r"kernel_block_sizes\[0\]"):
             materialize(plan, kernel_block_sizes={0: bad})  # type: ignore[dict-item]
     assert (
         materialize(plan, kernel_block_sizes={0: 8}).layer_views["model.layers.0"].kernel_block_size
