@@ -118,7 +118,8 @@ def plot_hit_rate_vs_host_memory(
             )
         axes.set_xlabel("host tier memory (x the device KV budget)")
         axes.set_ylabel("prefix-hit rate (% of prompt tokens)")
-        axes.set_ylim(bottom=0)
+        # Room above the highest point for its label (the frame clipped it).
+        axes.set_ylim(bottom=0, top=max(ys, default=0.0) * 1.12 + 1.0)
         axes.set_title(title, fontsize=10)
         axes.grid(True, alpha=0.3)
         return _save_png(figure, path)

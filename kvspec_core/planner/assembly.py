@@ -75,13 +75,15 @@ def assemble(
     device_bytes = sum(pool.size_bytes for pool in pools if not pool.host_resident)
     host_bytes = sum(pool.size_bytes for pool in pools if pool.host_resident)
     page_padding = alignment_padding = 0
-    for pool in pools:
+    for pool, draft in zip(pools, skeleton.pools, strict=True):
         if pool.host_resident:
             continue
-        slot_total = sum(pool.slot_bytes)
+        # A block's bytes without block_stride_alignment: the rest is alignment padding
+        # (in layer-outer layouts the aligned stride is inside each slot's bytes).
+        unaligned, _ = place_segments(draft.segments, layout, 1, 1)
         content = max(groups[g].real_page_size_bytes for g in pool.groups)
-        page_padding += pool.num_blocks * (slot_total - content)
-        alignment_padding += pool.num_blocks * (pool.block_bytes - slot_total)
+        page_padding += pool.num_blocks * (unaligned - content)
+        alignment_padding += pool.num_blocks * (pool.block_bytes - unaligned)
     idle = budget - device_bytes
     demands = [pool.blocks_per_request for pool in pools]
     return KVCachePlan(

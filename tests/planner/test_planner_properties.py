@@ -117,6 +117,7 @@ def test_random_hybrid_plans_are_sound(specs, layout, extra, max_len, in_flight)
     # Within budget, one request fits, block sizes untouched, every live layer planned once.
     assert plan.bytes_allocated <= budget and plan.host_bytes_allocated <= host_budget
     assert plan.bytes_allocated + plan.padding_breakdown[2][1] == budget
+    assert all(bytes_ >= 0 for _, bytes_ in plan.padding_breakdown)
     assert plan.num_blocks == sum(pool.num_blocks for pool in plan.pools)
     for pool in plan.pools:
         assert pool.num_blocks >= pool.blocks_per_request + 1

@@ -43,6 +43,11 @@ def test_block_stride_alignment_rounds_blocks() -> None:
     )
     lbhnc = _plan(specs, "LBHNC")
     assert lbhnc.tensors[0].block_stride == 1024 and lbhnc.pools[0].block_bytes == 3 * 1024
+    # Found in review: the layer-outer stride's alignment bytes were labelled page padding.
+    assert lbhnc.padding_breakdown[:2] == (
+        ("page_padding", 0),
+        ("alignment", lbhnc.pools[0].num_blocks * 3 * (1024 - page)),
+    )
     for plan in (blhnc, lbhnc):
         assert_views_sound(plan)
 
