@@ -57,7 +57,71 @@ def _head_size(config: Mapping[str, Any], fields: HeadFields, where: str) -> int
     return hidden // heads
 
 
+#: Falcon's model types: without the new decoder architecture, ``multi_query`` means one KV
+#: head whatever the head fields say (FalconAttention; vLLM's get_total_num_kv_heads).
+_FALCON_TYPES = frozenset({"falcon", "RefinedWeb", "RefinedWebModel"})
+
+#: Fields of layouts whose per-layer K/V widths kvspec does not read: planned from the
+#: shared fields, their caches would be sized wrongly (found by review, against
+#: transformers' model code). Gemma-4 sizes its global layers from ``global_head_dim`` and
+#: ``num_global_key_value_heads``.
+_PER_LAYER_HEAD_FIELDS = ("global_head_dim", "num_global_key_value_heads", "per_layer_config")
+
+
+def _refuse_unread_head_fields(config: Mapping[str, Any], fields: HeadFields, where: str) -> None:
+    """Refuse configs whose K/V widths come from fields the shared lookup does not read."""
+    for name in _PER_LAYER_HEAD_FIELDS:
+        if config.get(name) is not None:
+            raise ConfigError(
+                f"config field {name!r} ({where}): this model sizes some layers' K/V heads "
+                "from their own fields (Gemma-4's global layers), which kvspec does not read "
+                "yet; planned from the shared head fields its cache would be sized wrongly"
+            )
+    # A V width other than K's outside MLA (MiMo-V2-Flash): every K/V cache here holds
+    # head_size values for each, so a different v_head_dim would be sized wrongly.
+    v_width = config.get("v_head_dim")
+    if v_width is not None and "kv_lora_rank" not in config:
+        head = _head_size(config, fields, where)
+        if v_width != head:
+            raise ConfigError(
+                f"config field 'v_head_dim'={v_width!r} differs from the head size {head} "
+                f"({where}) outside MLA: kvspec sizes V like K, so this model's cache would "
+                "be sized wrongly; it is not supported yet"
+            )
+    # kv_channels is the per-head width of ChatGLM and JetMoE; where it differs from the
+    # derived head size and head_dim does not settle it, the width is ambiguous.
+    channels = config.get("kv_channels")
+    if channels is not None and first_present(config, *fields.head_dim) is None:
+        heads, hidden = first_present(config, *fields.heads), first_present(config, *fields.hidden)
+        derived = (
+            hidden[1] // heads[1]
+            if heads
+            and hidden
+            and isinstance(heads[1], int)
+            and isinstance(hidden[1], int)
+            and heads[1] > 0
+            else None
+        )
+        if channels != derived:
+            raise ConfigError(
+                f"config field 'kv_channels'={channels!r} differs from hidden size / attention "
+                f"heads = {derived} ({where}), and no 'head_dim' says which is the K/V head "
+                "size; add 'head_dim' to the model config"
+            )
+
+
 def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -> tuple[str, int]:
+    if (
+        config.get("model_type") in _FALCON_TYPES
+        and not config.get("new_decoder_architecture")
+        and config.get("multi_query")
+    ):
+        return "multi_query", 1
+    if config.get("multi_query_attention") is False and "multi_query_group_num" in config:
+        # ChatGLM with multi-query attention off: every query head has its own K/V.
+        found = first_present(config, *fields.heads)
+        if found is not None:
+            return found[0], int_field(config, found[0], found[1], needed_for=where)
     found = first_present(config, *fields.kv_heads)
     if found is not None:
         field, value = found
@@ -230,6 +294,7 @@ def resolve_attention_shape(
         kv_field, total = "kv_lora_rank", 1
         head_size = head_size_v = _mla_latent_width(config, where)
     else:
+        _refuse_unread_head_fields(config, fields, where)
         kv_field, total = _total_kv_heads(config, fields, where)
         _check_query_groups(config, fields, kv_field, total, where)
         head_size = head_size_v = _head_size(config, fields, where)

@@ -12,7 +12,14 @@ class HeadFields:
     encoder-decoder ones (``encoder_attention_heads``, ``d_model``...)."""
 
     heads: tuple[str, ...] = ("num_attention_heads", "n_head", "num_heads")
-    kv_heads: tuple[str, ...] = ("num_key_value_heads", "num_kv_heads")
+    # vLLM's order (ModelConfig.get_total_num_kv_heads): Falcon's legacy n_head_kv first,
+    # ChatGLM's multi_query_group_num last.
+    kv_heads: tuple[str, ...] = (
+        "n_head_kv",
+        "num_kv_heads",
+        "num_key_value_heads",
+        "multi_query_group_num",
+    )
     head_dim: tuple[str, ...] = ("head_dim", "attention_head_dim")
     hidden: tuple[str, ...] = ("hidden_size", "d_model", "n_embd")
 

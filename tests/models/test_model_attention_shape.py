@@ -212,3 +212,48 @@ def test_an_mla_latent_beyond_the_field_limit_is_refused_naming_the_fields() -> 
         r"layer model.layers.0 \(mla_attention\)",
     ):
         typed(config)
+
+
+def _shape_of(**fields: object) -> tuple[int, int]:
+    config = {"num_hidden_layers": 1, "hidden_size": 4544, "num_attention_heads": 71, **fields}
+    shape = typed(config).layers[0].attention
+    assert shape is not None
+    return shape.total_kv_heads, shape.head_size
+
+
+def test_kv_heads_read_in_vllms_order_with_falcons_multi_query() -> None:
+    """Found in review: Falcon-7B (multi_query) and ChatGLM (multi_query_group_num) were
+    read as full multi-head attention (71x and 16x the KV), Falcon-40B's n_head_kv ignored.
+    vLLM's get_total_num_kv_heads and the model code give 1, 8 and 2 KV heads."""
+    falcon_7b = {"model_type": "falcon", "multi_query": True, "num_kv_heads": 71}
+    assert _shape_of(**falcon_7b) == (1, 64)
+    assert _shape_of(**falcon_7b, new_decoder_architecture=True) == (71, 64)
+    falcon_40b = {"model_type": "falcon", "new_decoder_architecture": True, "n_head_kv": 8}
+    assert _shape_of(hidden_size=8192, num_attention_heads=128, **falcon_40b) == (8, 64)
+    glm = {"hidden_size": 4096, "num_attention_heads": 32, "multi_query_group_num": 2}
+    assert _shape_of(**glm, multi_query_attention=True, kv_channels=128) == (2, 128)
+    assert _shape_of(**glm, multi_query_attention=False) == (32, 128)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # Gemma-4: global layers sized from their own head fields.
+        ({"global_head_dim": 512}, "'global_head_dim'"),
+        ({"num_global_key_value_heads": 4}, "'num_global_key_value_heads'"),
+        # MiMo-V2-Flash: V narrower than K outside MLA.
+        ({"head_dim": 192, "v_head_dim": 128}, "'v_head_dim'=128 differs"),
+        # JetMoE: kv_channels 128 where hidden / heads is 64.
+        ({"hidden_size": 2048, "num_attention_heads": 32, "kv_channels": 128}, "'kv_channels'"),
+    ],
+)
+def test_kv_widths_from_fields_kvspec_does_not_read_are_refused(
+    fields: dict[str, object], message: str
+) -> None:
+    """Found in review: these configs were planned from the shared head fields, their caches
+    sized 2x off against transformers' model code."""
+    with pytest.raises(ConfigError, match=message):
+        _shape_of(**fields)
+    # The same widths stated consistently plan as before.
+    assert _shape_of(head_dim=128, v_head_dim=128) == (71, 128)
+    assert _shape_of(hidden_size=4096, num_attention_heads=32, kv_channels=128) == (32, 128)
