@@ -26,6 +26,7 @@ from kvspec_core.models.ingest import (
     model_layers,
 )
 from kvspec_core.models.normalized import ModelConfig
+from kvspec_core.models.trained_length import default_plan_length
 from kvspec_core.plugins.layer_config import PlanOptions
 
 if TYPE_CHECKING:
@@ -107,7 +108,10 @@ def prepare_model(
     model = model_layers(config, options, manager, name=name)
     specs = layer_specs(model, manager)
     ctx = default_sizing_context(
-        model, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens
+        model,
+        # vLLM's default length (RoPE factor included), not the config field alone.
+        max_model_len=default_plan_length(model) if max_model_len is None else max_model_len,
+        max_in_flight_tokens=max_in_flight_tokens,
     )
     return PreparedModel(
         model=model,

@@ -56,3 +56,22 @@ def trained_max_model_len(model: ModelLayers) -> tuple[int, str] | None:
     if factor == 1.0:
         return base, "the config's length"
     return int(base * factor), f"the config's length {base:,} x its RoPE scaling factor {factor:g}"
+
+
+def default_plan_length(model: ModelLayers) -> int | None:
+    """The max_model_len vLLM plans when none is given: the trained length
+    (:func:`trained_max_model_len`, RoPE factor included), except with LongRoPE, whose
+    default is the config's ``original_max_position_embeddings`` (vLLM: to avoid degrading
+    shorter sequences); None when the config names no length."""
+    trained = trained_max_model_len(model)
+    if trained is None:
+        return None
+    fields = model.config
+    original = fields.get("original_max_position_embeddings")
+    longrope = any(
+        params.get("rope_type", params.get("type")) == "longrope"
+        for params in _rope_parameters(fields)
+    )
+    if longrope and isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        return min(original, trained[0])
+    return trained[0]

@@ -21,7 +21,7 @@ from kvspec_core.models.normalized import (
     DEFAULTS_FROM_TRANSFORMERS,
     normalize_config,
 )
-from kvspec_core.models.planning import ModelPlan, plan_model
+from kvspec_core.models.planning import ModelPlan, plan_model, prepare_model
 from kvspec_core.plugins.layer_config import PlanOptions
 from kvspec_core.plugins.manager import PluginManager
 
@@ -270,3 +270,40 @@ def test_no_dtype_anywhere_plans_in_bfloat16(kvspec_loaded_manager: PluginManage
     assert normalized.dtype == torch.bfloat16 and normalized.dtype_field is None
     states = [s for s in plan(config, kvspec_loaded_manager).specs.values() if s.kind == "mamba"]
     assert {s.dtypes for s in states} == {(torch.bfloat16, torch.bfloat16)}
+
+
+def test_the_default_length_is_vllms_rope_scaling_included(
+    kvspec_loaded_manager: PluginManager,
+) -> None:
+    """Found in review: the default max_model_len ignored a linear / dynamic RoPE factor
+    that vLLM's _get_and_verify_max_len multiplies in (and that the trained-length check
+    already applied), and LongRoPE's default is its original length in vLLM."""
+    base = {
+        "model_type": "a_model_kvspec_never_heard_of",
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 4096,
+    }
+    lengths = {
+        "none": base,
+        "linear": {**base, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        "dynamic": {**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        "llama3": {**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        "longrope": {
+            **base,
+            "original_max_position_embeddings": 1024,
+            "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+        },
+    }
+    planned = {
+        name: prepare_model(config, PlanOptions(), kvspec_loaded_manager).context.max_model_len
+        for name, config in lengths.items()
+    }
+    assert planned == {
+        "none": 4096,
+        "linear": 16384,
+        "dynamic": 8192,
+        "llama3": 4096,
+        "longrope": 1024,
+    }

@@ -210,7 +210,13 @@ def test_gemma3_with_explicit_layer_types_plans_the_same(
         ],
     )
     explicit = dict(GEMMA3_4B, model_type="another_unknown_model", text_config=text)
-    by_default = plan_model(GEMMA3_4B, BUDGET, PlanOptions(), kvspec_loaded_manager)
-    by_fields = plan_model(explicit, BUDGET, PlanOptions(), kvspec_loaded_manager)
+    # The length given: under a model_type that is not Gemma-3's, its linear RoPE factor 8
+    # multiplies the default length, as vLLM's does (only gemma3 configs are exempt).
+    by_default = plan_model(
+        GEMMA3_4B, BUDGET, PlanOptions(), kvspec_loaded_manager, max_model_len=131072
+    )
+    by_fields = plan_model(
+        explicit, BUDGET, PlanOptions(), kvspec_loaded_manager, max_model_len=131072
+    )
     assert by_fields.specs == by_default.specs
     assert by_fields.plan.max_concurrency == by_default.plan.max_concurrency
