@@ -278,7 +278,12 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
             raise AllocatorError(f"complete_transfers: ok={ok!r} must be True or False")
         failed_loads: list[FailedLoad] = []
         for transfer_id in transfer_ids:
-            pending = self._pending.get(transfer_id) if transfer_id.__class__ is int else None
+            if transfer_id.__class__ is not int:
+                raise AllocatorError(
+                    f"complete_transfers: transfer id {transfer_id!r} must be an int (a "
+                    f"Transfer's transfer_id), not {type(transfer_id).__name__}"
+                )
+            pending = self._pending.get(transfer_id)
             if pending is None or not pending.taken:
                 raise AllocatorError(
                     f"complete_transfers: {transfer_id!r} is not the id of a transfer "

@@ -320,16 +320,20 @@ class TierKeeping(TierStoring):
             if note[3] == gid and any(map(was_gone, note[4], note[5])):
                 notes[index] = _note_without(note, was_gone)
         written = self._through_from[pool]
-        unwritten = set()
+        # An ordered dict, not a set: the slots dropped below return to the tier's free stack
+        # in this order, which must not depend on PYTHONHASHSEED (found by review).
+        unwritten: dict[bytes, None] = {}
         for block, digest in gone.items():
             if written.get(block) == digest:
                 del written[block]
-                unwritten.add(digest)
+                unwritten[digest] = None
         if not unwritten:
             return
         for pending in self._pending.values():
-            if pending.group == gid and not unwritten.isdisjoint(pending.hashes):
-                pending.dropped = (pending.dropped or set()) | (unwritten & set(pending.hashes))
+            if pending.group == gid and not unwritten.keys().isdisjoint(pending.hashes):
+                pending.dropped = (pending.dropped or set()) | (
+                    unwritten.keys() & set(pending.hashes)
+                )
         for row in self.tier_pools:
             slots = row[pool]
             if slots is None:

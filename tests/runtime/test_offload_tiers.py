@@ -151,6 +151,12 @@ def test_complete_transfers_refuses_bad_ids_and_changes_nothing() -> None:
             allocator.complete_transfers(bad)
     with pytest.raises(AllocatorError, match="ok="):
         allocator.complete_transfers([store.transfer_id], ok=1)  # type: ignore[arg-type]
+    # Found in review: a numpy id of a pending transfer was said not to be one.
+    import numpy
+
+    for bad_type in (numpy.int64(store.transfer_id), True, float(store.transfer_id)):
+        with pytest.raises(AllocatorError, match=r"must be an int \(a Transfer's transfer_id\)"):
+            allocator.complete_transfers([bad_type])  # type: ignore[list-item]
     allocator.check_invariants()
     allocator.complete_transfers([store.transfer_id])
     with pytest.raises(AllocatorError, match="not completed yet"):
