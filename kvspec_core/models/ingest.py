@@ -188,17 +188,7 @@ def _typed_layers(
             f"model {name} has no layer that holds a KV cache (every layer of its pattern is "
             "MLP-only); check 'num_hidden_layers' and the layer pattern fields"
         )
-    max_len = (
-        decoder_max_len(text)
-        if encoder_decoder
-        else optional_int(
-            text,
-            "max_position_embeddings",
-            "n_positions",
-            "max_sequence_length",
-            needed_for="the default max model length",
-        )
-    )
+    max_len = decoder_max_len(text) if encoder_decoder else declared_length(text)
     return ModelLayers(
         name=name,
         config=text,
@@ -261,6 +251,38 @@ def layer_specs(model: ModelLayers, manager: PluginManager) -> dict[str, KVSpec]
     return specs
 
 
+#: Config fields naming a model's longest sequence, as vLLM reads them
+#: (``derive_max_model_len_and_key``): the smallest of those present, unless
+#: ``model_max_length`` (Command-R) names one.
+LENGTH_FIELDS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def declared_length(config: Mapping[str, Any]) -> int | None:
+    """The longest sequence a decoder-only config declares, as vLLM derives it (found by
+    review: GLM's ``seq_length``, MPT's ``max_seq_len`` and Command-R's ``model_max_length``
+    were not read); None when it names none."""
+    lengths = [
+        value
+        for name in LENGTH_FIELDS
+        if (value := optional_int(config, name, needed_for="the default max model length"))
+        is not None
+    ]
+    override = optional_int(config, "model_max_length", needed_for="the default max model length")
+    if override is not None:
+        return override
+    return min(lengths, default=None)
+
+
 def default_sizing_context(
     model: ModelLayers,
     *,
@@ -274,8 +296,8 @@ def default_sizing_context(
     length = max_model_len if max_model_len is not None else model.default_max_model_len
     if length is None:
         raise ConfigError(
-            f"model {model.name} declares no 'max_position_embeddings'; pass the max model "
-            "length explicitly (--max-model-len)"
+            f"model {model.name} declares no length ({', '.join(LENGTH_FIELDS)}); pass the "
+            "max model length explicitly (--max-model-len)"
         )
     mode = "align" if model.has_state_layers and prefix_caching else "none"
     return SizingContext(

@@ -307,3 +307,29 @@ def test_the_default_length_is_vllms_rope_scaling_included(
         "llama3": 4096,
         "longrope": 1024,
     }
+
+
+def test_the_default_length_reads_vllms_length_fields(
+    kvspec_loaded_manager: PluginManager,
+) -> None:
+    """Found in review: GLM's seq_length, MPT's max_seq_len and Command-R's model_max_length
+    were not read (no default length, or a shorter one than vLLM's)."""
+    base = {
+        "model_type": "a_model_kvspec_never_heard_of",
+        "num_hidden_layers": 2,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+    }
+    lengths = {
+        "glm": {**base, "seq_length": 131072},
+        "mpt": {**base, "max_seq_len": 2048},
+        "smallest": {**base, "max_position_embeddings": 8192, "seq_length": 4096},
+        "command_r": {**base, "max_position_embeddings": 8192, "model_max_length": 131072},
+    }
+    planned = {
+        name: prepare_model(config, PlanOptions(), kvspec_loaded_manager).context.max_model_len
+        for name, config in lengths.items()
+    }
+    assert planned == {"glm": 131072, "mpt": 2048, "smallest": 4096, "command_r": 131072}
+    with pytest.raises(ConfigError, match=r"declares no length \(max_position_embeddings"):
+        prepare_model(base, PlanOptions(), kvspec_loaded_manager)
