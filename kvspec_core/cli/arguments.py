@@ -241,15 +241,20 @@ def add_model_arguments(
         metavar="N",
         help="decode context parallel size (default 1)",
     )
+    # A command taking --gpu (memory_required=False) resolves the default itself
+    # (gpu_options.resolve_in_flight_tokens): it depends on --gpu and --overhead.
     parser.add_argument(
         "--max-in-flight-tokens",
         type=positive_int,
-        default=None,
+        default=DEFAULT_MAX_IN_FLIGHT_TOKENS if memory_required else None,
         metavar="N",
-        help=(
-            f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS}; with --gpu "
-            "and no --overhead, the overheads' calibration: 8192)"
-        ),
+        help=f"tokens scheduled per step (default {DEFAULT_MAX_IN_FLIGHT_TOKENS}"
+        + (
+            ""
+            if memory_required
+            else "; with --gpu and no --overhead, 8192: the overheads' calibration"
+        )
+        + ")",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

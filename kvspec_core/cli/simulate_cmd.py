@@ -60,7 +60,6 @@ from kvspec_core.cli.simulate_trace import (
 from kvspec_core.cli.sizes import parse_size
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.catalog import resolve_model
-from kvspec_core.models.ingest import DEFAULT_MAX_IN_FLIGHT_TOKENS
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.models.trained_length import trained_max_model_len
 from kvspec_core.plugins.manager import PluginManager
@@ -177,11 +176,7 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         manager,
         name=resolved.name,
         max_model_len=args.max_model_len,
-        max_in_flight_tokens=(
-            DEFAULT_MAX_IN_FLIGHT_TOKENS
-            if args.max_in_flight_tokens is None
-            else args.max_in_flight_tokens
-        ),
+        max_in_flight_tokens=args.max_in_flight_tokens,
         **tier_options,
     )
     check_max_model_len(prepared.model, args)
