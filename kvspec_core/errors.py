@@ -71,6 +71,18 @@ class AllocatorError(KVSpecError, RuntimeError):
     """The runtime allocator was asked for something that would corrupt its state."""
 
 
+class RulesSizingError(AllocatorError):
+    """A group's runtime rules keep more blocks than its spec is sized for (the check of
+    ``kvspec_core.runtime.rules_for``): ``shortfall`` says what, ``fix`` what to do; a caller
+    that knows a better fix (a HiSparse group, which cannot reach plugin rules) gives its
+    own beside ``shortfall``."""
+
+    def __init__(self, shortfall: str, fix: str) -> None:
+        super().__init__(f"{shortfall}; {fix}")
+        self.shortfall = shortfall
+        self.fix = fix
+
+
 class KindConflictError(PluginError):
     """Several plugins register one spec kind. ``claimants`` are their plugin names, the
     first one holding the kind (if any) first."""

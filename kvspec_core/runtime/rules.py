@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvspec_core.errors import AllocatorError, KVSpecError, PluginError
+from kvspec_core.errors import AllocatorError, KVSpecError, PluginError, RulesSizingError
 from kvspec_core.plugins.core_rules import (
     CORE_RULES,
     CrossAttentionRules,
@@ -228,14 +228,14 @@ def _check_rules_keep_within_sizing(
     if needed <= sized:
         return
     source = f"kind {kind!r}'s" + (f" (plugin {owner!r})" if owner else "")
-    raise AllocatorError(
+    raise RulesSizingError(
         f"kind {spec.kind!r} is sized for {sized} blocks per request (its "
         f"max_blocks_per_request), but the runtime rules it gets, {source} "
         f"{type(rules).__name__}, free none and keep {needed} for a request of "
         f"max_model_len={ctx.max_model_len:,} tokens, so no request could grow past "
-        f"{sized * rules.block_tokens:,} tokens while the plan counts it whole; register "
-        f"rules for {spec.kind!r} that free what its sizing leaves out (the "
-        "kvspec_register_runtime_rules hook; a TrailingWindowRules subclass for a window)"
+        f"{sized * rules.block_tokens:,} tokens while the plan counts it whole",
+        f"register rules for {spec.kind!r} that free what its sizing leaves out (the "
+        "kvspec_register_runtime_rules hook; a TrailingWindowRules subclass for a window)",
     )
 
 

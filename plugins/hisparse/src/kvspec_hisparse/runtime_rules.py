@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from kvspec_core.context import SizingContext
-from kvspec_core.errors import AllocatorError
+from kvspec_core.errors import AllocatorError, RulesSizingError
 from kvspec_core.plugins.contract import hookimpl
 from kvspec_core.plugins.hookspecs import RegisterRuntimeRules
 from kvspec_core.runtime import NEVER, FamilyRules, FullAttentionRules, rules_for
@@ -83,15 +83,14 @@ def group_rules(spec: KVSpec, ctx: SizingContext) -> FamilyRules:
         )
     try:
         return rules_for(inner, ctx, None)
-    except AllocatorError as error:
+    except RulesSizingError as error:
         # A wrapped spec sized for fewer blocks than the core's rules keep (a window under
         # full attention's): rules_for's fix (register rules) does not apply here.
         raise AllocatorError(
             f"a HiSparse group wraps {type(layers).__name__} (kind {layers.kind!r}), but it "
             "gets the core's runtime rules for it (a plugin's rules for the wrapped kind are "
-            f"not reachable from a HiSparse group): {str(error).split('; register')[0]}. Wrap "
-            "full-attention-shaped specs "
-            "only (MLA latents, indexer keys)"
+            f"not reachable from a HiSparse group): {error.shortfall}. Wrap "
+            "full-attention-shaped specs only (MLA latents, indexer keys)"
         ) from None
 
 
