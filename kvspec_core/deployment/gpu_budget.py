@@ -21,7 +21,7 @@ import attrs
 from kvspec_core.deployment.checkpoint import CheckpointSize
 from kvspec_core.deployment.overheads import Overheads, estimate_overheads, overridden_overheads
 from kvspec_core.deployment.parameters import ModelWeights, model_weights
-from kvspec_core.deployment.quant_split import quantized_split_refusal
+from kvspec_core.deployment.quant_split import positive_field, quantized_split_refusal
 from kvspec_core.deployment.sharding import stage_weight_bytes
 from kvspec_core.deployment.stored_bytes import (
     QUANT_METHODS,
@@ -228,11 +228,6 @@ def gpu_budget(
     )
 
 
-def _int_field(fields: Mapping[str, Any], name: str) -> int | None:
-    value = fields.get(name)
-    return value if type(value) is int and value > 0 else None
-
-
 def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
     """Why vLLM refuses ``tp`` for the model, or ``None`` when it accepts it: TP must divide
     the attention heads (an encoder-decoder's encoder and decoder heads), divide or be a
@@ -247,14 +242,14 @@ def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
         "decoder_attention_heads",
         "mamba_num_heads",
     ):
-        count = _int_field(fields, name)
+        count = positive_field(fields, name)
         if count is not None and count % tp:
             return f"TP {tp} does not divide {name} {count}"
-    kv_heads = _int_field(fields, "num_key_value_heads")
+    kv_heads = positive_field(fields, "num_key_value_heads")
     if kv_heads is not None and kv_heads % tp and tp % kv_heads:
         return f"TP {tp} neither divides nor is a multiple of num_key_value_heads {kv_heads}"
-    groups = _int_field(fields, "n_groups")
-    if _int_field(fields, "mamba_num_heads") and groups not in (None, 1) and groups % tp:
+    groups = positive_field(fields, "n_groups")
+    if positive_field(fields, "mamba_num_heads") and groups not in (None, 1) and groups % tp:
         return f"TP {tp} does not divide the Mamba-2 mixer's n_groups {groups}"
     return quantized_split_refusal(raw, tp)
 

@@ -27,7 +27,9 @@ _EXPERT_WIDTH_FIELDS = ("moe_intermediate_size",)
 _LOCAL_EXPERT_FIELDS = ("num_local_experts",)
 
 
-def _positive(fields: Mapping[str, Any], name: str) -> int | None:
+def positive_field(fields: Mapping[str, Any], name: str) -> int | None:
+    """The config field ``name`` when it is a positive int, else None (absent or ill-typed:
+    the plan's own checks name it)."""
     value = fields.get(name)
     return value if type(value) is int and value > 0 else None
 
@@ -38,21 +40,21 @@ def _shares(
     """``(column outputs, row inputs)`` per rank at ``tp``, each named by what it is."""
     columns: list[tuple[str, int]] = []
     rows: list[tuple[str, int]] = []
-    heads = _positive(fields, "num_attention_heads")
-    hidden = _positive(fields, "hidden_size")
-    head_dim = _positive(fields, "head_dim") or (
+    heads = positive_field(fields, "num_attention_heads")
+    hidden = positive_field(fields, "hidden_size")
+    head_dim = positive_field(fields, "head_dim") or (
         hidden // heads if heads and hidden and hidden % heads == 0 else None
     )
     if heads and head_dim and heads % tp == 0:
         width = heads // tp * head_dim
         columns.append(("q_proj's output (num_attention_heads x head_dim / TP)", width))
         rows.append(("o_proj's input (num_attention_heads x head_dim / TP)", width))
-        kv_heads = _positive(fields, "num_key_value_heads") or heads
+        kv_heads = positive_field(fields, "num_key_value_heads") or heads
         kv_width = max(1, kv_heads // tp) * head_dim
         columns.append(("k_proj's and v_proj's output (KV heads per rank x head_dim)", kv_width))
-    dense: int | None = _positive(fields, "intermediate_size")
+    dense: int | None = positive_field(fields, "intermediate_size")
     expert: int | None = next(
-        (value for name in _EXPERT_WIDTH_FIELDS if (value := _positive(fields, name))), None
+        (value for name in _EXPERT_WIDTH_FIELDS if (value := positive_field(fields, name))), None
     )
     if expert is None and any(name in fields for name in _LOCAL_EXPERT_FIELDS):
         expert, dense = dense, None

@@ -271,16 +271,15 @@ def declared_length(config: Mapping[str, Any]) -> int | None:
     """The longest sequence a decoder-only config declares, as vLLM derives it (found by
     review: GLM's ``seq_length``, MPT's ``max_seq_len`` and Command-R's ``model_max_length``
     were not read); None when it names none."""
-    lengths = [
-        value
+    # Every field present is checked, model_max_length among them (read once).
+    lengths = {
+        name: optional_int(config, name, needed_for="the default max model length")
         for name in LENGTH_FIELDS
-        if (value := optional_int(config, name, needed_for="the default max model length"))
-        is not None
-    ]
-    override = optional_int(config, "model_max_length", needed_for="the default max model length")
+    }
+    override = lengths["model_max_length"]
     if override is not None:
         return override
-    return min(lengths, default=None)
+    return min((length for length in lengths.values() if length is not None), default=None)
 
 
 def default_sizing_context(
