@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import torch
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.planner.assembly import assemble
-from kvspec_core.planner.layer_views import make_view, plan_layer_views
+from kvspec_core.planner.layer_views import LayerView, make_view
 from kvspec_core.planner.plan import KVCachePlan
 from kvspec_core.planner.plan_parts import PlannedTier
 from kvspec_core.planner.skeleton import skeleton_of_plan
@@ -166,16 +166,14 @@ def _map_files(files: Mapping[int, str], geometry: KVCachePlan) -> dict[int, tor
 def materialize_tier(
     plan: KVCachePlan,
     tier: PlannedTier,
-    kernel_block_sizes: Mapping[int, int] | None,
+    geometry: KVCachePlan,
+    views: Sequence[LayerView],
 ) -> TierBuffers:
     """Allocate ``tier`` of ``plan`` (host memory, or files under its directory) and view
-    every offloaded layer as its device view is viewed."""
-    geometry = tier_geometry(plan, tier)
-    layer_views = [
-        view
-        for view in plan_layer_views(geometry, kernel_block_sizes)
-        if tier.blocks_per_pool[view.pool]
-    ]
+    every offloaded layer as its device view is viewed: ``geometry`` is
+    :func:`tier_geometry`'s, ``views`` :func:`plan_layer_views` of it (made once by the
+    caller, which checks them before anything is allocated)."""
+    layer_views = [view for view in views if tier.blocks_per_pool[view.pool]]
     offloaded = [pool for pool in geometry.pools if tier.blocks_per_pool[pool.id]]
     files: dict[int, str] = {}
     if tier.name == "disk":

@@ -152,12 +152,14 @@ def materialize(
     target = _check_device(device)
     layer_views = plan_layer_views(plan, kernel_block_sizes)
     _check_views(plan, layer_views, "")
-    planned_tiers = plan.tiers if offload_tiers else ()
-    for tier in planned_tiers:
+    tier_layouts = []
+    for tier in plan.tiers if offload_tiers else ():
         # A tier's views sit at other offsets than the device's in layer-outer layouts (its
         # block count differs), so each is checked too before anything is allocated.
         geometry = tier_geometry(plan, tier)
-        _check_views(geometry, plan_layer_views(geometry, kernel_block_sizes), f" ({tier.name})")
+        tier_views = plan_layer_views(geometry, kernel_block_sizes)
+        _check_views(geometry, tier_views, f" ({tier.name})")
+        tier_layouts.append((tier, geometry, tier_views))
     make = torch.zeros if plan.needs_zeroing else torch.empty
     buffers = [
         make(
@@ -171,8 +173,8 @@ def materialize(
     # removed again if anything after them fails.
     tiers: dict[str, TierBuffers] = {}
     try:
-        for tier in planned_tiers:
-            tiers[tier.name] = materialize_tier(plan, tier, kernel_block_sizes)
+        for tier, geometry, tier_views in tier_layouts:
+            tiers[tier.name] = materialize_tier(plan, tier, geometry, tier_views)
     except BaseException:
         for made in tiers.values():
             made.remove_files()
