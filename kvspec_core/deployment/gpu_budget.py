@@ -30,6 +30,7 @@ from kvspec_core.deployment.stored_bytes import (
     stored_bytes,
 )
 from kvspec_core.errors import CapacityError, ConfigError
+from kvspec_core.models.attention_shape import declared_kv_heads
 from kvspec_core.models.pipeline import stage_ranges
 
 #: vLLM's default --gpu-memory-utilization.
@@ -238,6 +239,8 @@ def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
     fields = text if isinstance(text, Mapping) else raw
     for name in (
         "num_attention_heads",
+        "n_head",
+        "n_heads",
         "encoder_attention_heads",
         "decoder_attention_heads",
         "mamba_num_heads",
@@ -245,9 +248,10 @@ def tp_refusal(raw: Mapping[str, Any], tp: int) -> str | None:
         count = positive_field(fields, name)
         if count is not None and count % tp:
             return f"TP {tp} does not divide {name} {count}"
-    kv_heads = positive_field(fields, "num_key_value_heads")
-    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
-        return f"TP {tp} neither divides nor is a multiple of num_key_value_heads {kv_heads}"
+    declared = declared_kv_heads(fields)
+    if declared is not None and declared[1] % tp and tp % declared[1]:
+        field, kv_heads = declared
+        return f"TP {tp} neither divides nor is a multiple of {field} {kv_heads}"
     groups = positive_field(fields, "n_groups")
     if positive_field(fields, "mamba_num_heads") and groups not in (None, 1) and groups % tp:
         return f"TP {tp} does not divide the Mamba-2 mixer's n_groups {groups}"

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvspec_core.models.attention_shape import declared_kv_heads
+
 #: Fields naming the per-expert MLP width, in the order configs use them.
 _EXPERT_WIDTH_FIELDS = ("moe_intermediate_size",)
 #: Fields marking experts whose width is ``intermediate_size`` itself (Mixtral).
@@ -49,7 +51,8 @@ def _shares(
         width = heads // tp * head_dim
         columns.append(("q_proj's output (num_attention_heads x head_dim / TP)", width))
         rows.append(("o_proj's input (num_attention_heads x head_dim / TP)", width))
-        kv_heads = positive_field(fields, "num_key_value_heads") or heads
+        declared = declared_kv_heads(fields)
+        kv_heads = heads if declared is None else declared[1]
         kv_width = max(1, kv_heads // tp) * head_dim
         columns.append(("k_proj's and v_proj's output (KV heads per rank x head_dim)", kv_width))
     dense: int | None = positive_field(fields, "intermediate_size")

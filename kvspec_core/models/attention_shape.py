@@ -1,8 +1,10 @@
 """Resolving a layer's attention geometry on one tensor-parallel rank.
 
 Head size comes from ``head_dim`` (or ``attention_head_dim``), else ``hidden_size //
-num_attention_heads``; KV heads from ``num_key_value_heads``, else ``num_attention_heads``
-(no grouped-query attention). MLA layers (``kv_lora_rank``) cache one latent of
+num_attention_heads``; KV heads as vLLM reads them (Falcon's ``multi_query`` and ``n_head_kv``,
+``num_kv_heads``, ``num_key_value_heads``, ChatGLM's ``multi_query_group_num``), else
+``num_attention_heads`` (no grouped-query attention); DBRX's and MPT's from
+``attn_config.kv_n_heads``. MLA layers (``kv_lora_rank``) cache one latent of
 ``kv_lora_rank + qk_rope_head_dim`` values per token, shared by every head: the shape is one
 KV head of that width (``head_size == head_size_v``; the MLA plugin decides how the latent is
 stored) and, having a single head, it is replicated across TP ranks.
@@ -26,7 +28,7 @@ import torch
 from kvspec_core.errors import ConfigError
 from kvspec_core.kv_dtypes import KVCacheDtype
 from kvspec_core.models.fields import first_present, int_field, missing_field, require_int
-from kvspec_core.models.head_fields import HeadFields
+from kvspec_core.models.head_fields import DECODER_ONLY_FIELDS, HeadFields
 from kvspec_core.models.layer_typing import MLA_ATTENTION, SLIDING_MLA_ATTENTION
 from kvspec_core.plugins.layer_config import AttentionShape
 from kvspec_core.validation import MAX_FIELD_VALUE
@@ -60,6 +62,8 @@ def _head_size(config: Mapping[str, Any], fields: HeadFields, where: str) -> int
 #: Falcon's model types: without the new decoder architecture, ``multi_query`` means one KV
 #: head whatever the head fields say (FalconAttention; vLLM's get_total_num_kv_heads).
 _FALCON_TYPES = frozenset({"falcon", "RefinedWeb", "RefinedWebModel"})
+#: Model types whose KV heads are ``attn_config.kv_n_heads`` (else their attention heads).
+_ATTN_CONFIG_KV_TYPES = frozenset({"dbrx", "mpt"})
 
 #: Fields of layouts whose per-layer K/V widths kvspec does not read: planned from the
 #: shared fields, their caches would be sized wrongly (found by review, against
@@ -117,6 +121,15 @@ def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -
         and config.get("multi_query")
     ):
         return "multi_query", 1
+    attn_config = config.get("attn_config")
+    if (
+        config.get("model_type") in _ATTN_CONFIG_KV_TYPES
+        and isinstance(attn_config, Mapping)
+        and attn_config.get("kv_n_heads") is not None
+    ):
+        # DBRX's and MPT's KV heads sit in their attention sub-config (vLLM reads them there).
+        field = "attn_config.kv_n_heads"
+        return field, int_field(config, field, attn_config["kv_n_heads"], needed_for=where)
     if config.get("multi_query_attention") is False and "multi_query_group_num" in config:
         # ChatGLM with multi-query attention off: every query head has its own K/V.
         found = first_present(config, *fields.heads)
@@ -136,6 +149,17 @@ def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -
         )
     field, value = found
     return field, int_field(config, field, value, needed_for=where)
+
+
+def declared_kv_heads(config: Mapping[str, Any]) -> tuple[str, int] | None:
+    """``(field, total KV heads)`` of a decoder-only ``config``, read as vLLM reads them
+    (Falcon's ``multi_query``, ``n_head_kv``, ..., ChatGLM's ``multi_query_group_num``, else
+    the attention heads), or None where the config gives no valid count (the plan's own
+    checks then name the field)."""
+    try:
+        return _total_kv_heads(config, DECODER_ONLY_FIELDS, "the model")
+    except ConfigError:
+        return None
 
 
 def _divisors(value: int) -> list[int]:

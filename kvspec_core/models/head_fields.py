@@ -11,7 +11,7 @@ class HeadFields:
     hidden size. They differ between decoder-only configs and the encoder / decoder sides of
     encoder-decoder ones (``encoder_attention_heads``, ``d_model``...)."""
 
-    heads: tuple[str, ...] = ("num_attention_heads", "n_head", "num_heads")
+    heads: tuple[str, ...] = ("num_attention_heads", "n_head", "n_heads", "num_heads")
     # vLLM's order (ModelConfig.get_total_num_kv_heads): Falcon's legacy n_head_kv first,
     # ChatGLM's multi_query_group_num last.
     kv_heads: tuple[str, ...] = (

@@ -38,13 +38,15 @@ _PER_LAYER_FIELDS = ("layer_types", "layers_block_type", "hybrid_override_patter
 
 
 def num_layers(config: Mapping[str, Any]) -> int:
-    """Decoder layer count: ``num_hidden_layers`` (or ``n_layer``/``num_layers``), else the
+    """Decoder layer count: ``num_hidden_layers`` (or ``n_layer`` / ``n_layers``
+    / ``num_layers``), else the
     length of ``layer_types`` (or ``layers_block_type`` / ``hybrid_override_pattern``, which
     transformers 5 counts Nemotron-H's layers from); bounded by :data:`MAX_LAYERS`."""
     declared = optional_int(
         config,
         "num_hidden_layers",
         "n_layer",
+        "n_layers",
         "num_layers",
         needed_for="the number of layers",
         maximum=MAX_LAYERS,

@@ -235,6 +235,31 @@ def test_kv_heads_read_in_vllms_order_with_falcons_multi_query() -> None:
     assert _shape_of(**glm, multi_query_attention=False) == (32, 128)
 
 
+def test_dbrx_and_mpt_read_their_own_field_names() -> None:
+    """Found in review: DBRX and MPT (``n_layers``, ``n_heads``, ``d_model`` and the KV heads
+    in ``attn_config.kv_n_heads``) were refused for a missing ``num_hidden_layers``, and the
+    fix it named led to a second refusal. vLLM reads their KV heads from ``attn_config``."""
+    dbrx = {
+        "model_type": "dbrx",
+        "d_model": 6144,
+        "n_heads": 48,
+        "n_layers": 40,
+        "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000},
+    }
+    model = typed(dbrx)
+    shape = model.layers[0].attention
+    assert len(model.layers) == 40 and shape is not None
+    assert (shape.total_kv_heads, shape.head_size) == (8, 128)
+    # MPT without kv_n_heads: multi-head attention, one KV head per query head.
+    mpt = {"model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32}
+    shape = typed({**mpt, "attn_config": {"alibi": True}}).layers[0].attention
+    assert shape is not None and (shape.total_kv_heads, shape.head_size) == (32, 128)
+    shape = typed({**mpt, "attn_config": {"kv_n_heads": 8}}).layers[0].attention
+    assert shape is not None and shape.total_kv_heads == 8
+    with pytest.raises(ConfigError, match=r"'attn_config\.kv_n_heads' is '8'"):
+        typed({**dbrx, "attn_config": {"kv_n_heads": "8", "rope_theta": 500000}})
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

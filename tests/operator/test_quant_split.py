@@ -64,3 +64,23 @@ def test_the_cli_names_the_tps_that_work(
     assert "--tp 4: vLLM refuses it" in error and "block_n 128" in error
     assert "it accepts 1, 2" in error
     assert plan_json(capsys, str(folder), "--memory", "40GiB", "--tp", "2")["groups"]
+
+
+def test_kv_heads_are_read_in_vllms_order_for_the_tp_checks() -> None:
+    # Found by review: the TP checks read num_key_value_heads only, so ChatGLM's
+    # multi_query_group_num and Falcon's n_head_kv were checked as the query-head count.
+    glm = {
+        **load_preset("llama-3.1-8b"),
+        "head_dim": 64,
+        "num_attention_heads": 32,
+        "multi_query_group_num": 2,
+        "quantization_config": FP8_BLOCKS,
+    }
+    del glm["num_key_value_heads"]
+    # 2 KV heads at TP 4: one 64-wide head per rank, not a whole 128-row fp8 block (vLLM:
+    # "not divisible by weight quantization block_n = 128"); the 32 query heads would fit.
+    refusal = tp_refusal(glm, 4)
+    assert refusal is not None and "k_proj" in refusal and "64" in refusal
+    falcon = {**load_preset("llama-3.1-8b"), "n_head_kv": 3, "num_attention_heads": 48}
+    del falcon["num_key_value_heads"]
+    assert tp_refusal(falcon, 2) == "TP 2 neither divides nor is a multiple of n_head_kv 3"
