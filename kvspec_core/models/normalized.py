@@ -39,6 +39,7 @@ from kvspec_core.models.fields import (
     model_dtype,
 )
 from kvspec_core.models.layer_typing import check_pattern_fields
+from kvspec_core.models.rope_and_type_fields import check_model_type_and_rope
 from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: Where multimodal configs nest their language model.
@@ -212,6 +213,9 @@ def normalize_config(config: Mapping[str, Any] | ModelConfig) -> ModelConfig:
     stated, nested = _language_fields(raw)
     # Before transformers derives ``layer_types`` from them (see check_pattern_fields).
     check_pattern_fields(stated)
+    check_model_type_and_rope(raw)
+    if nested:
+        check_model_type_and_rope(stated, f"{TEXT_CONFIG_FIELD}.")
     note: str | None = None
     try:
         fields = _fill(stated, _transformers_fields(raw, nested))
