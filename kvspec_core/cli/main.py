@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -82,9 +83,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = real_stdout
 
 
+#: A value that starts like a negative number (``-1GiB``, ``-0.5``), which argparse would
+#: take for an option and answer "expected one argument" instead of the option's own check.
+_NEGATIVE_VALUE = re.compile(r"-\.?\d")
+
+
+def negative_values_joined(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each long option followed by a negative-looking value written as
+    ``--option=value``, so the option's own check names what is wrong with it (``--overhead
+    -1GiB``: "is negative", not argparse's "expected one argument"). No kvspec option or
+    argument is spelled like a negative number, so nothing else changes meaning."""
+    joined: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            joined.append(token)
+            joined.extend(tokens)
+            break
+        if token.startswith("--") and "=" not in token and len(token) > 2:
+            following = next(tokens, None)
+            if following is not None and _NEGATIVE_VALUE.match(following):
+                joined.append(f"{token}={following}")
+                continue
+            joined.append(token)
+            if following is not None:
+                joined.append(following)
+            continue
+        joined.append(token)
+    return joined
+
+
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(negative_values_joined(sys.argv[1:] if argv is None else argv))
     try:
         manager = load_manager()
         with warnings.catch_warnings():

@@ -67,3 +67,41 @@ def test_format_size() -> None:
     assert format_size(1023) == "1023 B"
     assert format_size(1536) == "1.50 KiB"
     assert format_size(3 * 2**40) == "3.00 TiB"
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--memory", "-1GiB"),
+        ("--memory", "-.5GiB"),
+        ("--host-memory", "-8GiB"),
+        ("--overhead", "-1GiB"),
+    ],
+)
+def test_a_negative_size_is_refused_by_its_own_check(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found by review: argparse took '-1GiB' for an option and answered "argument
+    # --overhead: expected one argument", which says nothing of the value.
+    from plan_cli_testkit import fails
+
+    budget = ["--gpu", "h100-80gb"] if option == "--overhead" else ["--memory", "40GiB"]
+    if option == "--memory":
+        budget = []
+    err = fails(capsys, "llama-3.1-8b", *budget, option, value)
+    assert f"{option} '{value}' is negative" in err
+
+
+def test_only_an_options_negative_value_is_joined_to_it() -> None:
+    from kvspec_core.cli.main import negative_values_joined
+
+    assert negative_values_joined(["plan", "m", "--memory", "-1GiB", "--json"]) == [
+        "plan",
+        "m",
+        "--memory=-1GiB",
+        "--json",
+    ]
+    # Values that do not look negative, '--opt=value' and what follows '--' are left as
+    # they are.
+    unchanged = ["plan", "m", "--memory", "40GiB", "--tp=-2", "-x", "--", "--memory", "-1"]
+    assert negative_values_joined(unchanged) == unchanged
