@@ -125,14 +125,18 @@ def _index_values(request: Request, tokens: list[int], start: int, stop: int) ->
     values = []
     for position, token in enumerate(tokens, start):
         try:
-            values.append(operator.index(token))
+            value = operator.index(token)
         except Exception:
+            value = -1
+        # Each checked as it is read, so the first bad token is named, as the kernel does.
+        if not 0 <= value < 2**32:
             raise _bad_tokens(
                 request,
                 start,
                 stop,
                 f"token {position} is {_describe(token)}, not an int in [0, 2**32)",
             ) from None
+        values.append(value)
     return values
 
 

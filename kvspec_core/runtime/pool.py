@@ -25,6 +25,7 @@ sliding-window blocks, Mamba positions without a state) and is never handed out.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -142,6 +143,7 @@ class BlockPool:
         kernels = native if self._compiled else None
         if kernels is not None:
             return kernels.count_unreferenced(blocks, refs)
+        _check_block_ids(blocks, len(refs))
         return [refs[block] for block in blocks if block].count(0)
 
     # ----------------------------------------------------------------- handing out
@@ -166,39 +168,65 @@ class BlockPool:
         else:
             blocks = fresh.tolist()
             del fresh[:]
-            if self._events is None and len(self._evictable) >= count - available:
-                # Never-reused cached blocks cover the rest (the steady state of a full
-                # pool; their reused flag is 0 already): evict and hand out in one pass.
-                on_evict = self._on_evict
-                # What the hook is told: the victims' groups and hashes, in eviction order,
-                # as cached (collected by the eviction itself).
-                groups: list[int] | None = None if on_evict is None else []
-                hashes: list[bytes] | None = None if on_evict is None else []
-                kernels = native if self._compiled else None
-                if kernels is not None:
-                    kernels.evict_take(
-                        count - available,
-                        blocks,
-                        self._evictable,
-                        self.caches,
-                        self._block_group,
-                        self._block_hash,
-                        refs,
-                        groups,
-                        hashes,
-                    )
-                else:
-                    self._evict_take(count - available, blocks, groups, hashes)
-                self.epoch += 1
-                for block in blocks[:available]:
-                    refs[block] = 1
-                if on_evict is not None:
-                    on_evict(groups, hashes, blocks[available:])  # type: ignore[arg-type]
-                return blocks
-            blocks.extend(self._evict(count - available))
+            try:
+                return self._take_evicting(count - available, blocks)
+            except BaseException:
+                # An eviction hook (an offload tier) refused, or the eviction failed: what
+                # was taken is handed back, nothing lost.
+                self._give_back(blocks)
+                raise
         for block in blocks:
             refs[block] = 1
         return blocks
+
+    def _take_evicting(self, count: int, blocks: list[int]) -> list[int]:
+        """:meth:`take` past the uncached blocks (``blocks``, all of them, ref counts still
+        0): ``count`` cached free blocks evicted onto ``blocks``, every one then at ref
+        count 1. On an exception the blocks evicted so far are on ``blocks`` (or given back
+        by :meth:`_evict`)."""
+        refs = self.ref_counts
+        available = len(blocks)
+        if self._events is None and len(self._evictable) >= count:
+            # Never-reused cached blocks cover the rest (the steady state of a full
+            # pool; their reused flag is 0 already): evict and hand out in one pass.
+            on_evict = self._on_evict
+            # What the hook is told: the victims' groups and hashes, in eviction order,
+            # as cached (collected by the eviction itself).
+            groups: list[int] | None = None if on_evict is None else []
+            hashes: list[bytes] | None = None if on_evict is None else []
+            kernels = native if self._compiled else None
+            if kernels is not None:
+                kernels.evict_take(
+                    count,
+                    blocks,
+                    self._evictable,
+                    self.caches,
+                    self._block_group,
+                    self._block_hash,
+                    refs,
+                    groups,
+                    hashes,
+                )
+            else:
+                self._evict_take(count, blocks, groups, hashes)
+            self.epoch += 1
+            for block in blocks[:available]:
+                refs[block] = 1
+            if on_evict is not None:
+                on_evict(groups, hashes, blocks[available:])  # type: ignore[arg-type]
+            return blocks
+        blocks.extend(self._evict(count))
+        for block in blocks:
+            refs[block] = 1
+        return blocks
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """``blocks``, taken by a take that failed, free and uncached again (an evicted one
+        has left the cache already): ref count 0, back on the free stack."""
+        refs = self.ref_counts
+        for block in blocks:
+            refs[block] = 0
+        self._fresh.extend(blocks)
 
     def _evict_take(
         self,
@@ -263,7 +291,11 @@ class BlockPool:
             block_hash[block] = None
         self.epoch += 1
         if on_evict is not None:
-            on_evict(groups, hashes, victims)
+            try:
+                on_evict(groups, hashes, victims)
+            except BaseException:
+                self._give_back(victims)
+                raise
         return victims
 
     def _eviction_order(self, count: int) -> list[int]:
@@ -296,6 +328,8 @@ class BlockPool:
             if bad >= 0:
                 raise self._not_reusable(blocks[bad])
             return
+        # As the compiled twin refuses them: no int (any call), out of range (unchecked).
+        _check_block_ids(blocks, num_blocks if known_cached else None)
         if not known_cached:
             for block in blocks:
                 if block and not (
@@ -371,6 +405,7 @@ class BlockPool:
                 self._protected,
             )
             return
+        _check_block_ids(blocks, len(self.ref_counts))  # as the compiled twin, up front
         if reverse:
             blocks = blocks[::-1]
         refs = self.ref_counts
@@ -401,6 +436,7 @@ class BlockPool:
         cached and a hit takes the oldest (kvspec-vllm's shadow mode counts the resulting
         free-block differences as expected, reason ``copies``). Returns how many blocks
         were newly cached."""
+        gid = operator.index(gid)  # as the compiled twin reads it (a float is refused)
         cache = self.caches[gid]
         block_hash = self._block_hash
         block_group = self._block_group
@@ -417,6 +453,8 @@ class BlockPool:
                 block_group if shared else None,
                 self._move_hash,
             )
+        # Every id checked before anything changes, as the compiled twin does.
+        _check_block_ids(blocks[: len(digests)], len(block_hash))
         stored = 0
         # strict=False: the compiled twin (pool.c) stops at the shorter list too, and the two
         # must answer alike; the callers pass equal lengths, and a shorter list only caches
@@ -496,3 +534,14 @@ class BlockPool:
             for digest, block in cache.items():
                 if self._block_hash[block] != digest or self._block_group[block] != gid:
                     raise AllocatorError(f"cache entry of group {gid} -> block {block} is stale")
+
+
+def _check_block_ids(blocks: Iterable[int], size: int | None) -> None:
+    """Refuse a block id that is no int (TypeError) or, unless ``size`` is None, outside
+    ``[0, size)`` (IndexError), with the compiled kernels' messages (``block_id`` /
+    ``block_in_range`` in pool.c), so the two twins refuse the same ids alike."""
+    for block in blocks:
+        if block.__class__ is not int:
+            raise TypeError(f"block ids must be ints, not {type(block).__name__}")
+        if size is not None and not 0 <= block < size:
+            raise IndexError(f"block id {block} is not in this pool (0..{size - 1})")

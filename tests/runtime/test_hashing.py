@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,6 +70,21 @@ def test_images_change_the_blocks_they_overlap_and_all_later_ones() -> None:
 def test_tokens_that_cannot_be_packed_are_refused(bad: object) -> None:
     with pytest.raises(AllocatorError, match="token ids"):
         hashes([1, 2, 3, bad])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "named"),
+    [
+        # Found by review: the pure-Python twin read every token's int before checking any
+        # range, so it named a later token of another type than the compiled kernel.
+        ([-1, 1.5, 0, 0], "token 0 is -1"),
+        ([2**40, "x", 0, 0], "token 0 is 1099511627776"),
+        ([0, 0, 0, Decimal(1)], "token 3 is <a Decimal>"),
+    ],
+)
+def test_the_first_bad_token_is_named(tokens: list[object], named: str) -> None:
+    with pytest.raises(AllocatorError, match=named):
+        hashes(tokens)  # type: ignore[arg-type]
 
 
 def test_a_request_hashed_by_another_hasher_is_rehashed() -> None:

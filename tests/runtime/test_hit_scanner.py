@@ -45,15 +45,18 @@ def digests(count: int) -> list[bytes]:
 
 
 @given(
-    cached=st.lists(st.booleans(), max_size=12),
-    max_blocks=st.integers(min_value=0, max_value=14),
+    # None: the cache maps the hash to None (a miss, as ``cache.get`` reads it).
+    cached=st.lists(st.sampled_from([True, False, None]), max_size=12),
+    # Negative (slice semantics, from the end) and beyond any index: found by review, the
+    # compiled scan answered [] and OverflowError where the rules slice.
+    max_blocks=st.integers(min_value=-14, max_value=14) | st.sampled_from([2**70, -(2**70)]),
 )
-def test_scanner_answers_what_the_rules_answer(cached: list[bool], max_blocks: int) -> None:
+def test_scanner_answers_what_the_rules_answer(cached: list[bool | None], max_blocks: int) -> None:
     hashes = digests(len(cached))
     cache = {
-        digest: 100 + index
+        digest: None if hit is None else 100 + index
         for index, (digest, hit) in enumerate(zip(hashes, cached, strict=True))
-        if hit
+        if hit is not False
     }
     rules = FullAttentionRules(SPEC, CTX)
     expected = rules.longest_hit(hashes, cache, max_blocks)

@@ -143,6 +143,12 @@ def test_kernels_refuse_malformed_arguments_without_crashing() -> None:
         native.chain_hashes("not bytes", [1, 2], 0, 2, 2, [])
     with pytest.raises(IndexError, match="block id 99"):
         native.release([99], False, [0] * 4, [None] * 4, bytearray(4), [], {}, {})
+    # Found by review: an empty range with a huge block_tokens wrapped the message size
+    # (a heap overflow under AddressSanitizer); nothing to hash appends nothing.
+    out: list[bytes] = []
+    native.chain_hashes(b"p" * 64, [], 0, 0, (1 << 62) - 8, out)
+    native.chain_hashes(b"p" * 32, [], 0, 0, (1 << 63) - 1, out)
+    assert out == []
 
 
 CONFIGS: dict[str, tuple[list, Any, Any]] = {

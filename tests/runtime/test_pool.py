@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from runtime_testkit import full, make_allocator
 
 from kvspec_core.errors import AllocatorError
-from kvspec_core.runtime import AllBlocksCleared, BlockPool, BlockRemoved
+from kvspec_core.runtime import AllBlocksCleared, BlockPool, BlockRemoved, Request
 
 
 def digest(index: int) -> bytes:
@@ -142,4 +143,64 @@ def test_a_hash_cached_again_moves_to_the_newer_copy() -> None:
     assert pool.caches[0] == {digest(5): second}
     assert pool.cached_hash(first) is None and not pool.is_cached_free(first)
     assert pool.take(1) == [first]  # uncached now, so reused before any cached block
+    pool.check_invariants()
+
+
+def refuse(groups: list[int], hashes: list[bytes], victims: list[int]) -> None:
+    raise RuntimeError("offload tier refused")
+
+
+@pytest.mark.parametrize("eviction", ["lru", "segmented"])
+def test_a_take_whose_eviction_hook_raises_loses_no_block(eviction: str) -> None:
+    # Found by review: the taken blocks (uncached ones and the evicted victims) kept ref
+    # count 1 with no owner, lost to the pool for good.
+    pool = BlockPool(7, eviction=eviction)
+    blocks = pool.take(6)
+    pool.cache_blocks(0, [digest(i) for i in range(6)], blocks)
+    if eviction == "segmented":
+        pool.touch(blocks[:2])  # reused: evicted through the general path
+        pool.release(blocks[:2])
+    pool.release(blocks[:4])
+    pool.release(pool.take(1))  # one uncached free block too
+    pool._on_evict = refuse
+    free = pool.num_free_blocks
+    with pytest.raises(RuntimeError, match="offload tier refused"):
+        pool.take(3)
+    assert pool.num_free_blocks == free
+    pool.check_invariants()
+    pool._on_evict = None
+    assert len(pool.take(free)) == free
+
+
+def test_cache_blocks_with_a_bad_id_caches_nothing() -> None:
+    # Found by review: the pairs before the bad id stayed cached (and the pure-Python twin
+    # cached a hash under block -1).
+    for bad, error in ((99, IndexError), (-1, IndexError), (True, TypeError), (2.0, TypeError)):
+        pool = BlockPool(8)
+        blocks = pool.take(3)
+        with pytest.raises(error, match="block id"):
+            pool.cache_blocks(0, [digest(0), digest(1)], [blocks[0], bad])  # type: ignore[list-item]
+        assert pool.num_cached_blocks == 0 and pool.cached_hash(blocks[0]) is None
+        pool.check_invariants()
+
+
+def test_a_step_whose_eviction_hook_raises_loses_no_block() -> None:
+    # The same through the allocator's steps, whose compiled kernels take blocks without
+    # BlockPool.take (pool_access.c).
+    allocator = make_allocator([full(2)], 8)
+    pool = allocator.pools[0]
+    for number in range(3):
+        request = Request(f"old{number}", [number * 10 + t for t in range(4)])
+        assert allocator.allocate_slots(request, 4, prefix=allocator.find_cached_prefix(request))
+        allocator.free(request.request_id)
+    request = Request("new", [99, 98, 97])
+    assert allocator.allocate_slots(request, 3, prefix=allocator.find_cached_prefix(request))
+    pool._on_evict = refuse
+    free = pool.num_free_blocks
+    assert pool.num_cached_blocks and not len(pool._fresh)
+    request.append_token(96)
+    request.append_token(95)  # a new block: a cached one is evicted for it
+    with pytest.raises(RuntimeError, match="offload tier refused"):
+        allocator.allocate_slots(request, 2)
+    assert pool.num_free_blocks == free
     pool.check_invariants()

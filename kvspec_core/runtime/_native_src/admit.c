@@ -157,15 +157,19 @@ static PyObject *int_list(const Py_ssize_t *values, Py_ssize_t count) {
  * method (it refuses or names the bad entry), -1: an error. */
 static int check_hit(PyObject *pool_dict, PyObject *table, Py_ssize_t *num_real,
                      Py_ssize_t *num_unreferenced) {
-    PyObject *refs = kv_pool_get(pool_dict, POOL_REF_COUNTS);
-    PyObject *evictable = refs == NULL ? NULL : kv_pool_get(pool_dict, POOL_EVICTABLE);
-    PyObject *protected_ = evictable == NULL ? NULL : kv_pool_get(pool_dict, POOL_PROTECTED);
-    if (protected_ == NULL) return -1;
-    if (!PyList_CheckExact(refs)) return 1;
-    Py_ssize_t bad = kv_first_unrevivable(table, refs, evictable, protected_, num_real,
-                                          num_unreferenced);
-    if (bad == -2) PyErr_Clear(); /* an entry that is no block id */
-    return bad != -1;
+    /* Held: each lookup may run a hostile key's code, which may replace an earlier one. */
+    static const int fields[3] = {POOL_REF_COUNTS, POOL_EVICTABLE, POOL_PROTECTED};
+    PyObject *held[3];
+    if (kv_pool_get_all(pool_dict, fields, 3, held) < 0) return -1;
+    int status = 1;
+    if (PyList_CheckExact(held[0])) {
+        Py_ssize_t bad = kv_first_unrevivable(table, held[0], held[1], held[2], num_real,
+                                              num_unreferenced);
+        if (bad == -2) PyErr_Clear(); /* an entry that is no block id */
+        status = bad != -1;
+    }
+    kv_release_all(held, 3);
+    return status;
 }
 
 /* 0: each entry of ``table`` (a hit of group ``gid``, exact ints) from ``skip`` on is a real
@@ -174,35 +178,59 @@ static int check_hit(PyObject *pool_dict, PyObject *table, Py_ssize_t *num_real,
  * tells a stale prefix from one it never handed out), -1: an error. */
 static int hit_is_cached(PyObject *pool_dict, Py_ssize_t gid, PyObject *table, Py_ssize_t skip,
                          PyObject *hashes) {
-    PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
+    /* The caches and the group's cache are held, the lists' sizes read again at each step
+     * and each digest held across its lookup: a key of the cache that is no bytes but has a
+     * digest's hash runs its __eq__, which may change any of them. */
+    PyObject *caches = Py_XNewRef(kv_pool_get(pool_dict, POOL_CACHES)), *cache = NULL;
     if (caches == NULL) return -1;
-    Py_ssize_t length = PyList_GET_SIZE(table);
-    if (!PyDict_CheckExact(caches) || hashes == NULL || PyList_GET_SIZE(hashes) < length)
-        return 1;
+    int status = 1;
+    if (!PyDict_CheckExact(caches) || hashes == NULL) goto done;
     PyObject *key = PyLong_FromSsize_t(gid);
-    if (key == NULL) return -1;
-    PyObject *cache = PyDict_GetItemWithError(caches, key);
+    if (key == NULL) {
+        status = -1;
+        goto done;
+    }
+    cache = Py_XNewRef(PyDict_GetItemWithError(caches, key));
     Py_DECREF(key);
-    if (cache == NULL) return PyErr_Occurred() ? -1 : 1;
-    if (!PyDict_CheckExact(cache)) return 1;
-    for (Py_ssize_t i = 0; i < length; i++) {
-        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(table, i));
-        if (block == -1 && PyErr_Occurred()) return -1;
+    if (cache == NULL) {
+        status = PyErr_Occurred() ? -1 : 1;
+        goto done;
+    }
+    if (!PyDict_CheckExact(cache)) goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(table); i++) {
+        PyObject *entry = PyList_GET_ITEM(table, i);
+        if (i >= PyList_GET_SIZE(hashes) || !PyLong_CheckExact(entry)) goto done;
+        Py_ssize_t block = PyLong_AsSsize_t(entry);
+        if (block == -1 && PyErr_Occurred()) {
+            status = -1;
+            goto done;
+        }
         if (block == 0) {
-            if (i >= skip) return 1; /* a block the group needs to resume */
+            if (i >= skip) goto done; /* a block the group needs to resume */
             continue;
         }
-        /* A digest the hasher made (bytes: looking it up runs no code). */
         PyObject *digest = PyList_GET_ITEM(hashes, i);
-        if (!PyBytes_CheckExact(digest)) return 1;
+        if (!PyBytes_CheckExact(digest)) goto done;
+        Py_INCREF(digest);
         PyObject *cached = PyDict_GetItemWithError(cache, digest);
-        if (cached == NULL) return PyErr_Occurred() ? -1 : 1;
-        if (!PyLong_CheckExact(cached)) return 1;
+        Py_DECREF(digest);
+        if (cached == NULL) {
+            status = PyErr_Occurred() ? -1 : 1;
+            goto done;
+        }
+        if (!PyLong_CheckExact(cached)) goto done;
         Py_ssize_t cached_block = PyLong_AsSsize_t(cached);
-        if (cached_block == -1 && PyErr_Occurred()) return -1;
-        if (cached_block != block) return 1;
+        if (cached_block == -1 && PyErr_Occurred()) {
+            status = -1;
+            goto done;
+        }
+        if (cached_block != block) goto done;
     }
-    return 0;
+    status = 0;
+done:
+    Py_XDECREF(caches);
+    Py_XDECREF(cache);
+    return status;
 }
 
 /* BlockPool.touch(table) once check_hit passed: -1 with an exception, else 0. */
@@ -210,10 +238,10 @@ static int revive(PyObject *pool_dict, PyObject *table) {
     PyObject *args[7] = {table};
     static const int fields[5] = {POOL_REF_COUNTS, POOL_REUSED, POOL_EVICTABLE,
                                   POOL_PROTECTED, POOL_SEGMENTED};
-    for (int i = 0; i < 5; i++)
-        if ((args[1 + i] = kv_pool_get(pool_dict, fields[i])) == NULL) return -1;
+    if (kv_pool_get_all(pool_dict, fields, 5, args + 1) < 0) return -1;
     args[6] = Py_False; /* checked */
     PyObject *bad = kv_py_touch(NULL, args, 7);
+    kv_release_all(args + 1, 5);
     Py_XDECREF(bad);
     return bad == NULL ? -1 : 0;
 }

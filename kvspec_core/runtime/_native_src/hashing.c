@@ -65,7 +65,10 @@ PyObject *kv_describe(PyObject *value) {
     if (value == Py_None || PyUnicode_CheckExact(value) || PyBytes_CheckExact(value)
         || PyLong_CheckExact(value) || PyByteArray_CheckExact(value))
         return PyObject_Repr(value);
-    return PyUnicode_FromFormat("<a %s>", Py_TYPE(value)->tp_name);
+    /* The type's __name__, as the Python twin names it (tp_name after its last dot: a static
+     * type's tp_name holds its module too; read without calling any code). */
+    const char *name = Py_TYPE(value)->tp_name, *dot = strrchr(name, '.');
+    return PyUnicode_FromFormat("<a %s>", dot == NULL ? name : dot + 1);
 }
 
 /* The int value of a token that is not a small exact int, as struct.pack reads it (an int,
@@ -106,6 +109,9 @@ int kv_chain_hashes(PyObject *parent, PyObject *tokens, Py_ssize_t start, Py_ssi
                         "block_tokens >= 1");
         return -1;
     }
+    /* No block to hash: nothing is allocated, so a huge block_tokens cannot wrap the message
+     * size below (with a block to hash, block_tokens <= len(tokens) bounds it). */
+    if (stop == start) return 0;
     size_t digest = (size_t)PyBytes_GET_SIZE(parent);
     Py_ssize_t count = stop - start, length = PyList_GET_SIZE(tokens);
     size_t message_len = digest + 4 * (size_t)size;

@@ -69,6 +69,13 @@ enum {
 PyObject *kv_pool_dict(PyObject *pool);
 /* Its attribute ``field`` (borrowed), or NULL with AttributeError. */
 PyObject *kv_pool_get(PyObject *pool_dict, int field);
+/* Its attributes ``fields[0..count)`` into ``out`` as new references, each taken as soon as
+ * it is read (a later lookup may run a hostile key's __eq__, which may replace an attribute
+ * already read); 0, or -1 with an exception and nothing held. Release with
+ * kv_release_all. */
+int kv_pool_get_all(PyObject *pool_dict, const int *fields, int count, PyObject **out);
+/* Py_XDECREF of ``objects[0..count)``. */
+void kv_release_all(PyObject **objects, int count);
 /* BlockPool.num_free_blocks; -1 with an exception. */
 int kv_pool_num_free(PyObject *pool_dict, Py_ssize_t *num_free);
 /* BlockPool.take(count) for a pool recording no events (a new list), or NULL with an

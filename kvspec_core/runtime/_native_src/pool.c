@@ -463,6 +463,12 @@ PyObject *kv_py_cache_blocks(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
         group_of = (uint16_t *)groups.buf;
     }
+    /* Every id checked before anything changes (nothing half-applied); again in the loop,
+     * where code a digest or move_hash runs may have changed the lists. */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(digests) && i < PyList_GET_SIZE(blocks); i++) {
+        Py_ssize_t block = block_id(PyList_GET_ITEM(blocks, i));
+        if ((block == -1 && PyErr_Occurred()) || !block_in_range(block, size)) goto fail;
+    }
     Py_ssize_t stored = 0;
     /* The lists are re-read each time: a digest's __hash__ / __eq__ and move_hash may run
      * Python code that changes them (the pair at hand is held meanwhile). */
@@ -543,14 +549,18 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     PyObject *digests = args[0], *cache = args[1];
-    Py_ssize_t max_blocks = PyLong_AsSsize_t(args[2]);
-    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
-    if (!PyList_Check(digests) || !PyDict_Check(cache)) {
-        PyErr_SetString(PyExc_TypeError, "longest_hit: digests must be a list, cache a dict");
+    if (!PyList_Check(digests) || !PyDict_Check(cache) || !PyIndex_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "longest_hit: digests must be a list, cache a dict, max_blocks an int");
         return NULL;
     }
+    /* As the reference's ``hashes[:max_blocks]`` (core_rules.py): clipped, negative from
+     * the end. */
+    Py_ssize_t max_blocks = PyNumber_AsSsize_t(args[2], NULL);
+    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(digests);
-    if (max_blocks < n) n = max_blocks < 0 ? 0 : max_blocks;
+    if (max_blocks < 0) max_blocks = n + max_blocks < 0 ? 0 : n + max_blocks;
+    if (max_blocks < n) n = max_blocks;
     PyObject *found = PyList_New(0);
     if (found == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(digests); i++) {
@@ -560,7 +570,9 @@ PyObject *kv_py_longest_hit(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyObject *block = PyDict_GetItemWithError(cache, digest);
         Py_XINCREF(block); /* before the digest is released (its release could run code) */
         Py_DECREF(digest);
-        if (block == NULL) {
+        if (block == NULL || block == Py_None) {
+            /* None: a miss, as the reference's ``cache.get`` reads it. */
+            Py_XDECREF(block);
             if (PyErr_Occurred()) {
                 Py_DECREF(found);
                 return NULL;

@@ -33,6 +33,21 @@ PyObject *kv_pool_get(PyObject *pool_dict, int field) {
     return value;
 }
 
+int kv_pool_get_all(PyObject *pool_dict, const int *fields, int count, PyObject **out) {
+    for (int i = 0; i < count; i++) out[i] = NULL;
+    for (int i = 0; i < count; i++) {
+        if ((out[i] = Py_XNewRef(kv_pool_get(pool_dict, fields[i]))) == NULL) {
+            kv_release_all(out, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void kv_release_all(PyObject **objects, int count) {
+    for (int i = 0; i < count; i++) Py_CLEAR(objects[i]);
+}
+
 int kv_pool_num_free(PyObject *pool_dict, Py_ssize_t *num_free) {
     /* BlockPool.num_free_blocks: uncached free + evictable + protected cached free. */
     static const int fields[3] = {POOL_FRESH, POOL_EVICTABLE, POOL_PROTECTED};
@@ -69,17 +84,47 @@ static int take_fresh(PyObject *fresh, PyObject *refs, Py_ssize_t count, PyObjec
         }
     }
     int failed = 0;
-    for (Py_ssize_t i = first; i < length && !failed; i++) {
-        PyObject *block = PyLong_FromLong(ids[i]);
+    Py_ssize_t end = first, out_start = PyList_GET_SIZE(out);
+    for (; end < length && !failed; end++) {
+        PyObject *block = PyLong_FromLong(ids[end]);
         failed = block == NULL || PyList_Append(out, block) < 0;
         Py_XDECREF(block);
         if (!failed) {
             Py_INCREF(kv_one);
-            failed = PyList_SetItem(refs, ids[i], kv_one) < 0;
+            failed = PyList_SetItem(refs, ids[end], kv_one) < 0;
         }
+    }
+    if (failed) {
+        /* Nothing half-applied: the blocks stay on the free stack, uncounted. */
+        for (Py_ssize_t i = first; i < end; i++) {
+            PyObject *zero = PyLong_FromLong(0);
+            if (zero == NULL || PyList_SetItem(refs, ids[i], zero) < 0) break;
+        }
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (PyList_SetSlice(out, out_start, PyList_GET_SIZE(out), NULL) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
     }
     PyBuffer_Release(&stack);
     return failed ? -1 : PySequence_DelSlice(fresh, first, length);
+}
+
+/* BlockPool._give_back: the blocks a failed take had taken (``taken``: the uncached ones
+ * and the cached ones evicted so far) free and uncached again, ref count 0 and back on the
+ * free stack, nothing lost; the exception in flight is kept. */
+static void give_back(PyObject *fresh, PyObject *refs, PyObject *taken) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *zero = PyLong_FromLong(0);
+    for (Py_ssize_t i = 0; zero != NULL && i < PyList_GET_SIZE(taken); i++) {
+        Py_ssize_t block = PyLong_AsSsize_t(PyList_GET_ITEM(taken, i));
+        if (block > 0 && block < PyList_GET_SIZE(refs)) PyList_SetItem(refs, block, Py_NewRef(zero));
+    }
+    Py_XDECREF(zero);
+    PyObject *done = PyObject_CallMethod(fresh, "extend", "O", taken);
+    Py_XDECREF(done);
+    PyErr_Clear(); /* the take's own error is the one to raise */
+    PyErr_Restore(type, value, traceback);
 }
 
 /* The pool's attribute ``field``, held in ``held[field]`` (released by kv_pool_take), or
@@ -131,8 +176,9 @@ static PyObject *take_held(PyObject *pool, PyObject *pool_dict, Py_ssize_t count
         PyObject *hashes = hooked ? PyList_New(0) : Py_NewRef(Py_None);
         PyObject *rest = PyLong_FromSsize_t(count - num_fresh);
         PyObject *done = NULL;
+        int fresh_taken = 0; /* the uncached blocks moved onto ``taken`` */
         if (groups != NULL && hashes != NULL && rest != NULL
-            && take_fresh(fresh, refs, num_fresh, taken) == 0) {
+            && (fresh_taken = take_fresh(fresh, refs, num_fresh, taken) == 0)) {
             PyObject *args[9] = {rest,       taken, evictable, caches, block_group,
                                  block_hash, refs,  groups,    hashes};
             done = kv_py_evict_take(NULL, args, hooked ? 9 : 7);
@@ -155,6 +201,7 @@ static PyObject *take_held(PyObject *pool, PyObject *pool_dict, Py_ssize_t count
         Py_XDECREF(groups);
         Py_XDECREF(hashes);
         if (failed) {
+            if (fresh_taken) give_back(fresh, refs, taken);
             Py_DECREF(taken);
             return NULL;
         }
@@ -192,46 +239,49 @@ PyObject *kv_pool_take_onto(PyObject *pool, PyObject *pool_dict, Py_ssize_t coun
 }
 
 int kv_pool_release(PyObject *pool_dict, PyObject *blocks) {
-    PyObject *args[8] = {blocks, Py_False};
     static const int fields[6] = {POOL_REF_COUNTS, POOL_BLOCK_HASH, POOL_REUSED, POOL_FRESH,
                                   POOL_EVICTABLE, POOL_PROTECTED};
-    for (int i = 0; i < 6; i++)
-        if ((args[2 + i] = kv_pool_get(pool_dict, fields[i])) == NULL) return -1;
+    PyObject *args[8] = {blocks, Py_False};
+    if (kv_pool_get_all(pool_dict, fields, 6, args + 2) < 0) return -1;
     PyObject *done = kv_py_release(NULL, args, 8);
+    kv_release_all(args + 2, 6);
     Py_XDECREF(done);
     return done == NULL ? -1 : 0;
 }
 
 int kv_pool_cache(PyObject *pool, PyObject *pool_dict, PyObject *gid, PyObject *digests,
                   PyObject *blocks) {
-    /* BlockPool.cache_blocks(gid, digests, blocks). */
-    PyObject *caches = kv_pool_get(pool_dict, POOL_CACHES);
-    PyObject *block_hash = caches ? kv_pool_get(pool_dict, POOL_BLOCK_HASH) : NULL;
-    if (block_hash == NULL) return -1;
+    /* BlockPool.cache_blocks(gid, digests, blocks). Everything read is held until the end:
+     * a lookup (a hostile key of the pool's __dict__ or of its caches) or move_hash (Python
+     * code) may replace what was read. */
+    static const int fields[2] = {POOL_CACHES, POOL_BLOCK_HASH};
+    PyObject *held[2], *group_block = NULL, *cache = NULL, *move_hash = NULL;
+    int status = -1;
+    if (kv_pool_get_all(pool_dict, fields, 2, held) < 0) return -1;
+    PyObject *caches = held[0], *block_hash = held[1];
     if (!PyDict_Check(caches)) {
         PyErr_SetString(PyExc_TypeError, "the pool's caches changed type");
-        return -1;
+        goto done;
     }
-    PyObject *group_block = Py_None;
     /* Several groups share the pool: cache_blocks records the group. */
-    if (PyDict_GET_SIZE(caches) > 1
-        && (group_block = kv_pool_get(pool_dict, POOL_BLOCK_GROUP)) == NULL)
-        return -1;
-    PyObject *cache = PyDict_GetItemWithError(caches, gid);
-    if (cache == NULL) {
+    group_block = PyDict_GET_SIZE(caches) > 1
+        ? Py_XNewRef(kv_pool_get(pool_dict, POOL_BLOCK_GROUP)) : Py_NewRef(Py_None);
+    if (group_block == NULL) goto done;
+    if ((cache = Py_XNewRef(PyDict_GetItemWithError(caches, gid))) == NULL) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "the pool has no cache of group %R", gid);
-        return -1;
+        goto done;
     }
-    PyObject *move_hash = PyObject_GetAttr(pool, names[POOL_MOVE_HASH]);
-    if (move_hash == NULL) return -1;
-    /* Borrowed from the pool's dicts: held across move_hash (Python code). */
+    if ((move_hash = PyObject_GetAttr(pool, names[POOL_MOVE_HASH])) == NULL) goto done;
     PyObject *args[7] = {gid, digests, blocks, cache, block_hash, group_block, move_hash};
-    for (int i = 3; i < 6; i++) Py_INCREF(args[i]);
     PyObject *stored = kv_py_cache_blocks(NULL, args, 7);
-    for (int i = 3; i < 6; i++) Py_DECREF(args[i]);
-    Py_DECREF(move_hash);
+    status = stored == NULL ? -1 : 0;
     Py_XDECREF(stored);
-    return stored == NULL ? -1 : 0;
+done:
+    kv_release_all(held, 2);
+    Py_XDECREF(group_block);
+    Py_XDECREF(cache);
+    Py_XDECREF(move_hash);
+    return status;
 }
 
 int kv_pool_cache_range(PyObject *pool, PyObject *pool_dict, Py_ssize_t gid, PyObject *hashes,
