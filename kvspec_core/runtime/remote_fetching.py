@@ -45,11 +45,15 @@ class RemoteFetching(RemoteTierState):
             self._remember_miss(wanted[run])
         if run == 0:
             return 0
-        pages = store.get_many(wanted[:run], max_payload_bytes=self._largest_block())
-        good = next((i for i, page in enumerate(pages) if page is None), run)
+        block_bytes = self._page_bytes(self.group)
+        pages = store.get_many(wanted[:run], max_payload_bytes=block_bytes)
+        # A page of another size (a valid value of another layout under this namespace) is
+        # refused here, before any slot is reserved: a reservation evicts tier entries.
+        usable = _leading_fits(pages, block_bytes)
+        good = len(usable)
         self.counters.fetch_misses += run - good
         if good < run and store.last_call_answered:
-            self._remember_miss(wanted[good])  # gone since, or a corrupt value
+            self._remember_miss(wanted[good])  # gone since, corrupt, or of another size
         if good == 0:
             return 0
         reservation = allocator.reserve_remote_blocks(
@@ -57,13 +61,13 @@ class RemoteFetching(RemoteTierState):
         )
         if reservation is None:
             return 0
-        return self._write(reservation, pages)
+        return self._write(reservation, usable, block_bytes)
 
-    def _largest_block(self) -> int | None:
-        """The largest block any local tier holds: a longer value cannot be written, so a
-        fetch reads no more than that per block."""
+    def _page_bytes(self, gid: int) -> int:
+        """Bytes of a block of group ``gid`` in the tier its fetched blocks land in: the only
+        page size that can be written (a longer value is not even read)."""
         self.runner.prepare(self.allocator)
-        return self.runner.largest_tier_block_bytes()
+        return self.runner.block_bytes(self._fetch_tiers[gid], self.allocator._pool_of[gid])
 
     def _remember_miss(self, digest: bytes) -> None:
         self.counters.misses_remembered += self.misses.remember([digest])
@@ -105,18 +109,25 @@ class RemoteFetching(RemoteTierState):
         hit, wanted = allocator.plan_remote_fetch(request, available)
         if hit <= local or not wanted:
             return 0
-        pages_by_group: dict[int, list[bytes | None]] = {}
-        largest = self._largest_block()
+        # Every group's pages are fetched and checked before any slot is reserved: a refused
+        # one ends the fetch with nothing reserved, evicted or written.
+        pages_by_group: dict[int, tuple[list[bytes], int]] = {}
         for gid, hashes in wanted.items():
             store = self.stores[gid]
-            pages = store.get_many(hashes, max_payload_bytes=largest)
-            missing = [digest for digest, page in zip(hashes, pages, strict=True) if page is None]
-            if missing:
-                self.counters.fetch_misses += len(missing)
+            block_bytes = self._page_bytes(gid)
+            pages = store.get_many(hashes, max_payload_bytes=block_bytes)
+            usable = _leading_fits(pages, block_bytes)
+            if len(usable) < len(hashes):
+                refused = [
+                    digest
+                    for digest, page in zip(hashes, pages, strict=True)
+                    if page is None or len(page) != block_bytes
+                ]
+                self.counters.fetch_misses += len(refused)
                 if store.last_call_answered:
-                    self.counters.misses_remembered += self.misses_by_group[gid].remember(missing)
+                    self.counters.misses_remembered += self.misses_by_group[gid].remember(refused)
                 return 0
-            pages_by_group[gid] = pages
+            pages_by_group[gid] = (usable, block_bytes)
         # Held while the others are reserved: every block the hit needs, local or fetched.
         needed = {
             gid: chain[: hit // allocator.rules[gid].block_tokens] for gid, chain in chains.items()
@@ -124,49 +135,33 @@ class RemoteFetching(RemoteTierState):
         fetched = 0
         for gid, hashes in wanted.items():
             index_of = {digest: index for index, digest in enumerate(hashes)}
-            group_pages = pages_by_group[gid]
+            group_pages, block_bytes = pages_by_group[gid]
             # One reservation per run of consecutive blocks (a reservation is a run).
             for run in _consecutive_runs(hashes, chains[gid]):
                 reservation = allocator.reserve_remote_blocks(gid, run, local_hit=needed)
                 if reservation is None:
                     return fetched
                 run_pages = [group_pages[index_of[digest]] for digest in run]
-                written = self._write(reservation, run_pages)
+                written = self._write(reservation, run_pages, block_bytes)
                 fetched += written
                 if written < len(run):
                     return fetched
         return fetched
 
-    def _write(self, reservation: RemoteReservation, pages: list[bytes | None]) -> int:
-        """Run the reservation's demotions, then write the fetched pages into its slots and
-        confirm them (see ``tier_remote.py`` for why in this order); returns the blocks
-        cached (0 when the write failed: the slots are freed uncached)."""
+    def _write(self, reservation: RemoteReservation, pages: list[bytes], block_bytes: int) -> int:
+        """Run the reservation's demotions, then write the fetched pages (each checked to be
+        ``block_bytes`` long, the slots' size) into its slots and confirm them (see
+        ``tier_remote.py`` for why in this order); returns the blocks cached (0 when the
+        write failed: the slots are freed uncached)."""
         allocator = self.allocator
         transfer = reservation.transfer
         try:
-            self.runner.prepare(allocator)
             if reservation.demotions:
                 # They read the very slots the pages go to: run and complete them first
                 # (a failed one loses its block from the tiers, nothing else).
                 self.runner.run_and_complete(allocator, list(reservation.demotions))
-            block_bytes = self.runner.block_bytes(transfer.destination_tier, transfer.pool)
-            fetched = [pages[i] for i in transfer.source_blocks]
-            wrong = [
-                digest
-                for digest, page in zip(transfer.block_hashes, fetched, strict=True)
-                if page is None or len(page) != block_bytes
-            ]
-            if wrong:
-                # Another layout under this namespace: the caller's namespace is wrong. The
-                # server answered: remembered like a corrupt value, not asked again at once.
-                self.counters.fetch_misses += transfer.num_blocks
-                self.counters.misses_remembered += self.misses_by_group[transfer.group].remember(
-                    wrong
-                )
-                allocator.complete_transfers([transfer.transfer_id], ok=False)
-                return 0
             rows = torch.frombuffer(
-                bytearray(b"".join(fetched)),  # type: ignore[arg-type]
+                bytearray(b"".join(pages[i] for i in transfer.source_blocks)),
                 dtype=torch.uint8,
             ).reshape(transfer.num_blocks, block_bytes)
             self.runner.write_blocks(
@@ -183,6 +178,17 @@ class RemoteFetching(RemoteTierState):
         self.counters.fetched += transfer.num_blocks
         self.counters.demoted += sum(demotion.num_blocks for demotion in reservation.demotions)
         return transfer.num_blocks
+
+
+def _leading_fits(pages: list[bytes | None], block_bytes: int) -> list[bytes]:
+    """The pages before the first that is missing or not ``block_bytes`` long (the only
+    size a slot takes)."""
+    fits: list[bytes] = []
+    for page in pages:
+        if page is None or len(page) != block_bytes:
+            break
+        fits.append(page)
+    return fits
 
 
 def _consecutive_runs(hashes: list[bytes], chain: Sequence[bytes]) -> list[list[bytes]]:

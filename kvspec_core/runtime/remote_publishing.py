@@ -4,6 +4,7 @@ store (see ``remote_tier.py``'s module docstring, *Publishing*)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from kvspec_core.errors import AllocatorError
@@ -17,27 +18,54 @@ class RemotePublishing(RemoteTierState):
     def run_pending(self) -> tuple[str | int, ...]:
         """``TransferRunner.run_pending`` (take, run in order, complete; returns the
         requests to drop from the step), then publish the blocks the step's completed
-        stores wrote from the device into a tier. Call it before the step's forward."""
+        stores wrote from the device into a tier. Call it before the step's forward.
+
+        Storage replaced since the tier was built raises :class:`AllocatorError` before
+        anything is taken (the transfers stay pending). Once they are completed, the
+        requests to drop are always returned: a publishing that fails is counted in
+        ``publish_failures``, never raised."""
+        self._bind_block_layouts()
         taken = self.allocator.take_transfers()
         done, _, dropped = self.runner.run_and_complete(self.allocator, taken)
-        self.publish_completed(taken, done)
+        stores = self._completed_stores(taken, done)
+        counters = self.counters
+        counted = counters.published + counters.publish_failures
+        try:
+            self.publish(stores)
+        except Exception as error:
+            # The completed transfers freed the dropped requests' blocks: losing the list
+            # would run their forward on them. A block not published is only a remote miss;
+            # the error is told as a warning, not lost.
+            left = sum(t.num_blocks for t in stores) - (
+                counters.published + counters.publish_failures - counted
+            )
+            counters.publish_failures += max(0, left)
+            warnings.warn(
+                f"RemoteTier.run_pending: publishing the step's blocks failed ({error!r}); "
+                f"{max(0, left)} blocks counted in publish_failures",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return dropped
 
     def publish_completed(self, taken: Sequence[Transfer], done: Sequence[int]) -> int:
         """:meth:`publish` the stores from the device among ``taken`` (a step's transfers)
         whose ids are in ``done`` (those that ran and were confirmed): for an engine that
         runs its transfers itself. Returns how many blocks the servers took."""
+        return self.publish(self._completed_stores(taken, done))
+
+    def _completed_stores(self, taken: Sequence[Transfer], done: Sequence[int]) -> list[Transfer]:
+        """The stores from the device among ``taken`` whose ids are in ``done``, of the groups
+        with a store."""
         ran = set(done)
-        return self.publish(
-            [
-                transfer
-                for transfer in taken
-                if transfer.transfer_id in ran
-                and transfer.kind == STORE
-                and transfer.source_tier == DEVICE_TIER
-                and transfer.group in self.stores
-            ]
-        )
+        return [
+            transfer
+            for transfer in taken
+            if transfer.transfer_id in ran
+            and transfer.kind == STORE
+            and transfer.source_tier == DEVICE_TIER
+            and transfer.group in self.stores
+        ]
 
     def publish(self, stores: list[Transfer]) -> int:
         """Put the pages of completed device -> tier stores to their group's store under

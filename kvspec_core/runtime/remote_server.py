@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import ipaddress
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,20 +57,52 @@ class RemoteStoreConfig:
     open_for_s: float = 1.0
     #: Expiry of stored blocks in seconds (None: the server's eviction policy decides).
     ttl_s: float | None = None
-    #: Bytes of a block hash (the runtime's hashes are BLAKE2b-256).
+    #: Bytes of a block hash (the runtime's hashes are BLAKE2b-256: a ``RemoteTier``
+    #: refuses a store of another size).
     hash_size: int = DIGEST_SIZE
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "op_timeout_s", "open_for_s", "min_bytes_per_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if not _is_real(value) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"RemoteStoreConfig.{name}={value!r} must be a positive number")
-        if self.ttl_s is not None and not (math.isfinite(self.ttl_s) and self.ttl_s >= 0.001):
-            raise ValueError(f"RemoteStoreConfig.ttl_s={self.ttl_s!r} must be >= 0.001 or None")
+        ttl = self.ttl_s
+        if ttl is not None and not (_is_real(ttl) and math.isfinite(ttl) and ttl >= 0.001):
+            raise ValueError(
+                f"RemoteStoreConfig.ttl_s={ttl!r} must be a number >= 0.001 (seconds) or None"
+            )
         for name, low in (("failures_to_open", 1), ("hash_size", 1), ("port", 1), ("db", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"RemoteStoreConfig.{name}={value!r} must be an int >= {low}")
+        if self.port > 65535:
+            raise ValueError(f"RemoteStoreConfig.port={self.port!r} must be at most 65535")
+        _check_host(self.host)
+        if self.password is not None and not isinstance(self.password, str):
+            raise ValueError(
+                f"RemoteStoreConfig.password must be a str or None, not "
+                f"{type(self.password).__name__}"
+            )
+
+
+def _is_real(value: object) -> bool:
+    """A real number, not a bool (``True`` would pass as 1 second)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_host(host: object) -> None:
+    """``host`` is a name or an address; a colon is allowed only in an IPv6 address (the
+    client would read "10.0.0.5:6379" as a name and fail every call as a miss)."""
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"RemoteStoreConfig.host={host!r} must be a non-empty str")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(
+                f"RemoteStoreConfig.host={host!r} must be a name or an address without a "
+                "port: give the port as port=..."
+            ) from None
 
 
 @dataclass

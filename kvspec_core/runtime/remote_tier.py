@@ -11,10 +11,13 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
 
 * **Publishing.** ``run_pending`` runs the step's transfers as ``TransferRunner.run_pending``
   does; then the pages of each device block stored into a tier (an eviction's write-back)
-  are read back from that tier and put to the store under the block's hash.
+  are read back from that tier and put to the store under the block's hash. Once the
+  transfers are completed, the requests to drop always come back: a failed publishing is
+  counted, never raised (storage the tier refuses is refused before anything is taken).
 * **Fetching.** ``fetch`` asks the store how many of the request's blocks after its local
-  hit it has, gets them (a miss or a corrupt value ends the run there: never a partial
-  block), reserves slots for them in the first local tier (host memory;
+  hit it has, gets them (a miss, a corrupt value or a page of another size than the tier's
+  blocks ends the run there, before any slot is reserved: never a partial block), reserves
+  slots for them in the first local tier (host memory;
   ``KVCacheAllocator.reserve_remote_blocks``: pending, never a hit until written), runs the
   demotions of the entries those slots evicted to the tier below, writes the pages and
   confirms: they are then tier entries, cached under the very hashes they were fetched by,
@@ -38,11 +41,14 @@ The allocator never touches the network: :class:`RemoteTier` sits beside the eng
   blocks around the local hit it has, and ``KVCacheAllocator.plan_remote_fetch`` lets the
   hybrid coordinator find the hit every group could resume from with those blocks added:
   only the remote blocks that hit needs are fetched (a sliding window: its window's; a
-  Mamba group: the one state saved at the hit), all or nothing.
+  Mamba group: the one state saved at the hit); every group's pages are checked before
+  any slot is reserved, and a missing or refused one ends the fetch with nothing written.
 
 Replicas share blocks only if they hash alike: give every replica's allocator the same
 ``hash_salt`` (and the same model, layout and block size; the store's namespace keeps
-other models apart). Groups of other families are refused (see ``_refusal``).
+other models apart). Groups of other families are refused (see ``_refusal``), and so are
+a store of another hash size and a runner without storage for a group's pool on the
+device or in the tier its fetched blocks land in (``_fetch_tiers``).
 
 Its jobs live in ``remote_fetching.py`` and ``remote_publishing.py``; its attributes and
 counters in ``remote_tier_state.py``.
@@ -54,6 +60,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from kvspec_core.errors import AllocatorError
+from kvspec_core.runtime.hashing import DIGEST_SIZE
 from kvspec_core.runtime.remote_fetching import RemoteFetching
 from kvspec_core.runtime.remote_misses import (
     DEFAULT_MISS_CAPACITY,
@@ -130,6 +137,7 @@ class RemoteTier(RemoteFetching, RemotePublishing):
                     f"RemoteTier: group {gid} ({allocator.specs[gid].kind}) {refusal}"
                 )
         self.stores = _stores_by_group(store, holding)
+        _check_hash_sizes(self.stores)
         if (
             isinstance(max_fetch_blocks, bool)
             or not isinstance(max_fetch_blocks, int)
@@ -138,6 +146,7 @@ class RemoteTier(RemoteFetching, RemotePublishing):
             raise AllocatorError(
                 f"RemoteTier: max_fetch_blocks={max_fetch_blocks!r} must be an int >= 1"
             )
+        self._fetch_tiers = _fetch_tiers(allocator, runner, list(self.stores))
         self.allocator = allocator
         self.runner = runner
         #: The first caching group and its store (the only ones without a hybrid).
@@ -212,3 +221,49 @@ def _stores_by_group(
             "alike, so one group's pages would be read as another's"
         )
     return {gid: store[gid] for gid in holding}
+
+
+def _check_hash_sizes(stores: Mapping[int, RemoteBlockStore]) -> None:
+    """Every store takes the allocator's block hashes (a store of another hash size would
+    refuse each one at the first fetch, inside the engine's step)."""
+    for gid, group_store in stores.items():
+        size = group_store.config.hash_size
+        if size != DIGEST_SIZE:
+            raise AllocatorError(
+                f"RemoteTier: store[{gid}] has RemoteStoreConfig.hash_size={size}, but the "
+                f"allocator's block hashes are {DIGEST_SIZE} bytes; leave hash_size at its "
+                f"default ({DIGEST_SIZE})"
+            )
+
+
+def _fetch_tiers(
+    allocator: KVCacheAllocator, runner: TransferRunner, groups: list[int]
+) -> dict[int, int]:
+    """Per group, the tier its fetched blocks land in (the first with slots for its pool,
+    where ``reserve_remote_blocks`` reserves them), checked: the runner must hold the
+    pool's storage there and on the device (what publishing reads is written from it), or
+    every fetch would evict that tier's entries for a write that cannot succeed."""
+    runner.prepare(allocator)
+    counts = allocator.block_counts()
+    tiers: dict[int, int] = {}
+    for gid in groups:
+        pool = allocator._pool_of[gid]
+        tier = min((t for t, p in counts if t >= 1 and p == pool), default=None)
+        if tier is None:
+            raise AllocatorError(
+                f"RemoteTier: no offload tier has slots for pool {pool} (group {gid}'s); "
+                "fetched blocks land in the first tier with slots for the pool: give one "
+                f"num_blocks > 0 for pool {pool}"
+            )
+        for needed in (0, tier):
+            try:
+                runner.block_bytes(needed, pool)
+            except AllocatorError:
+                raise AllocatorError(
+                    f"RemoteTier: the runner has no storage for tier {needed} "
+                    f"({allocator.tier_names[needed]!r}), pool {pool} (group {gid}'s); "
+                    f"give TransferRunner storage[{needed}][{pool}]: the tier fetches into "
+                    "and publishes from it"
+                ) from None
+        tiers[gid] = tier
+    return tiers

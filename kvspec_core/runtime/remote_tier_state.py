@@ -62,6 +62,9 @@ class RemoteTierState:
     misses_by_group: dict[int, RecentMisses]
     misses: RecentMisses
     counters: RemoteTierCounters
+    #: Per caching group, the tier its fetched blocks land in: the first with slots for its
+    #: pool (``tier_remote.py``), where the runner has storage for it.
+    _fetch_tiers: dict[int, int]
     #: Whether fetches are planned over the groups (a hybrid, or one group that is not full
     #: attention) rather than a run of leading blocks.
     _planned: bool

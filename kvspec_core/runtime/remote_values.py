@@ -27,11 +27,19 @@ Pages = bytes | bytearray | memoryview
 
 
 def checked_pages(payload: object, index: int) -> Pages:
-    """``payload`` (block ``[index]`` of a ``put_many``) if it is bytes-like; else TypeError."""
+    """``payload`` (block ``[index]`` of a ``put_many``) if it is bytes-like and one run of
+    memory (a C-contiguous memoryview); else TypeError."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(
             f"RemoteBlockStore.put_many: block [{index}]'s pages must be bytes, bytearray or "
             f"memoryview, not {type(payload).__name__}"
+        )
+    if isinstance(payload, memoryview) and not payload.c_contiguous:
+        # Its bytes are not one run in memory: the value would need a copy in an order
+        # the caller did not choose (which shape or stride is the block's?).
+        raise TypeError(
+            f"RemoteBlockStore.put_many: block [{index}]'s pages are a memoryview that is not "
+            "C-contiguous; give the block's bytes in order (e.g. tensor.contiguous())"
         )
     return payload
 

@@ -221,12 +221,6 @@ class TransferRunner:
         if self._checked is not allocator and hasattr(allocator, "block_counts"):
             self.check_storage(allocator)
 
-    def largest_tier_block_bytes(self) -> int | None:
-        """The largest :meth:`block_bytes` of any offload tier's storage (tier >= 1); None
-        without one."""
-        sizes = [self.block_bytes(tier, pool) for tier, pool, _ in self._pools() if tier >= 1]
-        return max(sizes, default=None)
-
     def _at(self, tier: int, pool: int) -> Storage:
         per_pool = self.storage.get(tier)
         found = None

@@ -18,6 +18,7 @@ from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime import KVCacheAllocator, OffloadTier, Request, TransferRunner
 from kvspec_core.runtime.remote_store import BlockNamespace, RemoteBlockStore, RemoteStoreConfig
 from kvspec_core.runtime.remote_tier import RemoteTier
+from kvspec_core.runtime.remote_values import HEADER_SIZE, encode_value
 
 PROMPT = list(range(100, 100 + 5 * BLOCK + 1))  # five full blocks per group are looked up
 WINDOW_BLOCKS = 2  # a window of 6 tokens over blocks of 4: the 2 blocks before the hit
@@ -111,6 +112,29 @@ def test_a_corrupt_window_block_writes_nothing_then_is_planned_around(
     assert replica_2.allocator.find_cached_prefix(Request("b", PROMPT)).num_tokens == 0
     assert replica_2.stores[1].counters.corrupt == 1
     replica_2.allocator.check_invariants()
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 4 + WINDOW_BLOCKS
+    assert replica_2.allocator.find_cached_prefix(Request("b", PROMPT)).num_tokens == 4 * BLOCK
+
+
+def test_a_window_page_of_another_size_reserves_nothing(valkey: ServerProcess) -> None:
+    """Found in review: a window value with a valid header and digest but 2 bytes short was
+    refused only when its group's run was written, after the full-attention group's run was
+    reserved (evicting) and written: the fetch returned 5, not nothing. Every group's pages
+    are now checked before any slot is reserved."""
+    published_by_replica_1(valkey.port)
+    replica_2 = HybridReplica(valkey.port)
+    chain = replica_2.allocator.block_hashes(Request("b", PROMPT), 1)
+    client = redis.Redis(port=valkey.port, socket_timeout=2)
+    key = replica_2.stores[1].key_of(chain[4])
+    client.set(key, encode_value(key, client.get(key)[HEADER_SIZE:-2]))
+
+    assert replica_2.remote.fetch(Request("b", PROMPT)) == 0
+    counters = replica_2.remote.counters
+    assert (counters.fetched, counters.fetch_misses, counters.misses_remembered) == (0, 1, 1)
+    host = replica_2.allocator._tiers.tier_pools[0][0]
+    assert host.num_free_blocks == host.num_blocks - 1  # no slot taken, none written
+    replica_2.allocator.check_invariants()
+    # Remembered as a miss: the next fetch plans the hit without it.
     assert replica_2.remote.fetch(Request("b", PROMPT)) == 4 + WINDOW_BLOCKS
     assert replica_2.allocator.find_cached_prefix(Request("b", PROMPT)).num_tokens == 4 * BLOCK
 
