@@ -210,7 +210,10 @@ def add_model_arguments(
         "--max-model-len",
         type=positive_int,
         metavar="N",
-        help="longest request in tokens (default: the config's max_position_embeddings)",
+        help=(
+            "longest request in tokens (default: the config's length as vLLM derives it: its "
+            "smallest length field, times a linear or dynamic RoPE factor)"
+        ),
     )
     parser.add_argument(
         "--allow-long-max-model-len",

@@ -135,6 +135,12 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
     check_budget_options(args)
     budget = 0 if args.memory is None else parse_size(args.memory)
     dtypes = kv_cache_dtypes(args)
+    if args.plot is None and len(dtypes) > 1:
+        # Only --plot reads every value; a plan would silently take the first.
+        raise ConfigError(
+            f"--kv-cache-dtype is given {len(dtypes)} values ({', '.join(dtypes)}); a plan "
+            "takes one: give one, or add --plot FILE.png to draw one curve per dtype"
+        )
     if args.plot is not None:
         if args.pp > 1 or args.pp_partition is not None:
             raise ConfigError(

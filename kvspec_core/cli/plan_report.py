@@ -5,30 +5,38 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvspec_core.context import SizingContext
 from kvspec_core.models.pipeline import PipelinePlan
 from kvspec_core.models.planning import ModelPlan
 from kvspec_core.planner.plan import KVCachePlan, PlannedGroup
+from kvspec_core.plugins.family_rules import block_tokens_of
 
 
-def _tokens_per_request(group: PlannedGroup) -> int | None:
-    """Token positions one max-length request keeps in ``group`` (block granularity);
-    ``None`` for state families (Mamba), whose blocks hold a state, not tokens."""
+def _block_positions(group: PlannedGroup, ctx: SizingContext) -> int | None:
+    """Token positions one block of ``group`` spans (its block size times the DCP ranks
+    that shard it); ``None`` for state families (Mamba), whose blocks hold a state, not
+    tokens."""
     try:
         tokens_per_state = group.layer_specs[0].tokens_per_state
     except NotImplementedError:
         return None
     if tokens_per_state <= 0:
         return None
-    return group.blocks_per_request * group.block_size
+    return block_tokens_of(group.spec, ctx)
+
+
+def _tokens_per_request(group: PlannedGroup, ctx: SizingContext) -> int | None:
+    """Token positions one max-length request keeps in ``group`` (block granularity), or
+    ``None`` (see :func:`_block_positions`)."""
+    positions = _block_positions(group, ctx)
+    return None if positions is None else group.blocks_per_request * positions
 
 
 def _pool_tokens(plan: KVCachePlan, pool_id: int, blocks: int) -> int | None:
     """Tokens ``blocks`` blocks of pool ``pool_id`` hold, its null block left out; ``None``
     for a state pool (Mamba) or one whose groups' blocks hold different token counts."""
     sizes = {
-        group.block_size if _tokens_per_request(group) is not None else None
-        for group in plan.groups
-        if group.pool == pool_id
+        _block_positions(group, plan.context) for group in plan.groups if group.pool == pool_id
     }
     size = sizes.pop() if len(sizes) == 1 else None
     return None if size is None else (blocks - 1) * size
@@ -98,7 +106,7 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
                 "block_size": group.block_size,
                 "page_size_bytes": group.page_size_bytes,
                 "blocks_per_request": group.blocks_per_request,
-                "tokens_per_request": _tokens_per_request(group),
+                "tokens_per_request": _tokens_per_request(group, plan.context),
                 "pool": group.pool,
             }
             for group in plan.groups

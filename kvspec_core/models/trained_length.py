@@ -13,7 +13,9 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from kvspec_core.errors import ConfigError
 from kvspec_core.models.ingest import ModelLayers
+from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: RoPE scaling types whose factor is already in the config's length (vLLM's list).
 _LENGTH_ALREADY_SCALED = frozenset(
@@ -55,7 +57,14 @@ def trained_max_model_len(model: ModelLayers) -> tuple[int, str] | None:
                 factor = float(value)  # type: ignore[arg-type]  # checked above
     if factor == 1.0:
         return base, "the config's length"
-    return int(base * factor), f"the config's length {base:,} x its RoPE scaling factor {factor:g}"
+    scaled = base * factor
+    if not scaled <= MAX_FIELD_VALUE:
+        raise ConfigError(
+            f"the config's RoPE scaling factor {factor:g} ('rope_scaling' / 'rope_parameters' "
+            f"'factor') times its length {base:,} is {scaled:g} tokens, beyond kvspec's "
+            f"limit of {MAX_FIELD_VALUE:,}; fix the factor in the model config"
+        )
+    return int(scaled), f"the config's length {base:,} x its RoPE scaling factor {factor:g}"
 
 
 def default_plan_length(model: ModelLayers) -> int | None:

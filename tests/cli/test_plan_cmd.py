@@ -78,6 +78,24 @@ def test_dcp_shards_full_attention_tokens(capsys: pytest.CaptureFixture[str]) ->
     assert two["decode_context_parallel_size"] == 2
     assert two["groups"][0]["blocks_per_request"] * 2 == one["groups"][0]["blocks_per_request"]
     assert two["max_concurrency"] == 2 * one["max_concurrency"]
+    # Found by review: token counts were blocks x block size, half the positions a
+    # DCP-2 block spans (65,536 tokens per request of max_model_len 131,072).
+    assert two["groups"][0]["tokens_per_request"] == two["max_model_len"] == 131072
+    tiered = plan_json(
+        capsys,
+        "llama-3.1-8b",
+        "--memory",
+        "40GiB",
+        "--tp",
+        "16",
+        "--dcp",
+        "2",
+        "--host-memory",
+        "100GiB",
+    )
+    (host,) = tiered["tiers"]
+    (pool,) = host["pools"]
+    assert pool["tokens"] == (pool["num_blocks"] - 1) * 16 * 2
 
 
 @pytest.mark.parametrize(

@@ -57,3 +57,19 @@ def test_plan_reads_a_single_value_as_the_gpu_search_does(
         capsys, "llama-3.1-8b", "--memory", "40GiB", "--kv-cache-dtype", "fp8"
     )
     assert report["kv_cache_dtype"] == "fp8"
+
+
+def test_several_dtypes_without_plot_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Found by review: "--kv-cache-dtype fp8 --kv-cache-dtype fp9" planned fp8 with exit 0;
+    # only --plot reads every value.
+    from plan_cli_testkit import fails
+
+    def twice(first: str, second: str) -> list[str]:
+        return ["llama-3.1-8b", "--memory", "40GiB"] + [
+            part for name in (first, second) for part in ("--kv-cache-dtype", name)
+        ]
+
+    err = fails(capsys, *twice("fp8", "fp9"))
+    assert "2 values (fp8, fp9)" in err and "--plot" in err
+    # The same value twice is one dtype.
+    assert plan_json(capsys, *twice("fp8", "fp8"))["kv_cache_dtype"] == "fp8"

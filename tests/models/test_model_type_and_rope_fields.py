@@ -21,6 +21,11 @@ def plan(config: dict[str, Any], manager: PluginManager) -> None:
     plan_model(config, 40 << 30, PlanOptions(), manager, name="test")
 
 
+def linear_rope(factor: object) -> dict[str, Any]:
+    """Qwen2.5-7B with a linear RoPE scaling of ``factor``."""
+    return {**preset("qwen2.5-7b"), "rope_scaling": {"rope_type": "linear", "factor": factor}}
+
+
 @pytest.mark.parametrize("model_type", [5, "", ["llama"], True], ids=repr)
 def test_a_model_type_that_is_not_a_name_is_refused(
     model_type: object, kvspec_loaded_manager: PluginManager
@@ -50,15 +55,23 @@ def test_rope_scaling_that_is_not_an_object_is_refused(
 def test_a_rope_factor_that_is_not_a_positive_number_is_refused(
     factor: object, kvspec_loaded_manager: PluginManager
 ) -> None:
-    config = {**preset("qwen2.5-7b"), "rope_scaling": {"rope_type": "linear", "factor": factor}}
     with pytest.raises(ConfigError, match=r"'rope_scaling\.factor' is .* positive number"):
-        plan(config, kvspec_loaded_manager)
+        plan(linear_rope(factor), kvspec_loaded_manager)
     per_layer = {"full_attention": {"rope_type": "linear", "factor": factor}}
     with pytest.raises(ConfigError, match=r"'rope_parameters\.full_attention\.factor'"):
         plan({**preset("qwen2.5-7b"), "rope_parameters": per_layer}, kvspec_loaded_manager)
 
 
 def test_valid_rope_fields_still_plan(kvspec_loaded_manager: PluginManager) -> None:
-    config = {**preset("qwen2.5-7b"), "rope_scaling": {"rope_type": "linear", "factor": 2}}
-    plan(config, kvspec_loaded_manager)
+    plan(linear_rope(2), kvspec_loaded_manager)
     plan({**preset("qwen2.5-7b"), "rope_scaling": None}, kvspec_loaded_manager)
+
+
+@pytest.mark.parametrize("factor", [1e308, 1e10])
+def test_a_rope_factor_scaling_the_length_past_the_limit_is_refused(
+    factor: float, kvspec_loaded_manager: PluginManager
+) -> None:
+    # Found by review: 1e308 gave a traceback (int of infinity), 1e10 an error naming
+    # SizingContext.max_model_len.
+    with pytest.raises(ConfigError, match=r"RoPE scaling factor .* fix the factor"):
+        plan(linear_rope(factor), kvspec_loaded_manager)
