@@ -54,7 +54,6 @@ from kvspec_core.models.planning import (
 )
 from kvspec_core.planner.tiers import OffloadTierError
 from kvspec_core.plugins.manager import PluginManager
-from kvspec_core.runtime.rules import rules_for
 
 # Tests and benchmarks import ``describe_layers`` and ``plan_report`` from here.
 __all__ = ["add_parser", "describe_layers", "plan_report", "run"]
@@ -192,12 +191,6 @@ def run(args: argparse.Namespace, manager: PluginManager) -> int:
         if largest:
             raise CapacityError(f"{error} (pass --max-model-len {largest})") from None
         raise
-    for stage in pipeline.stages:
-        # The plan counts what the allocator's rules will admit: rules keeping more than a
-        # spec is sized for (a plugin kind without rules of its own) are refused here too.
-        stage_plan = stage.result.plan
-        for group in stage_plan.groups:
-            rules_for(group.spec, stage_plan.context, manager)
     result = pipeline.bottleneck.result
     report = plan_report(result, source=resolved.source)
     report.update(pipeline_report(pipeline, args.pp))

@@ -72,6 +72,7 @@ class PreparedModel:
         """The plan within ``budget_bytes`` (:class:`CapacityError` when one request of
         ``context.max_model_len`` does not fit; it names the largest length that does)."""
         from kvspec_core.planner import plan_kv_cache
+        from kvspec_core.runtime.rules import rules_for
 
         plan = plan_kv_cache(
             self.specs,
@@ -82,6 +83,11 @@ class PreparedModel:
             disk_offload_bytes=self.disk_offload_bytes,
             disk_path=self.disk_path,
         )
+        # The plan counts what the allocator will admit: a group whose runtime rules keep
+        # more than its spec is sized for (a plugin kind without rules of its own) is
+        # refused here, as the allocator built from the plan would refuse it.
+        for group in plan.groups:
+            rules_for(group.spec, plan.context, manager)
         return ModelPlan(model=self.model, specs=self.specs, context=self.context, plan=plan)
 
     def largest_fitting_max_model_len(self, budget_bytes: int, manager: PluginManager) -> int:
