@@ -8,6 +8,9 @@ skip the prefix's computation, and the hit blocks must really be what the model 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from transformers_testkit import (
@@ -215,22 +218,88 @@ def test_an_encoder_decoder_model_is_refused_at_start() -> None:
 
 
 def test_k_v_of_other_heads_than_planned_are_refused_naming_the_layer() -> None:
-    """Found in review: Falcon's new architecture hands the cache K/V repeated to all 4 query
-    heads while its config plans 2 KV heads; the write died on a torch shape error."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """Found in review: K/V of other heads than the plan's died on a torch shape error at
+    the first write (then: Falcon's new architecture, now refused at start, below). Here a
+    kvspec_config planning 8 KV heads for a Llama whose layers compute 2."""
     from kvspec_core.errors import ConfigError
 
+    case = model_case("llama")
+    engine = TransformersEngine(
+        case.model, kvspec_config={**case.config, "num_key_value_heads": 8}, max_model_len=96
+    )
+    with pytest.raises(ConfigError, match="wrote cells of 2 heads x 32 values, but its "):
+        engine.generate([1, 2, 3], 2)
+
+
+#: Causal LMs whose attention is their own code, not transformers' AttentionInterface:
+#: ``set_attn_implementation`` only logs a warning and they keep their attention.
+OWN_ATTENTION = {
+    "bloom": {},
+    "mpt": {},
+    "xglm": {},
+    "gpt_neox_japanese": {},
+    "falcon": {"new_decoder_architecture": False},
+    "falcon_new": {"model_type": "falcon", "new_decoder_architecture": True, "num_kv_heads": 2},
+}
+
+
+@pytest.mark.parametrize("case_name", list(OWN_ATTENTION))
+def test_a_model_whose_attention_bypasses_the_attention_interface_is_refused_at_start(
+    case_name: str, tmp_path: Path
+) -> None:
+    """Found in review: these models started, kept their own attention (over the step's
+    K/V alone) and crashed inside transformers at the first generate (Falcon's new
+    architecture: at the cache's first write). Now refused at start naming the class; the
+    disk tier's files are removed and the model keeps its attention implementation."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(OWN_ATTENTION[case_name])
+    model_type = fields.pop("model_type", case_name)
     config = AutoConfig.for_model(
-        "falcon", vocab_size=512, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-        new_decoder_architecture=True, num_kv_heads=2, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None,
+        model_type, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        n_embd=64, n_layer=2, n_head=4, d_model=64, intermediate_size=128,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    engine = TransformersEngine(model)
-    with pytest.raises(ConfigError, match="wrote cells of 4 heads x 32 values, but its "):
-        engine.generate([1, 2, 3], 2)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()
+    before = model.config._attn_implementation
+    with pytest.raises(
+        EngineError,
+        match=rf"{type(model).__name__} computes attention in its own code, not through "
+        "transformers' AttentionInterface",
+    ):
+        TransformersEngine(
+            model,
+            max_model_len=96,
+            host_offload_bytes=1 << 20,
+            disk_offload_bytes=1 << 20,
+            disk_path=str(tmp_path),
+        )
+    assert os.listdir(tmp_path) == []
+    assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tensor_parallel_size", 2),
+        ("decode_context_parallel_size", 2),
+    ],
+)
+@pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
+def test_more_than_one_rank_is_refused_at_start(name: str, field: str, value: int) -> None:
+    """Found in review: tensor_parallel_size=2 planned one rank's share of Llama's KV heads
+    and died at the first write naming the heads; decode_context_parallel_size=2 was refused
+    by the planner as not dividing TP, and with TP=DCP=2 DeepSeek's first step died in the
+    slot mapping. The engine runs the whole model as one rank: refused naming the field."""
+    from kvspec_core.plugins.layer_config import PlanOptions
+
+    case = model_case(name)
+    options = PlanOptions(**{field: value})
+    with pytest.raises(EngineError, match=rf"options.{field}={value}: the engine runs the whole"):
+        TransformersEngine(case.model, kvspec_config=case.config, options=options)
 
 
 def test_a_request_longer_than_max_model_len_is_refused_and_freed() -> None:

@@ -97,7 +97,7 @@ def test_the_outputs_differ_without_sharing() -> None:
 
 def test_a_plan_hiding_the_model_sharing_is_refused_naming_the_layer() -> None:
     model = gemma3n(4)
-    hidden = {**model.config.to_dict(), "num_kv_shared_layers": 0}
+    hidden = {**model.config.to_dict(), "dtype": "float32", "num_kv_shared_layers": 0}
     with pytest.raises(EngineError) as error:
         engine(model, kvspec_config=hidden)
     message = str(error.value)
@@ -108,7 +108,7 @@ def test_a_plan_hiding_the_model_sharing_is_refused_naming_the_layer() -> None:
 
 def test_a_plan_sharing_what_the_model_computes_is_refused() -> None:
     model = gemma3n(0)
-    shared = {**model.config.to_dict(), "num_kv_shared_layers": 4}
+    shared = {**model.config.to_dict(), "dtype": "float32", "num_kv_shared_layers": 4}
     shared.pop("kv_sharing_modes", None)
     with pytest.raises(
         EngineError,
@@ -151,12 +151,13 @@ def test_a_reader_adapter_refuses_a_write() -> None:
 
 def test_readers_read_a_prefix_loaded_back_from_the_host_tier() -> None:
     """A's blocks leave the device for a host tier (three unrelated requests push them out of
-    60 device blocks of 1 KiB); B loads the 48-token prefix back into the sources' blocks and
-    the readers attend over them: the output is transformers'."""
+    60 device blocks of 2 KiB); B loads the 48-token prefix back into the sources' blocks and
+    the readers attend over them: the output is transformers'. (The model's config names no
+    dtype; the engine plans the float32 parameters' dtype, not kvspec's bfloat16 default.)"""
     run = TransformersEngine(
-        gemma3n(4), max_model_len=96, budget_bytes=60 << 10, host_offload_bytes=40 << 10
+        gemma3n(4), max_model_len=96, budget_bytes=120 << 10, host_offload_bytes=80 << 10
     )
-    assert [pool.block_bytes for pool in run.plan.pools] == [1024]
+    assert [pool.block_bytes for pool in run.plan.pools] == [2048]
     run.generate(PROMPT_A, max_new_tokens=8)
     for seed in range(3):
         run.generate(token_ids(57, seed=100 + seed), max_new_tokens=8)

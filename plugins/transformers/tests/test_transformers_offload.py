@@ -338,3 +338,30 @@ def test_a_refused_engine_leaves_no_disk_files_behind(tmp_path: Path) -> None:
     assert os.listdir(tmp_path)
     engine.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_an_engine_dropped_without_close_removes_its_disk_files(tmp_path: Path) -> None:
+    """Found in review: an engine garbage-collected without close() left its disk tier's
+    files, and the next engine on the directory was refused. Collection now removes them."""
+    import gc
+
+    case = model_case("llama")
+    options: dict[str, Any] = dict(
+        kvspec_config=case.config,
+        max_model_len=96,
+        host_offload_bytes=1 << 20,
+        disk_offload_bytes=1 << 20,
+        disk_path=str(tmp_path),
+    )
+    engine = TransformersEngine(case.model, **options)
+    engine.generate(PROMPT_A, 2)
+    assert os.listdir(tmp_path)
+    del engine
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    # The directory serves the next engine; leaving a ``with`` block releases it too.
+    with TransformersEngine(case.model, **options) as engine:
+        assert engine.generate(PROMPT_B, NEW_TOKENS).token_ids == model_case("llama").reference["b"]
+        assert os.listdir(tmp_path)
+    assert os.listdir(tmp_path) == []
+    engine.close()  # idempotent

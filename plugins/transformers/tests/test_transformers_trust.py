@@ -292,6 +292,75 @@ def test_bad_stop_tokens_are_refused() -> None:
     engine = engine_for("llama")
     with pytest.raises(EngineError, match=r"stop_token_ids\[0\]=-2 must be a token id"):
         engine.generate(PROMPT, 4, stop_token_ids=[-2])
+    for refused, match in [
+        (True, r"stop_token_ids=True \(bool\) is not token ids"),
+        ({5: 1}, "stop_token_ids is a dict; pass token ids"),
+        (512, r"stop_token_ids\[0\]=512 must be a token id in \[0, 512\)"),
+    ]:
+        with pytest.raises(EngineError, match=match):
+            engine.generate(PROMPT, 4, stop_token_ids=refused)  # type: ignore[arg-type]
+    assert engine.allocator.num_running == 0
+
+
+def test_one_bare_stop_token_id_is_taken_as_a_list_of_one() -> None:
+    """Found in review: ``stop_token_ids=5`` (what ``tokenizer.eos_token_id`` is) raised a
+    TypeError. A bare integer (numpy's, a 0-d tensor) now stops like ``[5]``."""
+    engine = engine_for("llama")
+    expected = model_case("llama").reference["prompt"]
+    stop = expected[2]
+    for bare in (stop, numpy.int64(stop), torch.tensor(stop)):
+        result = engine.generate(PROMPT, NEW_TOKENS, stop_token_ids=bare)  # type: ignore[arg-type]
+        assert result.finish_reason == "stop"
+        assert result.token_ids == expected[: expected.index(stop) + 1]
+    # A set of stop ids is fine: their order does not matter.
+    assert engine.generate(PROMPT, NEW_TOKENS, stop_token_ids={stop, 511}).finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [set(PROMPT[:4]), frozenset(PROMPT[:4]), dict.fromkeys(PROMPT[:4]), {1: 2}.keys()],
+    ids=["set", "frozenset", "dict", "dict keys"],
+)
+def test_unordered_or_keyed_prompts_are_refused(prompt: Any) -> None:
+    """Found in review: a prompt given as a set ran in its hashing's order (and a dict as
+    its keys), with no error: a wrong prompt, silently."""
+    engine = engine_for("llama")
+    with pytest.raises(EngineError, match="which has no token order; pass the ids in order"):
+        engine.generate(prompt, 4)
+    assert engine.allocator.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("request_id", "match"),
+    [(5, r"request_id=5 \(int\) must be a non-empty str"), ("", "request_id='' \\(str\\)")],
+)
+def test_bad_request_ids_are_refused(request_id: Any, match: str) -> None:
+    engine = engine_for("llama")
+    with pytest.raises(EngineError, match=match):
+        engine.generate(PROMPT, 4, request_id=request_id)
+    assert engine.allocator.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "match"),
+    [
+        ("model", None, "model is a NoneType; pass a transformers causal LM"),
+        ("options", {"block_size": 8}, r"options is a dict; pass .*PlanOptions\(block_size=8\)"),
+        ("kvspec_config", [1, 2], "kvspec_config is a list; pass a config dict"),
+        ("enable_prefix_caching", "no", r"enable_prefix_caching='no' \(str\); pass True or False"),
+        ("manager", "plugins", "manager is a str; pass a kvspec PluginManager"),
+    ],
+)
+def test_engine_arguments_of_the_wrong_type_are_refused_naming_them(
+    argument: str, value: Any, match: str
+) -> None:
+    """Found in review: options={...} and model=None died on an AttributeError,
+    kvspec_config=[...] on a TypeError, and enable_prefix_caching="no" was taken as true."""
+    case = model_case("llama")
+    arguments: dict[str, Any] = {"model": case.model, "kvspec_config": case.config}
+    arguments[argument] = value
+    with pytest.raises(EngineError, match=match):
+        TransformersEngine(**arguments)
 
 
 # --------------------------------------------------------------------------- plan vs model

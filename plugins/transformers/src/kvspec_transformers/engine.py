@@ -19,11 +19,14 @@ the paged one
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -31,6 +34,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DummyLayer
 
 from kvspec_core import load_plugins
+from kvspec_core.models.fields import DTYPE_FIELDS
+from kvspec_core.models.normalized import ModelConfig
 from kvspec_core.models.planning import prepare_model
 from kvspec_core.planner import materialize
 from kvspec_core.planner.plan import KVCachePlan
@@ -60,7 +65,12 @@ from kvspec_transformers.paged_attention import (
     CACHE_KWARG,
     register_paged_attention,
 )
-from kvspec_transformers.prompts import max_new_tokens_of, prompt_token_ids_of, token_id_of
+from kvspec_transformers.prompts import (
+    max_new_tokens_of,
+    prompt_token_ids_of,
+    request_id_of,
+    stop_token_ids_of,
+)
 from kvspec_transformers.remote import RemoteOptions, remote_tier
 from kvspec_transformers.step import StepContext
 
@@ -72,6 +82,110 @@ def _own_spec(spec: KVSpec) -> KVSpec:
     """The spec a layer computes with: a reader's ``reader_spec`` (its family and window,
     which the planner checked merge with its source's), else the layer's spec."""
     return spec.reader_spec if isinstance(spec, KVSharingSpec) else spec
+
+
+#: Optional constructor arguments: the type each must have when given, and what to pass.
+_OPTIONAL_ARGUMENTS: tuple[tuple[str, type, str], ...] = (
+    ("kvspec_config", Mapping, "a config dict (a parsed config.json) or None to plan model.config"),
+    (
+        "manager",
+        PluginManager,
+        "a kvspec PluginManager (kvspec_core.load_plugins()) or None for the installed plugins",
+    ),
+    (
+        "options",
+        PlanOptions,
+        "kvspec_core.plugins.layer_config.PlanOptions(...) (e.g. PlanOptions(block_size=8)) "
+        "or None for the defaults",
+    ),
+)
+
+
+def _check_arguments(model: object, enable_prefix_caching: object, **optional: object) -> None:
+    """Refuse arguments of the wrong type up front, naming the field: otherwise they fail
+    deep in planning with an ``AttributeError`` / ``TypeError`` (or, a string
+    ``enable_prefix_caching="no"``, are silently taken as true)."""
+    if not isinstance(model, PreTrainedModel):
+        raise EngineError(
+            f"model is a {type(model).__name__}; pass a transformers causal LM "
+            "(a PreTrainedModel, e.g. AutoModelForCausalLM.from_config(...))"
+        )
+    for name, kind, expected in _OPTIONAL_ARGUMENTS:
+        value = optional[name]
+        if value is not None and not isinstance(value, kind):
+            raise EngineError(f"{name} is a {type(value).__name__}; pass {expected}")
+    if not isinstance(enable_prefix_caching, bool):
+        raise EngineError(
+            f"enable_prefix_caching={enable_prefix_caching!r} "
+            f"({type(enable_prefix_caching).__name__}); pass True or False"
+        )
+
+
+def _check_one_rank(options: PlanOptions) -> None:
+    """The engine runs the whole model in this one process: a plan for several TP ranks
+    holds one rank's share of the KV heads (the model writes them all), and DCP shards
+    token positions across ranks that do not exist; both failed later with misleading
+    shape or slot errors."""
+    for field in ("tensor_parallel_size", "decode_context_parallel_size"):
+        value = getattr(options, field)
+        if value != 1:
+            raise EngineError(
+                f"options.{field}={value}: the engine runs the whole model as one rank (one "
+                f"process, every KV head and token), but a plan with {field} > 1 caches one "
+                f"rank's share; plan with {field}=1"
+            )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _own_config(model: PreTrainedModel) -> dict[str, Any]:
+    """``model.config`` as kvspec plans it. A model built without a dtype
+    (``LlamaForCausalLM(config)``) has a config naming none, for which kvspec assumes
+    bfloat16; the engine knows the parameters' dtype, so it names that one."""
+    config = model.config.to_dict()
+    if all(config.get(field) in (None, "auto") for field in DTYPE_FIELDS):
+        config["dtype"] = _dtype_name(model.dtype)
+    return config
+
+
+def _check_cache_dtype(
+    model: PreTrainedModel, source: ModelConfig, options: PlanOptions, own_config: bool
+) -> None:
+    """With ``kv_cache_dtype`` "auto" kvspec stores K/V in the *config's* dtype. A real
+    config.json names the checkpoint's dtype (often bfloat16) while the model may run in
+    another (float32): every K/V would be rounded on its way into the cache, and the
+    tokens would drift from transformers' with no error. An explicit ``kv_cache_dtype`` is
+    a deliberate choice and is left alone."""
+    if options.kv_cache_dtype != "auto":
+        return
+    model_dtype = model.dtype
+    if source.dtype == model_dtype:
+        return
+    where = "model.config" if own_config else "kvspec_config"
+    if source.dtype_field is not None:
+        said = f"{where}'s {source.dtype_field!r} is {_dtype_name(source.dtype)}"
+    else:
+        said = f"{where} names no dtype, so kvspec assumed {_dtype_name(source.dtype)}"
+    raise EngineError(
+        f"the model's parameters are {_dtype_name(model_dtype)} but {said}; with "
+        "kv_cache_dtype 'auto' the cache would store K/V in that dtype, silently rounding "
+        f"them. Set {where}'s 'dtype' / 'torch_dtype' to "
+        f"{_dtype_name(model_dtype)!r}, or pass options=PlanOptions(kv_cache_dtype=...) to "
+        "choose the cache's dtype explicitly"
+    )
+
+
+def _release(files: Sequence[str], stores: Sequence[Any]) -> None:
+    """What an engine owns outside Python objects: the remote stores' connections and the
+    disk tier's files. A module function, not a method: ``weakref.finalize`` must not hold
+    the engine (it would never be collected)."""
+    for store in stores:
+        store.close()
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 class TransformersEngine:
@@ -96,6 +210,16 @@ class TransformersEngine:
             (:class:`~kvspec_transformers.remote.RemoteOptions`; ``None``: no sharing).
             Needs the host tier: fetched blocks land there. ``engine.remote.counters``
             and ``engine.remote.store.counters`` say what it did.
+
+    Refused at start (:class:`EngineError`, naming the field): arguments of the wrong type;
+    ``tensor_parallel_size`` or ``decode_context_parallel_size`` other than 1 (the engine is
+    one rank); with ``kv_cache_dtype`` "auto", a config dtype other than the model's (the
+    cache would round K/V); a model whose attention does not go through transformers'
+    ``AttentionInterface``. A refusal leaves no disk tier file behind.
+
+    The disk tier's files and remote connections are released by :meth:`close`, by leaving
+    a ``with TransformersEngine(...) as engine:`` block, or, for an engine dropped without
+    either, when it is garbage-collected (or at interpreter exit).
     """
 
     def __init__(
@@ -113,6 +237,15 @@ class TransformersEngine:
         disk_path: str | None = None,
         remote: RemoteOptions | None = None,
     ) -> None:
+        _check_arguments(
+            model,
+            enable_prefix_caching,
+            kvspec_config=kvspec_config,
+            manager=manager,
+            options=options,
+        )
+        options = options if options is not None else PlanOptions()
+        _check_one_rank(options)
         if remote is not None and not isinstance(remote, RemoteOptions):
             raise EngineError(
                 f"remote must be a kvspec_transformers.RemoteOptions, not {type(remote).__name__}"
@@ -132,19 +265,20 @@ class TransformersEngine:
             )
         self.model = model
         self.manager = manager if manager is not None else load_plugins()
-        config = dict(kvspec_config) if kvspec_config is not None else model.config.to_dict()
+        config = dict(kvspec_config) if kvspec_config is not None else _own_config(model)
+        own_config = kvspec_config is None
         prepared = prepare_model(
             config,
-            options if options is not None else PlanOptions(),
+            options,
             self.manager,
             max_model_len=max_model_len,
             host_offload_bytes=host_offload_bytes,
             disk_offload_bytes=disk_offload_bytes,
             disk_path=disk_path,
         )
+        _check_cache_dtype(model, prepared.model.source, options, own_config)
         self.plan: KVCachePlan = prepared.plan(budget_bytes, self.manager).plan
         text_config = model.config.get_text_config()
-        own_config = kvspec_config is None
         self._check_sharing(model, prepared.model.layers, text_config, own_config)
         # A reader is checked by the spec it reads through (its source's kind and window).
         planned_layers = {name for group in self.plan.groups for name in group.layers}
@@ -160,6 +294,15 @@ class TransformersEngine:
             own_config=own_config,
         )
         self.buffers: KVCacheBuffers = materialize(self.plan, device="cpu")
+        # Registered the moment the disk tier's files exist: an engine dropped without
+        # close() would otherwise leave them, and a new engine refuses their directory.
+        self._stores: list[Any] = []
+        self._finalizer = weakref.finalize(
+            self,
+            _release,
+            [path for tier in self.buffers.tiers.values() for path in tier.files.values()],
+            self._stores,
+        )
         #: Fetches other replicas' blocks before each lookup, and publishes this one's
         #: (``None`` without ``remote``).
         self.remote: RemoteTier | None = None
@@ -175,18 +318,19 @@ class TransformersEngine:
             self.transfers = StepTransfers(self.allocator, tier_storage(self.buffers))
             if remote is not None:
                 self.remote = remote_tier(remote, self.plan, self.allocator, self.transfers.runner)
+                self._stores.extend(self.remote.stores.values())
                 self.transfers.remote = self.remote
             self.bindings = self._bind(prepared.model.layers, prepared.specs)
             self.cache = KVSpecCache(self._layers())
             if self.allocator.enable_prefix_caching:
                 self._check_resumable()
+            # Last: the only step that changes the caller's model.
+            _use_paged_attention(model)
         except BaseException:
             # Refused after materialize made the disk tier's files: remove them (the caller
             # gets no engine to close, and a new engine refuses a directory holding them).
             self._release_resources()
             raise
-        register_paged_attention()
-        model.set_attn_implementation(ATTENTION_NAME)
         # transformers >= 5 names the forward argument ``cache``; earlier ``past_key_values``.
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -284,18 +428,25 @@ class TransformersEngine:
     def close(self) -> None:
         """Remove the disk tier's files (the engine made them; a new engine refuses a
         directory holding them) and close the remote stores' connections. The engine must
-        not be used afterwards."""
+        not be used afterwards. Idempotent; an engine never closed releases them when it is
+        garbage-collected."""
         with self._lock:
             self._release_resources()
 
+    def __enter__(self) -> TransformersEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
     def _release_resources(self) -> None:
-        if self.remote is not None:
-            for store in self.remote.stores.values():
-                store.close()
-        for tier in self.buffers.tiers.values():
-            for path in tier.files.values():
-                if os.path.exists(path):
-                    os.remove(path)
+        # The finalizer runs its callback once: later calls (and the collection) do nothing.
+        self._finalizer()
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
@@ -309,23 +460,26 @@ class TransformersEngine:
         max_new_tokens: int,
         *,
         request_id: str | None = None,
-        stop_token_ids: Sequence[int] | None = (),
+        stop_token_ids: Iterable[Any] | int | None = (),
     ) -> Generation:
         """Greedy decoding of ``prompt_token_ids`` for up to ``max_new_tokens`` tokens,
         reusing any cached prefix; the request's blocks are freed (and stay cached) after.
 
         ``prompt_token_ids``: Python ints, numpy integers or a 1-d integer array / tensor
         (see :mod:`kvspec_transformers.prompts`); ``max_new_tokens`` an integer (numpy's
-        too); ``stop_token_ids`` None or token ids. Generation stops at ``max_new_tokens``,
-        at a stop token, or where the sequence (prompt and generated tokens) reaches
-        ``max_model_len`` (``finish_reason`` ``"length"``, as vLLM). Calls from several
+        too); ``stop_token_ids`` None, token ids, or one token id (an int, as
+        ``tokenizer.eos_token_id``); ``request_id`` None or a non-empty str. Generation
+        stops at ``max_new_tokens``, at a stop token, or where the sequence (prompt and
+        generated tokens) reaches ``max_model_len`` (``finish_reason`` ``"length"``, as
+        vLLM). Calls from several
         threads run one after the other (the engine computes one request at a time). If
         the model's forward raises (or is interrupted), the error propagates and the blocks
         whose K/V it had not written leave the prefix cache
         (:meth:`KVCacheAllocator.discard_uncomputed`), so no later request hits them."""
         max_new_tokens = max_new_tokens_of(max_new_tokens)
         prompt = self._check_prompt(prompt_token_ids)
-        stops = frozenset(self._check_stop_tokens(stop_token_ids))
+        stops = stop_token_ids_of(stop_token_ids, self._vocab_size())
+        request_id = request_id_of(request_id)
         if self._running_thread == threading.get_ident():
             # Waiting on the lock would hang this thread forever.
             raise EngineError(
@@ -446,15 +600,6 @@ class TransformersEngine:
             )
         return prompt
 
-    def _check_stop_tokens(self, stop_token_ids: Sequence[int] | None) -> list[int]:
-        if stop_token_ids is None:
-            return []
-        vocab = self._vocab_size()
-        return [
-            token_id_of(token, index, vocab, field="stop_token_ids")
-            for index, token in enumerate(stop_token_ids)
-        ]
-
     def _vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
@@ -498,3 +643,30 @@ class TransformersEngine:
             output = self.model(**arguments)
         self.cache.finish_step(step)
         return output.logits[0, -1]
+
+
+def _use_paged_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to the paged attention, or refuse it. A model whose attention does
+    not go through transformers' ``AttentionInterface`` (Bloom, MPT, XGLM,
+    GPT-NeoX-Japanese, Falcon) keeps its own attention (transformers only logs a warning):
+    it would attend over the step's K/V alone and crash deep in its own code."""
+    register_paged_attention()
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    configs = (model.config, model.config.get_text_config())
+    settable = getattr(type(model), "_can_set_attn_implementation", None)
+    if all(config._attn_implementation == ATTENTION_NAME for config in configs) and (
+        settable is None or settable()
+    ):
+        return
+    now = model.config._attn_implementation
+    if now != before and before is not None:
+        # A refusal leaves the caller's model as it was.
+        model.set_attn_implementation(before)
+    raise EngineError(
+        f"{type(model).__name__} computes attention in its own code, not through "
+        "transformers' AttentionInterface (its attention implementation stays "
+        f"{now!r} after set_attn_implementation({ATTENTION_NAME!r})), so it cannot read "
+        "K/V paged from kvspec's cache; run it with transformers' own generate "
+        "(kvspec-transformers runs models such as Llama, Mistral, Gemma, GPT-2, OPT)"
+    )

@@ -231,8 +231,27 @@ class MLALatentLayer(PagedAttentionLayer):
 
     The model hands ``update`` the normalised latent and the roped key as two one-head
     tensors; they are stored side by side. :meth:`read` expands the latents of the read
-    range into per-head K and V with the module's own ``expand_kv`` (its ``kv_b_proj``).
+    range into per-head K and V with the module's own ``expand_kv`` (its ``kv_b_proj``),
+    in the dtype the model handed ``update`` this step (not the cache's: fp8, or bfloat16
+    under a float32 model).
     """
+
+    def __init__(self, binding: LayerBinding) -> None:
+        super().__init__(binding)
+        self._latent_dtype: torch.dtype | None = None
+
+    def begin_step(self, step: StepContext) -> None:
+        super().begin_step(step)
+        self._latent_dtype = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The dtype the model computes the latent in: transformers' own cache hands it back
+        # to expand_kv in that dtype, and kv_b_proj refuses another (a quantised projection's
+        # weight dtype would be no guide, so it is not read from the weight).
+        self._latent_dtype = key_states.dtype
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def cells_of(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
         width = key_states.shape[-1] + value_states.shape[-1]
@@ -247,7 +266,12 @@ class MLALatentLayer(PagedAttentionLayer):
     def read(
         self, module: torch.nn.Module, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        latent = self.read_cells(start, end).transpose(0, 1).unsqueeze(0)
+        if self._latent_dtype is None:
+            raise ConfigError(
+                f"layer {self.binding.layer_name}: the attention read the MLA cache before the "
+                "model wrote this step's latent (cache.update); run the model's own attention"
+            )
+        latent = self.read_cells(start, end).transpose(0, 1).unsqueeze(0).to(self._latent_dtype)
         # getattr, not attribute access: the spec is typed as an AttentionSpec (the MLA spec
         # comes from a plugin) and torch types module attributes as Tensor | Module.
         columns: Callable[[int], tuple[slice, slice]] = getattr(self.spec, "latent_columns")  # noqa: B009
