@@ -41,7 +41,10 @@ from kvspec_core.models.layer_typing import (
     decoder_layer_slots,
     num_layers,
 )
-from kvspec_core.models.model_code_check import check_against_model_code
+from kvspec_core.models.model_code_check import (
+    check_against_model_code,
+    check_kv_widths_against_model_code,
+)
 from kvspec_core.models.normalized import ModelConfig, normalize_config, with_defaults_hint
 from kvspec_core.plugins.known_families import LAYER_TYPE_DISTRIBUTIONS, install_hint
 from kvspec_core.plugins.layer_config import AttentionShape, LayerConfig, PlanOptions
@@ -163,9 +166,10 @@ def _typed_layers(
     sharing = (
         {} if encoder_decoder else kv_sharing_sources(text, slots, num_layers(text), name=name)
     )
+    readers = {slot.index for slot in slots if slot.name in sharing}
+    reading = None
     if source.transformers_filled and not encoder_decoder:
-        readers = {slot.index for slot in slots if slot.name in sharing}
-        check_against_model_code(
+        reading = check_against_model_code(
             source.raw, text, slots, num_layers(text), name=name, readers=readers
         )
     for slot in slots:
@@ -188,6 +192,7 @@ def _typed_layers(
             f"model {name} has no layer that holds a KV cache (every layer of its pattern is "
             "MLP-only); check 'num_hidden_layers' and the layer pattern fields"
         )
+    check_kv_widths_against_model_code(reading, layers, name=name, readers=readers)
     max_len = decoder_max_len(text) if encoder_decoder else declared_length(text)
     return ModelLayers(
         name=name,

@@ -15,7 +15,9 @@ kvspec's reading (each layer's normalised types; the window of sliding layers fr
 ``sliding_window``, the chunk of chunked layers from ``attention_chunk_size``, the fields
 those families size from) must equal the model code's, layer by layer, else
 :func:`check_against_model_code` refuses, naming both readings and the first layer that
-differs.
+differs. Once the head fields are resolved, each layer's K/V widths (KV heads x head size)
+must equal its ``k_proj`` / ``v_proj`` output widths where the model code has them, else
+:func:`check_kv_widths_against_model_code` refuses.
 
 When it does not run (the plan is made from the config alone, as before): transformers is not
 installed, does not know the ``model_type`` or its config class refused the config (see
@@ -48,6 +50,8 @@ import attrs
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.layer_typing import (
     CHUNKED_ATTENTION,
+    CROSS_ATTENTION,
+    MLA_ATTENTION,
     NORMALISED_LAYER_TYPES,
     SLIDING_ATTENTION,
     SLIDING_MLA_ATTENTION,
@@ -64,6 +68,7 @@ from kvspec_core.models.model_code_reader import (
     layer_label,
     rules_digest,
 )
+from kvspec_core.plugins.layer_config import LayerConfig
 
 __all__ = [
     "CHECK_SWITCH_VARIABLE",
@@ -73,6 +78,7 @@ __all__ = [
     "SHORT_CONV",
     "ModelCodeReading",
     "check_against_model_code",
+    "check_kv_widths_against_model_code",
     "kvspec_labels",
     "model_code_reading",
 ]
@@ -83,6 +89,10 @@ CHECK_SWITCH_VARIABLE = "KVSPEC_MODEL_CODE_CHECK"
 MAX_CHECKED_LAYERS = 1024
 #: Readings kept (one per distinct config planned in this process).
 _CACHED_READINGS = 64
+
+#: Layer types whose K/V widths are not compared (an MLA latent is no K/V head; a cross
+#: attention's K/V come from the encoder).
+_UNCOMPARED_WIDTHS = frozenset({MLA_ATTENTION, SLIDING_MLA_ATTENTION, CROSS_ATTENTION})
 
 #: Layer types of windowed attention, and the config field kvspec sizes the window from.
 _WINDOW_FIELDS = {
@@ -126,15 +136,34 @@ def _labels(value: object, count: int) -> tuple[tuple[str, ...], ...] | None:
     return tuple(tuple(layer) for layer in value)
 
 
+def _widths(value: object, count: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """``value`` (a stored entry's ``kv_widths``) as ``count`` tuples of int pairs, else
+    ``None``."""
+    if not isinstance(value, list) or len(value) != count:
+        return None
+    layers = []
+    for layer in value:
+        if not isinstance(layer, list) or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)
+            for pair in layer
+        ):
+            return None
+        layers.append(tuple((pair[0], pair[1]) for pair in layer))
+    return tuple(layers)
+
+
 def _stored_reading(entry: Mapping[str, Any] | None, count: int) -> ModelCodeReading | None:
     """The reading an on-disk entry holds, or ``None`` when it has not the expected shape."""
     if entry is None or not isinstance(entry.get("model_class"), str):
         return None
     layers = _labels(entry.get("layers"), count)
     modules = _labels(entry.get("modules"), count)
-    if layers is None or modules is None:
+    kv_widths = _widths(entry.get("kv_widths"), count)
+    if layers is None or modules is None or kv_widths is None:
         return None
-    return ModelCodeReading(model_class=entry["model_class"], layers=layers, modules=modules)
+    return ModelCodeReading(
+        model_class=entry["model_class"], layers=layers, modules=modules, kv_widths=kv_widths
+    )
 
 
 @functools.lru_cache(maxsize=_CACHED_READINGS)
@@ -195,13 +224,14 @@ def check_against_model_code(
     *,
     name: str,
     readers: Collection[int] = (),
-) -> None:
+) -> ModelCodeReading | None:
     """Refuse when kvspec's typing of the decoder-only config ``raw`` (``slots`` over
     ``count`` layers, ``fields`` as filled, ``readers`` the indices of layers reading another
-    layer's cache) disagrees with transformers' model code."""
+    layer's cache) disagrees with transformers' model code; the reading compared (``None``:
+    not checked), for :func:`check_kv_widths_against_model_code`."""
     reading = model_code_reading(raw, count)
     if reading is None:
-        return
+        return None
     ours = kvspec_labels(slots, fields, count, readers)
     for index, (kvspec_layer, code_layer) in enumerate(zip(ours, reading.layers, strict=True)):
         if kvspec_layer is None or kvspec_layer == code_layer:
@@ -216,5 +246,42 @@ def check_against_model_code(
             "config field decides the layer kinds differently for the two: fix the layer "
             "pattern fields (layer_types, sliding_window, num_kv_shared_layers, ...) so both "
             "agree, or plan from the "
+            f"config alone with {CHECK_SWITCH_VARIABLE}=off"
+        )
+    return reading
+
+
+def check_kv_widths_against_model_code(
+    reading: ModelCodeReading | None,
+    layers: Sequence[LayerConfig],
+    *,
+    name: str,
+    readers: Collection[int] = (),
+) -> None:
+    """Refuse when the K/V widths kvspec reads from the head fields (KV heads x head size,
+    all ranks together) differ from those of the model code's ``k_proj`` / ``v_proj``, layer
+    by layer, where the model code has them (:attr:`ModelCodeReading.kv_widths`): a head
+    field kvspec reads otherwise than the model (Falcon's ``multi_query``, Gemma-4's
+    ``global_head_dim``, ...) gives a plausible, wrong size. ``reading``: what
+    :func:`check_against_model_code` compared (``None``: not checked)."""
+    if reading is None or not reading.kv_widths:
+        return
+    for layer in layers:
+        shape = layer.attention
+        if shape is None or layer.index in readers or layer.layer_type in _UNCOMPARED_WIDTHS:
+            continue
+        code = reading.kv_widths[layer.index]
+        if len(code) != 1:
+            continue  # none to compare, or several attention modules in one layer
+        ours = (shape.total_kv_heads * shape.head_size, shape.total_kv_heads * shape.head_size_v)
+        if ours == code[0]:
+            continue
+        raise ConfigError(
+            f"model {name}: layer {layer.name} ({layer.layer_type}): kvspec reads K/V widths "
+            f"of {ours[0]} / {ours[1]} ({shape.total_kv_heads} KV heads x head size "
+            f"{shape.head_size}), but transformers' {reading.model_class} projects "
+            f"{code[0][0]} / {code[0][1]} (k_proj / v_proj): the config's head fields are read "
+            "otherwise by the model code, and the KV cache would be sized wrong. Fix the head "
+            "fields (num_key_value_heads, head_dim, ...) so both agree, or plan from the "
             f"config alone with {CHECK_SWITCH_VARIABLE}=off"
         )

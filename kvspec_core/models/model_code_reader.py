@@ -60,6 +60,8 @@ _STATE_MIXER_NAMES = (
 _LAYER_LIST_NAMES = frozenset({"layers", "h", "blocks", "layer", "decoder_layers"})
 #: Class-name endings of attention modules (LongCat-Flash names its MLA modules ``...MLA``).
 _ATTENTION_ENDINGS = ("Attention", "MLA")
+#: An attention module's K and V projections, as most of transformers' models name them.
+_KV_PROJ = ("k_proj", "v_proj")
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +78,11 @@ class ModelCodeReading:
     model_class: str
     layers: tuple[tuple[str, ...], ...]
     modules: tuple[tuple[str, ...], ...]
+    #: Per decoder layer, the ``(K width, V width)`` of each attention module computing its
+    #: own K/V through separate ``k_proj`` / ``v_proj`` projections (their output features:
+    #: KV heads x head size), sorted; none for MLA, cross-attention, a layer reading another's
+    #: cache, or fused projections (``qkv_proj``), which are not compared.
+    kv_widths: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 #: Added to the label of an attention layer that reads another layer's cache (it computes no
@@ -132,6 +139,41 @@ def _attention_kind_label(module: Any, cache_type: tuple[str, Any], local_window
     if kind == CHUNKED_ATTENTION:
         return layer_label(CHUNKED_ATTENTION, window)
     return MLA_ATTENTION if mla else FULL_ATTENTION
+
+
+def _kv_width(module: Any) -> tuple[int, int] | None:
+    """``(K, V)`` output widths of an attention module's own ``k_proj`` and ``v_proj``, or
+    None where they are not two plain projections of its own K/V (see
+    :attr:`ModelCodeReading.kv_widths`)."""
+    if (
+        "CrossAttention" in type(module).__name__
+        or getattr(module, "kv_lora_rank", None) is not None
+        or getattr(module, "is_kv_shared_layer", False) is True
+    ):
+        return None
+    k_width, v_width = (
+        getattr(getattr(module, name, None), "out_features", None) for name in _KV_PROJ
+    )
+    if type(k_width) is int and type(v_width) is int and k_width > 0 and v_width > 0:
+        return k_width, v_width
+    return None
+
+
+def _attention_modules(module: Any) -> Iterator[Any]:
+    """The attention modules under ``module`` (a decoder layer), as :func:`_mixers` finds
+    them."""
+    for child in module.children():
+        if _state_kind(child) is not None:
+            continue
+        if type(child).__name__.endswith(_ATTENTION_ENDINGS):
+            yield child
+        else:
+            yield from _attention_modules(child)
+
+
+def _kv_widths(layer: Any) -> tuple[tuple[int, int], ...]:
+    found = (_kv_width(module) for module in _attention_modules(layer))
+    return tuple(sorted(width for width in found if width is not None))
 
 
 def _mixers(module: Any, cache_type: tuple[str, Any], local_window: Any) -> Iterator[str]:
@@ -237,4 +279,5 @@ def build_reading(config_json: str, count: int) -> ModelCodeReading:
         modules=tuple(
             tuple(type(child).__name__ for child in layer.children()) for layer in layers
         ),
+        kv_widths=tuple(_kv_widths(layer) for layer in layers),
     )

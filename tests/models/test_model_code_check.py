@@ -371,3 +371,28 @@ def test_configs_deeper_than_any_published_model_are_not_built() -> None:
     assert readings(deep)[1] is None
     published_depth = {**load_preset("llama-3.1-8b"), "num_hidden_layers": 40}
     assert readings(published_depth)[1] is not None
+
+
+def test_the_model_codes_kv_widths_are_read() -> None:
+    # Llama-3.1-8B: 8 KV heads x 128 per layer; MLA and state layers have none to compare.
+    _, llama = readings(load_preset("llama-3.1-8b"))
+    assert llama is not None and llama.kv_widths == (((1024, 1024),),) * 32
+    _, jamba = readings(load_preset("jamba-1.5-mini"))
+    assert jamba is not None and sorted(set(jamba.kv_widths)) == [(), ((1024, 1024),)]
+    _, deepseek = readings(load_preset("deepseek-v2-lite"))
+    assert deepseek is not None and set(deepseek.kv_widths) == {()}
+
+
+def test_kv_widths_kvspec_misreads_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kvspec (as vLLM) reads num_kv_heads before num_key_value_heads; Llama's model code
+    # reads only the latter: a cache of 2 heads for a model projecting 8 would be planned.
+    config = {**load_preset("llama-3.1-8b"), "num_kv_heads": 2}
+    with pytest.raises(
+        ConfigError,
+        match=r"layer model\.layers\.0 \(full_attention\): kvspec reads K/V widths of 256 / 256 "
+        r"\(2 KV heads x head size 128\), but transformers' LlamaForCausalLM projects "
+        r"1024 / 1024",
+    ):
+        typed(config)
+    monkeypatch.setenv(CHECK_SWITCH_VARIABLE, "off")
+    assert typed(config).layers[0].attention.total_kv_heads == 2  # type: ignore[union-attr]
