@@ -34,6 +34,15 @@ class Admission(BlockCaching):
     ) -> Allocated | NotNow:
         self._check_counts(request, num_new_tokens, lookahead)
         rid = request.request_id
+        if request.num_encoder_tokens and not self._holds_encoder:
+            raise AllocatorError(
+                f"request {rid!r}: num_encoder_tokens={request.num_encoder_tokens}, but no "
+                "group of this allocator holds encoder tokens (no cross-attention group, or "
+                "its context's max_encoder_tokens is 0): the decoder's K/V would depend on "
+                "an encoder input no block hash covers, a false prefix hit for a request "
+                "with another. Pass 0 for a decoder-only model, or plan the encoder-decoder "
+                "model with max_encoder_tokens"
+            )
         if prefix is None and rid in self._freed:
             raise AllocatorError(
                 f"request {rid!r} was freed; allocate_slots for it now would admit it again "
@@ -175,26 +184,27 @@ class Admission(BlockCaching):
         num_tokens = prefix.num_tokens
         block_ids = prefix.block_ids
         group_count = len(self.specs)
-        if num_tokens.__class__ is not int or not (
-            num_tokens == 0 or 0 < num_tokens < len(request.token_ids)
-        ):
+        limit = self._lookup_limit(request)
+        if num_tokens.__class__ is not int or not (num_tokens == 0 or 0 < num_tokens <= limit):
             raise self._forged(
                 request,
-                f"num_tokens={_describe(num_tokens)} is not in "
-                f"[0, {len(request.token_ids)}) (the prompt, its last token "
-                "excluded)",
+                f"num_tokens={_describe(num_tokens)} is not in [0, {max(limit, 0)}] (the "
+                "tokens, the last excluded; with a group caching only prompt blocks, the "
+                "prompt)",
             )
         if block_ids.__class__ is not tuple or len(block_ids) != group_count:
             raise self._forged(request, f"block_ids must be a tuple of {group_count} tables")
         holding = set(self._holding)
         for gid, ids in enumerate(block_ids):
             tokens = self._block_tokens[gid]
+            if gid in holding and num_tokens % tokens:
+                raise self._forged(
+                    request,
+                    f"num_tokens={num_tokens} is not a whole number of group {gid}'s "
+                    f"{tokens}-token blocks",
+                )
             expected = num_tokens // tokens if gid in holding else 0
-            if (
-                ids.__class__ is not tuple
-                or len(ids) != expected
-                or (gid in holding and num_tokens % tokens)
-            ):
+            if ids.__class__ is not tuple or len(ids) != expected:
                 raise self._forged(
                     request,
                     f"group {gid}'s table must hold {expected} block ids for {num_tokens} tokens",

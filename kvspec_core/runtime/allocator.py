@@ -53,6 +53,7 @@ from kvspec_core.runtime.running import _is_id, _Running
 from kvspec_core.runtime.tier_transfers import TierTransfers
 from kvspec_core.runtime.tiers import OffloadTier
 from kvspec_core.specs.base import KVSpec
+from kvspec_core.specs.encoder import CrossAttentionSpec
 
 if TYPE_CHECKING:
     from kvspec_core.plugins.manager import PluginManager
@@ -137,6 +138,11 @@ class KVCacheAllocator(CompiledFastPaths, TierTransfers, InvariantChecks):
         self._pool_of = pools_of
         self._group_pools = [self.pools[pool] for pool in pools_of]
         self._holding = [gid for gid, cap in enumerate(self.admission_caps) if cap > 0]
+        # Whether a request's encoder tokens have a group to hold them (cross-attention with
+        # max_encoder_tokens > 0); where none does, such a request is refused at admission.
+        self._holds_encoder = any(
+            isinstance(self.specs[gid], CrossAttentionSpec) for gid in self._holding
+        )
         block_tokens = [rules.block_tokens for rules in self.rules]
         holding_tokens = [block_tokens[gid] for gid in self._holding] or [1]
         if hash_block_size is None:

@@ -50,6 +50,7 @@ class AllocatorBase:
     _pool_of: list[int]
     _group_pools: list[BlockPool]
     _holding: list[int]
+    _holds_encoder: bool
     _hasher: PrefixHasher
     _block_tokens: list[int]
     _hash_stride: list[int]
@@ -81,6 +82,16 @@ class AllocatorBase:
         if request_id in self._freed:
             return f"request {request_id!r} was already freed (double free)"
         return f"request {request_id!r} is unknown to this allocator (never allocated)"
+
+    def _lookup_limit(self, request: Request) -> int:
+        """The most tokens a prefix of ``request`` may cover: all but its last (computed,
+        for its logits), and, where a group caches only prompt blocks (R-SWA), no more than
+        its prompt: past it, the request's own K/V were computed as generated tokens, not as
+        the prompt tokens the cached blocks were."""
+        limit = len(request.token_ids) - 1
+        if any(self._prompt_only[gid] for gid in self._holding):
+            limit = min(limit, request.num_prompt_tokens)
+        return limit
 
     def _check_counts(self, request: Request, num_new_tokens: int, lookahead: int) -> None:
         for name, value in (("num_new_tokens", num_new_tokens), ("lookahead", lookahead)):

@@ -13,7 +13,10 @@ read: a cache salt must be a ``str``, ``bytes`` (or ``bytearray``, the same tena
 bytes) or ``None``, a LoRA name a ``str`` or ``None`` (their subclasses could run a
 ``__hash__`` in the middle of a step), and token ids that are not ints (numpy integers) are
 read once through ``__index__``, after which the list must still hold the very objects read
-(else the request is refused: a hash is always of the tokens the list holds).
+(else the request is refused: a hash is always of the tokens the list holds). A multimodal
+input's identifier is an exact ``str`` or ``bytes`` and its range exact ints
+(:class:`~kvspec_core.runtime.request.MultiModalInput` refuses anything else), and the
+hasher's own salt ``bytes`` or ``bytearray``: nothing is serialised through ``bytes()``.
 """
 
 from __future__ import annotations
@@ -50,13 +53,18 @@ _CHANGED = "token ids changed while they were hashed"
 
 
 def _field(value: str | bytes | None) -> bytes:
+    """``value`` (None, an exact str or exact bytes: the callers refuse anything else)
+    type-tagged and length-prefixed."""
     if value is None:
         return _NONE_TAG
-    if isinstance(value, str):  # an exact str: _root_key refused the subclasses
+    if value.__class__ is str:
         # surrogatepass: every str has one encoding (a lone surrogate is no error).
         tag, data = _STR_TAG, value.encode("utf-8", "surrogatepass")
+    elif value.__class__ is bytes:
+        tag, data = _BYTES_TAG, value
     else:
-        tag, data = _BYTES_TAG, bytes(value)
+        # Never serialised by bytes(): 3 would read as b"\0\0\0", False as b"".
+        raise AllocatorError(f"cannot hash {_describe(value)}: it is no str, bytes or None")
     return tag + struct.pack("<Q", len(data)) + data
 
 
@@ -162,6 +170,14 @@ class PrefixHasher:
         if not isinstance(hash_block_size, int) or hash_block_size <= 0:
             raise AllocatorError(f"hash_block_size={hash_block_size!r} must be a positive int")
         self.hash_block_size = hash_block_size
+        if salt is not None and salt.__class__ not in (bytes, bytearray):
+            # bytes(12345) would be 12345 zero bytes, bytes(False) empty: a salt anyone
+            # could reproduce, or two configurations sharing one.
+            raise AllocatorError(
+                f"hash_salt={_describe(salt)} must be bytes (or a bytearray) or None, not "
+                f"{type(salt).__name__}; replicas sharing a remote store pass the same bytes "
+                "(e.g. os.urandom(32) kept in their configuration)"
+            )
         self._salt = PROCESS_SALT if salt is None else bytes(salt)
         # Roots by (cache salt, LoRA name): every request of a tenant and adapter has the
         # same one, so it is hashed once, not per request.

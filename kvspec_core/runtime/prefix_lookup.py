@@ -44,7 +44,7 @@ class PrefixLookup(AllocatorBase):
             )
         empty = tuple(() for _ in self.specs)
         epochs = tuple(pool.epoch for pool in self.pools)
-        max_tokens = len(request.token_ids) - 1
+        max_tokens = self._lookup_limit(request)
         if not self._cacheable or max_tokens < self.hash_block_size:
             return CachedPrefix(
                 request_id=request.request_id, num_tokens=0, block_ids=empty, epochs=epochs

@@ -20,14 +20,32 @@ class MultiModalInput:
 
     offset: int
     length: int
-    identifier: str
+    identifier: str | bytes
 
     def __attrs_post_init__(self) -> None:
-        if self.offset < 0 or self.length <= 0:
+        # Exact types: the hash reads them without running a caller's code, and an
+        # identifier of another type (3, False, a list) would serialise like some bytes.
+        if (
+            self.offset.__class__ is not int
+            or self.length.__class__ is not int
+            or not 0 <= self.offset < 2**63
+            or not 0 < self.length < 2**63
+        ):
             raise AllocatorError(
-                f"MultiModalInput(offset={self.offset}, length={self.length}) is invalid: "
-                "offset must be >= 0 and length > 0"
+                f"MultiModalInput(offset={self.offset!r}, length={self.length!r}) is invalid: "
+                "offset must be an int >= 0 and length an int > 0"
             )
+        if self.identifier.__class__ is not str and self.identifier.__class__ is not bytes:
+            raise AllocatorError(
+                f"MultiModalInput(offset={self.offset}).identifier is of type "
+                f"{type(self.identifier).__name__}; it must be a str or bytes (a content hash "
+                "of the input, e.g. of the image bytes): two inputs with equal identifiers "
+                "share cached blocks"
+            )
+
+
+#: The fields a request's block hashes are computed from: fixed once it is hashed.
+_HASHED_FIELDS = frozenset({"token_ids", "cache_salt", "lora_name", "mm_inputs"})
 
 
 class Request:
@@ -36,7 +54,11 @@ class Request:
     ``token_ids`` is the request's own list: the engine appends generated tokens to it (or
     calls :meth:`append_token`) before asking for their slots. Block hashes are computed
     incrementally, only over full hash blocks, and cached here, so a token is hashed once
-    in the request's lifetime.
+    in the request's lifetime. So ``token_ids`` is append-only: a token changed in place
+    keeps the hash of the old one, and a later request with the old tokens would hit blocks
+    computed for the new ones. Replacing a hashed field (``token_ids``, ``cache_salt``,
+    ``lora_name``, ``mm_inputs``) once the request is hashed is refused; build a new
+    :class:`Request` instead (a copy, ``copy.copy``, starts with no hashes).
 
     Attributes:
         request_id: unique key of the request in the allocator.
@@ -97,11 +119,47 @@ class Request:
         self.num_prompt_tokens = num_prompt_tokens
         self.cache_salt = cache_salt
         self.lora_name = lora_name
-        self.mm_inputs = tuple(sorted(mm_inputs, key=lambda item: item.offset))
+        inputs = tuple(mm_inputs)
+        for item in inputs:
+            if item.__class__ is not MultiModalInput:
+                raise AllocatorError(
+                    f"request {request_id!r}: mm_inputs holds a {type(item).__name__}; each "
+                    "must be a kvspec_core.runtime.MultiModalInput (its fields are checked and "
+                    "hashed as they are)"
+                )
+        self.mm_inputs = tuple(sorted(inputs, key=lambda item: item.offset))
         self.num_encoder_tokens = num_encoder_tokens
         #: Chained hashes of the full hash blocks hashed so far (filled by the allocator).
         self.block_hashes: list[bytes] = []
         self._hash_owner: object | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _HASHED_FIELDS and getattr(self, "_hash_owner", None) is not None:
+            raise AllocatorError(
+                f"request {self.request_id!r}: {name} cannot be replaced once the request is "
+                "hashed (its cached block hashes would describe other content: a false "
+                "prefix hit for later requests); build a new Request"
+            )
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in Request.__slots__ if hasattr(self, name)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # A deep copy or an unpickled request is restored field by field, its hashes with
+        # it: not through the refusal of __setattr__.
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+    def __copy__(self) -> Request:
+        """A shallow copy that starts with no block hashes (they are the copy's own once
+        hashed, so changing the copy's fields changes no hash of the original's)."""
+        copied = Request.__new__(Request)
+        for name in Request.__slots__:
+            object.__setattr__(copied, name, getattr(self, name))
+        object.__setattr__(copied, "block_hashes", [])
+        object.__setattr__(copied, "_hash_owner", None)
+        return copied
 
     @property
     def num_tokens(self) -> int:

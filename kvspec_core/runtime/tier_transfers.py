@@ -155,7 +155,7 @@ class TierTransfers(Freeing, AllocatorBase):
                 "its first allocate_slots"
             )
         stride = self._hash_stride[group]
-        max_tokens = max(0, len(request.token_ids) - 1)
+        max_tokens = max(0, self._lookup_limit(request))
         fine = self._hasher.hashes(request, max_tokens)[: max_tokens // self.hash_block_size]
         return tuple(fine[stride - 1 :: stride])
 
@@ -252,7 +252,7 @@ class TierTransfers(Freeing, AllocatorBase):
             raise AllocatorError(
                 f"plan_remote_fetch: request {request.request_id!r} is already running"
             )
-        max_tokens = len(request.token_ids) - 1
+        max_tokens = self._lookup_limit(request)
         if not self._cacheable or max_tokens < self.hash_block_size:
             return 0, {}
         fine = self._hasher.hashes(request, max_tokens)

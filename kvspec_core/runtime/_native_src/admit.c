@@ -265,8 +265,13 @@ PyObject *kv_admit(const AdmitConfig *config, PyObject *running, PyObject *reque
     int status, trusted = 0;
     PyObject *rid = record_get(request, kv_request_offsets[REQUEST_ID]);
     PyObject *token_ids = record_get(request, kv_request_offsets[REQUEST_TOKEN_IDS]);
-    /* An id of another type (its lookup could run code) is the method's to refuse. */
-    if (!kv_is_request_id(rid) || token_ids == NULL || !PyList_CheckExact(token_ids))
+    /* An id of another type (its lookup could run code) is the method's to refuse; so is a
+     * request with encoder tokens (the method refuses them where no group holds them). */
+    PyObject *encoder = record_get(request, kv_request_offsets[REQUEST_NUM_ENCODER_TOKENS]);
+    int overflow = 0;
+    if (!kv_is_request_id(rid) || token_ids == NULL || !PyList_CheckExact(token_ids)
+        || encoder == NULL || !PyLong_CheckExact(encoder)
+        || PyLong_AsLongAndOverflow(encoder, &overflow) != 0 || overflow)
         return NULL;
     Py_INCREF(rid);
     Py_INCREF(token_ids);

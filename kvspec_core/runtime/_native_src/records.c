@@ -17,7 +17,7 @@ static const char *state_fields[STATE_FIELDS] = {
 };
 static const char *request_fields[REQUEST_FIELDS] = {
     "request_id", "token_ids", "block_hashes", "_hash_owner", "mm_inputs", "cache_salt",
-    "lora_name",
+    "lora_name", "num_encoder_tokens",
 };
 static const char *prefix_fields[PREFIX_FIELDS] = {
     "request_id", "num_tokens", "block_ids", "epochs", "checkpoint_at",
