@@ -50,7 +50,9 @@ class BlockCaching(AllocatorBase):
                 and available >= cache_at[gid]
                 and not (self._is_state_group[gid] and known > available)
             ):
-                rules.cache_range(num_cached[gid], available)
+                # Exactly what _cache_new_blocks will ask (found by review: a prompt-only
+                # group was asked up to its prompt only after the step had moved on).
+                rules.cache_range(num_cached[gid], self._cache_limit(gid, request, available))
 
     def _cache_new_blocks(self, state: _Running, known: int) -> None:
         request = state.request
@@ -66,13 +68,10 @@ class BlockCaching(AllocatorBase):
                 # The step ends past the tokens the engine appended (drafts): the state
                 # it saves is not the state of a known prefix, so nothing is cached.
                 start = stop = known // tokens
-            elif self._prompt_only[gid] and upto > request.num_prompt_tokens:
-                # Past the prompt the group's K/V depend on where it ended (R-SWA).
-                start, stop = self.rules[gid].cache_range(
-                    num_cached[gid], request.num_prompt_tokens
-                )
             else:
-                start, stop = self.rules[gid].cache_range(num_cached[gid], upto)
+                start, stop = self.rules[gid].cache_range(
+                    num_cached[gid], self._cache_limit(gid, request, upto)
+                )
             if stop > start:
                 stride = self._hash_stride[gid]
                 # The step's preflight hashed every full block it knows.
@@ -89,6 +88,13 @@ class BlockCaching(AllocatorBase):
                 num_cached[gid] = stop
             cache_at[gid] = (num_cached[gid] + 1) * tokens
 
+    def _cache_limit(self, gid: int, request: Request, upto: int) -> int:
+        """Up to which token group ``gid`` may cache a step's blocks known up to ``upto``:
+        past the prompt a prompt-only group's K/V depend on where it ended (R-SWA)."""
+        if self._prompt_only[gid] and upto > request.num_prompt_tokens:
+            return request.num_prompt_tokens
+        return upto
+
     def _record_loaded(self, gid: int, state: _Running, hashes: list[bytes]) -> None:
         """The :class:`BlockStored` events of a confirmed load's blocks of group ``gid``
         (cached under ``hashes``) entering the device's prefix cache, as when a step caches
@@ -98,7 +104,10 @@ class BlockCaching(AllocatorBase):
         if events is None:
             return
         request = state.request
-        fine = self._hasher.hashes(request, len(request.token_ids))
+        # The hashes the lookup made (they cover the hit the load is part of): hashing
+        # further here could refuse a token past the admitted ones, half-way through the
+        # confirmation (found by review: its slots and blocks were never released).
+        fine = request.block_hashes
         stride = self._hash_stride[gid]
         # Each block's position: where the hash of the last hash block it covers sits.
         index_of = {

@@ -321,11 +321,10 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
         device = self.device_pools[pending.pool]
         slots = self.tier_pools[pending.source_tier - 1][pending.pool]
         assert slots is not None
+        loaded: list[bytes] = []
         if cache:
-            hashes, blocks = _still_valid(pending)
-            device.cache_blocks(pending.group, hashes, blocks)
-            if self.on_loaded is not None and hashes:
-                self.on_loaded(pending.group, pending.request, hashes)
+            loaded, blocks = _still_valid(pending)
+            device.cache_blocks(pending.group, loaded, blocks)
         device._release_unchecked(pending.destination)
         if not ok:
             # The copy in the tier could not be read: it leaves the tier (a retry would
@@ -333,6 +332,9 @@ class TierManager(TierKeeping, TierLookup, TierRemote):
             for digest, slot in zip(pending.hashes, pending.source, strict=True):
                 uncache(slots, pending.group, digest, slot)
         slots._release_unchecked(pending.source)
+        if self.on_loaded is not None and loaded:
+            # Told once the references are released: nothing it raises can hold them.
+            self.on_loaded(pending.group, pending.request, loaded)
         if ok or pending.request_id is None:
             return None
         return pending.request_id, pending.request, pending.first_position, pending.hit_end

@@ -13,6 +13,7 @@ from typing import Any
 from kvspec_core.errors import AllocatorError
 from kvspec_core.runtime.admission import Admission
 from kvspec_core.runtime.growth import Growth
+from kvspec_core.runtime.hashing import _describe
 from kvspec_core.runtime.native import native
 from kvspec_core.runtime.request import Request
 from kvspec_core.runtime.results import Allocated, CachedPrefix, NotNow
@@ -93,21 +94,35 @@ class Stepping(Admission, Growth):
         """
         if lookahead.__class__ is not int or lookahead < 0:
             raise AllocatorError(f"allocate_step: lookahead={lookahead!r} must be an int >= 0")
-        running = self._running
-        no_new_blocks = self._no_new_blocks
         results: list[Allocated | NotNow] = []
         if native is not None:
             # The same loop compiled; every pair it does not finish goes to _step_pair.
-            native.step(
-                steps,
-                running,
-                lookahead,
-                no_new_blocks,
-                self.allocate_slots,
-                lambda pair, position: self._step_pair(pair, position, lookahead),
-                results,
-            )
+            try:
+                native.step(
+                    steps,
+                    self._running,
+                    lookahead,
+                    self._no_new_blocks,
+                    self.allocate_slots,
+                    lambda pair, position: self._step_pair(pair, position, lookahead),
+                    results,
+                )
+            except AllocatorError as error:
+                raise _at_item("allocate_step", error, len(results)) from None
             return results
+        try:
+            return self._step_loop(steps, lookahead, results)
+        except AllocatorError as error:
+            raise _at_item("allocate_step", error, len(results)) from None
+
+    def _step_loop(
+        self,
+        steps: Iterable[tuple[Request, int] | Request],
+        lookahead: int,
+        results: list[Allocated | NotNow],
+    ) -> list[Allocated | NotNow]:
+        """:meth:`allocate_step`'s loop (``native.step`` in Python)."""
+        no_new_blocks = self._no_new_blocks
         append = results.append
         for pair in steps:
             request, num_new_tokens, state = self._step_item(pair, len(results))
@@ -135,11 +150,13 @@ class Stepping(Admission, Growth):
         Exactly ``request.token_ids.append(token); allocate_slots(request, 1, lookahead)``
         for each, in order (results, block tables, hits and pool state alike), in one call:
         the engine's own loop over the step's requests is not needed. Refuses, with
-        :class:`AllocatorError`, lists of different lengths (before anything is done) and
-        an id that names no running request (the requests before it were stepped). When
-        ``allocate_slots`` refuses a request's step (a sampled token that cannot be hashed),
-        that token is taken back off its list and the error raised: the requests before it
-        were stepped, it and those after it are as they were.
+        :class:`AllocatorError`, lists of different lengths and a sampled token that can never
+        be hashed (an int outside ``[0, 2**32)``, an object without ``__index__``), before
+        anything is done, and an id that names no running request (the requests before it
+        were stepped). When ``allocate_slots`` refuses a request's step (a token whose
+        ``__index__`` gives a value that cannot be hashed), that token is taken back off its
+        list and the error raised, naming the item: the requests before it were stepped, it
+        and those after it are as they were.
         """
         if lookahead.__class__ is not int or lookahead < 0:
             raise AllocatorError(f"decode_step: lookahead={lookahead!r} must be an int >= 0")
@@ -151,19 +168,23 @@ class Stepping(Admission, Growth):
                 f"decode_step: {len(ids)} request ids but {len(tokens)} tokens; pass the "
                 "token each request sampled, in the order of request_ids"
             )
+        _check_sampled(ids, tokens)
         results: list[Allocated | NotNow] = []
-        if native is not None:
-            stopped = native.decode_step(
-                ids,
-                tokens,
-                self._running,
-                lookahead,
-                self._no_new_blocks,
-                self.allocate_slots,
-                results,
-            )
-        else:
-            stopped = self._decode_loop(ids, tokens, lookahead, results)
+        try:
+            if native is not None:
+                stopped = native.decode_step(
+                    ids,
+                    tokens,
+                    self._running,
+                    lookahead,
+                    self._no_new_blocks,
+                    self.allocate_slots,
+                    results,
+                )
+            else:
+                stopped = self._decode_loop(ids, tokens, lookahead, results)
+        except AllocatorError as error:
+            raise _at_item("decode_step", error, len(results), ids) from None
         if stopped >= 0:
             raise AllocatorError(
                 f"decode_step: item {stopped}: {self._not_running_message(ids[stopped])}; the "
@@ -219,3 +240,35 @@ class Stepping(Admission, Growth):
                 f"allocate_step: item {position} is {pair!r}, not a Request or a "
                 "(Request, int) pair; the items before it were allocated"
             ) from None
+
+
+def _check_sampled(ids: Sequence[str | int], tokens: Sequence[object]) -> None:
+    """Refuse, before any request is stepped, a sampled token that can never be hashed: an
+    int outside ``[0, 2**32)`` or an object without ``__index__`` (found by review: such a
+    token was appended and refused only once its block filled, steps later, and every later
+    step stopped at its request). Another integer type (numpy) is read through
+    ``__index__`` when its block is hashed, as a prompt token is."""
+    for position, token in enumerate(tokens):
+        kind = token.__class__
+        if kind is int:
+            if 0 <= token < 2**32:  # type: ignore[operator]
+                continue
+        elif kind is not bool and hasattr(kind, "__index__"):
+            continue
+        raise AllocatorError(
+            f"decode_step: item {position} (request {_describe(ids[position])}): the sampled "
+            f"token {_describe(token)} is not an int in [0, 2**32); nothing was stepped"
+        )
+
+
+def _at_item(
+    call: str, error: AllocatorError, position: int, ids: Sequence[object] | None = None
+) -> AllocatorError:
+    """``error`` (refusing item ``position`` of a batched ``call``) naming the item and what
+    was done before it; an error of a subclass (a plugin's, a sizing one) as it is."""
+    if type(error) is not AllocatorError or str(error).startswith(f"{call}:"):
+        return error  # another kind of error, or one naming the item already
+    which = f"item {position}" + (
+        f" (request {_describe(ids[position])})" if ids is not None and position < len(ids) else ""
+    )
+    return AllocatorError(f"{call}: {which}: {error}; the {position} items before it were stepped")

@@ -34,12 +34,30 @@ admit_op = st.tuples(
     st.lists(st.integers(0, 2), max_size=12),
     st.integers(1, 8),
 )
+
+
+class Unhashable:
+    """A sampled token of an integer type (it has ``__index__``) whose value cannot be
+    hashed: accepted by decode_step, refused once its block fills."""
+
+    def __index__(self) -> int:
+        return -5
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Unhashable)
+
+    __hash__ = object.__hash__
+
+
+UNHASHABLE = Unhashable()
 # Entries: (index into the running requests, or -1 for an id that is not running; the
-# sampled token, -5 cannot be hashed); the step's lookahead.
+# sampled token, UNHASHABLE cannot be hashed); the step's lookahead.
 decode_op = st.tuples(
     st.just("decode"),
     st.lists(
-        st.tuples(st.integers(-1, 63), st.sampled_from([0, 1, 2, 2, 2, -5])), min_size=1, max_size=6
+        st.tuples(st.integers(-1, 63), st.sampled_from([0, 1, 2, 2, 2, UNHASHABLE])),
+        min_size=1,
+        max_size=6,
     ),
     st.sampled_from([0, 0, 0, 2]),
 )
@@ -96,9 +114,11 @@ def test_decode_step_equals_appending_and_allocating_in_order(
                     assert "is unknown to this allocator" in str(raised)
                     assert f"the {len(expected)} requests before it were stepped" in str(raised)
                 else:
-                    assert str(raised) == error
+                    assert error is not None and str(raised).endswith(
+                        f"{error}; the {len(expected)} items before it were stepped"
+                    )
             for pair in pairs:
-                if pair and pair[0].token_ids[-1:] == [-5]:
+                if pair and pair[0].token_ids[-1:] == [UNHASHABLE]:
                     # A token that cannot be hashed, accepted while its block was not full:
                     # drop it on both sides, or every later step of the request is refused.
                     for request in pair:
@@ -163,9 +183,17 @@ def test_a_refused_step_takes_its_token_back_and_changes_nothing() -> None:
     for pair in pairs:
         for side, request in zip(sides, pair, strict=True):
             assert side.allocate_slots(request, 3, prefix=side.find_cached_prefix(request))
-    # Request 2's token completes its second block, which cannot be hashed with it.
-    with pytest.raises(AllocatorError, match="token 3 is -5"):
-        sides[0].decode_step([1, 2, 1], [7, -5, 8])
+
+    class Negative:
+        """An integer type (it has ``__index__``) whose value cannot be hashed."""
+
+        def __index__(self) -> int:
+            return -5
+
+    # Request 2's token completes its second block, which cannot be hashed with it (only
+    # then is its value read); the error names the item.
+    with pytest.raises(AllocatorError, match=r"decode_step: item 1 \(request 2\): .*token 3 is"):
+        sides[0].decode_step([1, 2, 1], [7, Negative(), 8])
     sides[1].decode_step([1], [7])  # what happened: request 1 stepped, nothing else
     assert (
         [pair[0].token_ids for pair in pairs]
@@ -174,3 +202,19 @@ def test_a_refused_step_takes_its_token_back_and_changes_nothing() -> None:
     )
     assert_alike(*sides)
     sides[0].check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-7, 2**32, "x", 1.5, None, True])
+def test_a_sampled_token_that_can_never_be_hashed_is_refused_before_any_step(
+    bad: object,
+) -> None:
+    # Found by review: such a token was appended, and refused only once its block filled,
+    # steps later; every later decode_step then stopped at its request.
+    allocator = make_allocator([full(4)], 32)
+    requests = [Request(rid, [1, 2, 3]) for rid in range(3)]
+    for request in requests:
+        assert allocator.allocate_slots(request, 3)
+    with pytest.raises(AllocatorError, match=r"decode_step: item 1 \(request 1\): the sampled"):
+        allocator.decode_step([0, 1, 2], [9, bad, 9])  # type: ignore[list-item]
+    assert [request.token_ids for request in requests] == [[1, 2, 3]] * 3
+    assert [allocator.num_computed_tokens(rid) for rid in range(3)] == [3, 3, 3]
