@@ -151,6 +151,17 @@ def _total_kv_heads(config: Mapping[str, Any], fields: HeadFields, where: str) -
     return field, int_field(config, field, value, needed_for=where)
 
 
+def check_given_head_fields(config: Mapping[str, Any]) -> None:
+    """Refuse a decoder head field (heads, KV heads, head size, hidden size) that the config
+    gives but that is no int in kvspec's range, naming it: what the layers are sized from
+    must be usable before anything is built from it."""
+    fields = DECODER_ONLY_FIELDS
+    for name in (*fields.heads, *fields.kv_heads, *fields.head_dim, *fields.hidden):
+        value = config.get(name)
+        if value is not None:
+            int_field(config, name, value, needed_for="the attention layers' shape")
+
+
 def declared_kv_heads(config: Mapping[str, Any]) -> tuple[str, int] | None:
     """``(field, total KV heads)`` of a decoder-only ``config``, read as vLLM reads them
     (Falcon's ``multi_query``, ``n_head_kv``, ..., ChatGLM's ``multi_query_group_num``, else

@@ -23,7 +23,7 @@ import torch
 from kvspec_core.context import SizingContext
 from kvspec_core.errors import ConfigError, MissingFamilyError, PluginError
 from kvspec_core.kv_dtypes import KVCacheDtype
-from kvspec_core.models.attention_shape import resolve_attention_shape
+from kvspec_core.models.attention_shape import check_given_head_fields, resolve_attention_shape
 from kvspec_core.models.encoder_decoder import (
     decoder_max_len,
     encoder_decoder_slots,
@@ -169,6 +169,10 @@ def _typed_layers(
     readers = {slot.index for slot in slots if slot.name in sharing}
     reading = None
     if source.transformers_filled and not encoder_decoder:
+        # A head field given but unusable is named before transformers builds the model
+        # from it (found by review: num_key_value_heads -8 or 0 gave transformers' own
+        # RuntimeError / ZeroDivisionError, and a fix that would not help).
+        check_given_head_fields(text)
         reading = check_against_model_code(
             source.raw, text, slots, num_layers(text), name=name, readers=readers
         )

@@ -282,3 +282,13 @@ def test_kv_widths_from_fields_kvspec_does_not_read_are_refused(
     # The same widths stated consistently plan as before.
     assert _shape_of(head_dim=128, v_head_dim=128) == (71, 128)
     assert _shape_of(hidden_size=4096, num_attention_heads=32, kv_channels=128) == (32, 128)
+
+
+@pytest.mark.parametrize("value", [-8, 0, 2.5, "8", True])
+def test_an_unusable_head_field_is_named_before_the_model_code_is_built(value: object) -> None:
+    # Found by review: with transformers, the model code check built the model from the
+    # field first and answered with transformers' own error (a negative dimension, a
+    # division by zero) and a fix that would not help (turning the check off).
+    config = {**preset("llama-3.1-8b"), "num_key_value_heads": value}
+    with pytest.raises(ConfigError, match=r"config field 'num_key_value_heads' is .* must be"):
+        typed(config)
