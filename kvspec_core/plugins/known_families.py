@@ -30,4 +30,7 @@ LAYER_TYPE_DISTRIBUTIONS: dict[str, str] = {
 
 
 def install_hint(distribution: str) -> str:
-    return f"pip install {distribution}"
+    """How to install a bundled family's distribution: by name, or (not on PyPI yet) from
+    its folder in a checkout."""
+    folder = distribution.removeprefix("kvspec-").replace("-", "_")
+    return f"pip install {distribution} (from a checkout: pip install plugins/{folder})"
