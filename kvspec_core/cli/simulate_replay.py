@@ -15,7 +15,7 @@ import attrs
 
 from kvspec_core.byte_sizes import format_size
 from kvspec_core.cli.arguments import offload_tier_error
-from kvspec_core.errors import ConfigError
+from kvspec_core.errors import CapacityError, ConfigError
 from kvspec_core.models.planning import ModelPlan, PreparedModel
 from kvspec_core.planner.tiers import OffloadTierError
 from kvspec_core.plugins.manager import PluginManager
@@ -85,6 +85,12 @@ def replay(
         planned = prepared.plan(budget, manager)
     except OffloadTierError as error:
         raise offload_tier_error(error) from None
+    except CapacityError as error:
+        # As kvspec plan words it: the exact option to pass.
+        largest = prepared.largest_fitting_max_model_len(budget, manager)
+        if largest:
+            raise CapacityError(f"{error} (pass --max-model-len {largest})") from None
+        raise
     plan = planned.plan
     allocator = KVCacheAllocator.from_plan(
         plan,

@@ -69,6 +69,7 @@ from kvspec_core.models.model_code_reader import (
     rules_digest,
 )
 from kvspec_core.plugins.layer_config import LayerConfig
+from kvspec_core.switches import switch_value
 
 __all__ = [
     "CHECK_SWITCH_VARIABLE",
@@ -179,13 +180,18 @@ def _read_model_code(config_json: str, count: int) -> ModelCodeReading:
 
 
 def _switched_off() -> bool:
-    value = os.environ.get(CHECK_SWITCH_VARIABLE, "on")
-    if value not in ("on", "off"):
+    raw = os.environ.get(CHECK_SWITCH_VARIABLE)
+    if raw is None or not raw.strip():
+        return False  # the default: checked
+    # The words every kvspec switch takes (KVSPEC_STRICT_PLUGINS too).
+    value = switch_value(raw)
+    if value is None:
         raise ConfigError(
-            f"{CHECK_SWITCH_VARIABLE}={value!r}; it must be 'on' (the default: check kvspec's "
-            "layer typing against transformers' model code) or 'off'"
+            f"{CHECK_SWITCH_VARIABLE}={raw!r}; it must be 'on' (the default: check kvspec's "
+            "layer typing against transformers' model code) or 'off' (also 1/true/yes, "
+            "0/false/no)"
         )
-    return value == "off"
+    return not value
 
 
 def model_code_reading(raw: Mapping[str, Any], count: int) -> ModelCodeReading | None:

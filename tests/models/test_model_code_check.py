@@ -275,6 +275,14 @@ def test_switched_off_plans_from_the_config_alone(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(CHECK_SWITCH_VARIABLE, "maybe")
     with pytest.raises(ConfigError, match=f"{CHECK_SWITCH_VARIABLE}='maybe'; it must be 'on'"):
         typed(load_preset("llama-3.1-8b"))
+    # The words every kvspec switch takes (found by review: only lowercase on/off were).
+    for off in ("OFF", "0", "false", " no "):
+        monkeypatch.setenv(CHECK_SWITCH_VARIABLE, off)
+        assert type_string(default_config("gpt_neo")) == "F" * 24
+    for on in ("ON", "1", "true", ""):
+        monkeypatch.setenv(CHECK_SWITCH_VARIABLE, on)
+        with pytest.raises(ConfigError, match="disagrees with transformers"):
+            typed(default_config("gpt_neo"))
 
 
 def test_a_model_transformers_cannot_build_is_refused_saying_how_to_skip() -> None:

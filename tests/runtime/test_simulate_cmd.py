@@ -103,6 +103,15 @@ def test_unknown_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> N
     assert "kvspec: error:" in capsys.readouterr().err
 
 
+def test_a_budget_too_small_names_the_max_model_len_to_pass(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Found by review: kvspec plan names the exact option, simulate only the length.
+    args = ["llama-3.1-8b", "--memory", "8GiB", "--requests", "5", "--no-progress"]
+    assert main(["simulate", *args]) == 2
+    assert "(pass --max-model-len 65520)" in capsys.readouterr().err
+
+
 def test_progress_falls_back_to_a_counter_without_tqdm(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
