@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvspec_core.context import SizingContext
+from kvspec_core.dtypes import dtype_name
 from kvspec_core.models.pipeline import PipelinePlan
 from kvspec_core.models.planning import ModelPlan
 from kvspec_core.planner.plan import KVCachePlan, PlannedGroup
@@ -93,7 +94,7 @@ def plan_report(result: ModelPlan, *, source: str) -> dict[str, Any]:
         "mamba_cache_mode": result.context.mamba_cache_mode,
         "block_size": options.block_size,
         "kv_cache_dtype": options.kv_cache_dtype,
-        "model_dtype": str(result.model.layers[0].model_dtype).removeprefix("torch."),
+        "model_dtype": dtype_name(result.model.layers[0].model_dtype),
         "tensor_parallel_size": options.tensor_parallel_size,
         "decode_context_parallel_size": options.decode_context_parallel_size,
         "layout": plan.layout,

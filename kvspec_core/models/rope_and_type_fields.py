@@ -15,16 +15,19 @@ from kvspec_core.errors import ConfigError
 ROPE_FIELDS = ("rope_scaling", "rope_parameters")
 
 
+def is_scaling_factor(value: object) -> bool:
+    """Whether ``value`` is a usable RoPE scaling factor: a finite positive number."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def _check_factor(field: str, params: Mapping[str, Any]) -> None:
     factor = params.get("factor")
-    if factor is None:
-        return
-    if (
-        not isinstance(factor, int | float)
-        or isinstance(factor, bool)
-        or not math.isfinite(factor)
-        or factor <= 0
-    ):
+    if factor is not None and not is_scaling_factor(factor):
         raise ConfigError(
             f"config field '{field}.factor' is {factor!r}; it must be a positive number (the "
             f"RoPE scaling factor). Fix '{field}' in the model config"

@@ -9,12 +9,12 @@ deployment."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvspec_core.errors import ConfigError
 from kvspec_core.models.ingest import ModelLayers
+from kvspec_core.models.rope_and_type_fields import is_scaling_factor
 from kvspec_core.validation import MAX_FIELD_VALUE
 
 #: RoPE scaling types whose factor is already in the config's length (vLLM's list).
@@ -47,13 +47,7 @@ def trained_max_model_len(model: ModelLayers) -> tuple[int, str] | None:
         for params in _rope_parameters(fields):
             kind = params.get("rope_type", params.get("type"))
             value = params.get("factor")
-            usable = (
-                isinstance(value, int | float)
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-                and value > 0
-            )
-            if kind not in _LENGTH_ALREADY_SCALED and usable:
+            if kind not in _LENGTH_ALREADY_SCALED and is_scaling_factor(value):
                 factor = float(value)  # type: ignore[arg-type]  # checked above
     if factor == 1.0:
         return base, "the config's length"

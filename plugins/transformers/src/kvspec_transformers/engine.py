@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DummyLayer
 
 from kvspec_core import load_plugins
+from kvspec_core.dtypes import dtype_name
 from kvspec_core.models.fields import DTYPE_FIELDS
 from kvspec_core.models.normalized import ModelConfig
 from kvspec_core.models.planning import prepare_model
@@ -136,17 +137,13 @@ def _check_one_rank(options: PlanOptions) -> None:
             )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _own_config(model: PreTrainedModel) -> dict[str, Any]:
     """``model.config`` as kvspec plans it. A model built without a dtype
     (``LlamaForCausalLM(config)``) has a config naming none, for which kvspec assumes
     bfloat16; the engine knows the parameters' dtype, so it names that one."""
     config = model.config.to_dict()
     if all(config.get(field) in (None, "auto") for field in DTYPE_FIELDS):
-        config["dtype"] = _dtype_name(model.dtype)
+        config["dtype"] = dtype_name(model.dtype)
     return config
 
 
@@ -165,14 +162,14 @@ def _check_cache_dtype(
         return
     where = "model.config" if own_config else "kvspec_config"
     if source.dtype_field is not None:
-        said = f"{where}'s {source.dtype_field!r} is {_dtype_name(source.dtype)}"
+        said = f"{where}'s {source.dtype_field!r} is {dtype_name(source.dtype)}"
     else:
-        said = f"{where} names no dtype, so kvspec assumed {_dtype_name(source.dtype)}"
+        said = f"{where} names no dtype, so kvspec assumed {dtype_name(source.dtype)}"
     raise EngineError(
-        f"the model's parameters are {_dtype_name(model_dtype)} but {said}; with "
+        f"the model's parameters are {dtype_name(model_dtype)} but {said}; with "
         "kv_cache_dtype 'auto' the cache would store K/V in that dtype, silently rounding "
         f"them. Set {where}'s 'dtype' / 'torch_dtype' to "
-        f"{_dtype_name(model_dtype)!r}, or pass options=PlanOptions(kv_cache_dtype=...) to "
+        f"{dtype_name(model_dtype)!r}, or pass options=PlanOptions(kv_cache_dtype=...) to "
         "choose the cache's dtype explicitly"
     )
 
