@@ -121,7 +121,7 @@ class RemoteFetching(RemoteTierState):
                 refused = [
                     digest
                     for digest, page in zip(hashes, pages, strict=True)
-                    if page is None or len(page) != block_bytes
+                    if not _fits(page, block_bytes)
                 ]
                 self.counters.fetch_misses += len(refused)
                 if store.last_call_answered:
@@ -180,12 +180,17 @@ class RemoteFetching(RemoteTierState):
         return transfer.num_blocks
 
 
+def _fits(page: bytes | None, block_bytes: int) -> bool:
+    """Whether a fetched ``page`` is there and ``block_bytes`` long (the only size a slot
+    takes)."""
+    return page is not None and len(page) == block_bytes
+
+
 def _leading_fits(pages: list[bytes | None], block_bytes: int) -> list[bytes]:
-    """The pages before the first that is missing or not ``block_bytes`` long (the only
-    size a slot takes)."""
+    """The pages before the first that does not :func:`_fits`."""
     fits: list[bytes] = []
     for page in pages:
-        if page is None or len(page) != block_bytes:
+        if page is None or not _fits(page, block_bytes):
             break
         fits.append(page)
     return fits
